@@ -1,0 +1,34 @@
+"""infopt: composable, in-place inference optimizations for Hugging Face transformers causal LMs.
+
+Example:
+    >>> import infopt
+    >>> from infopt.models import tiny_model
+    >>> model = infopt.optimize(tiny_model(), "cpu-lossless")
+    >>> infopt.undo(model) > 0
+    True
+"""
+
+from . import attention, compile, kvcache, quantize
+from ._version import __version__
+from .core.errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
+from .optimize import OptimizationReport, optimize, undo, validate
+from .recipe import PRESETS, Recipe
+
+__all__ = [
+    "__version__",
+    "optimize",
+    "undo",
+    "validate",
+    "Recipe",
+    "PRESETS",
+    "OptimizationReport",
+    "InfoptError",
+    "RecipeError",
+    "IncompatibleModelError",
+    "MissingBackendError",
+    "QualityGateError",
+    "attention",
+    "compile",
+    "kvcache",
+    "quantize",
+]

@@ -1,0 +1,128 @@
+"""Pick the attention kernel a model uses (eager, SDPA, FlashAttention-2, flex), in place and undoable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..core.availability import is_available, require
+from ..core.errors import IncompatibleModelError
+from ..core.introspect import ModelInfo, inspect_model
+from ..core.patch import record_custom
+from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+
+__all__ = ["Attention", "BACKENDS", "set_backend_"]
+
+# recipe spelling -> transformers attn_implementation name
+BACKENDS: dict[str, str] = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "flash_attention_2",
+    "flex": "flex_attention",
+}
+
+
+@register_step
+@dataclass(frozen=True)
+class Attention(StepConfig):
+    """Select the attention backend.
+
+    Args:
+        backend: ``eager`` (reference, returns attention weights), ``sdpa``
+            (``torch.nn.functional.scaled_dot_product_attention``), ``flash_attention_2`` (CUDA,
+            fp16/bf16, needs ``infopt[flash]``) or ``flex`` (``torch.nn.attention.flex_attention``).
+
+    Raises:
+        RecipeError: unknown backend.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), [Attention("eager")])
+        >>> m.config._attn_implementation
+        'eager'
+    """
+
+    stage: ClassVar[str] = "attention"
+    discriminator: ClassVar[str] = "backend"
+    backend: str = "sdpa"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            hint = ""
+            if self.backend == "paged":
+                hint = " ('paged' arrives with the paged KV cache)"
+            raise bad_field(self, "backend", self.backend, ", ".join(BACKENDS) + hint)
+
+    def required_backends(self) -> tuple[str, ...]:
+        return ("flash_attn",) if self.backend == "flash_attention_2" else ()
+
+    def check(self, model: nn.Module, info: ModelInfo, steps) -> list[str]:
+        can = getattr(model, "_can_set_attn_implementation", None)
+        if callable(can) and not can():
+            raise IncompatibleModelError(
+                f"{type(model).__name__} does not route attention through transformers' attention interface, "
+                "so its backend cannot be switched; leave out the attention step"
+            )
+        if self.backend == "flash_attention_2":
+            if info.device.type != "cuda":
+                raise IncompatibleModelError(
+                    f"attention backend flash_attention_2 runs on CUDA only; the model is on {info.device}. "
+                    "Use backend 'sdpa' on this device"
+                )
+            if info.dtype not in (torch.float16, torch.bfloat16):
+                raise IncompatibleModelError(
+                    f"attention backend flash_attention_2 needs fp16 or bf16 weights; the model is {info.dtype}. "
+                    "Load it with dtype=torch.bfloat16, or use backend 'sdpa'"
+                )
+        if self.backend == "flex" and not getattr(model, "_supports_flex_attn", False):
+            raise IncompatibleModelError(
+                f"{type(model).__name__} does not support flex attention; use backend 'sdpa' or 'eager'"
+            )
+        return []
+
+
+def set_backend_(model: nn.Module, config: Attention | str, *, step: str | None = None) -> nn.Module:
+    """Switch ``model`` to another attention backend in place (undo with :func:`infopt.undo`).
+
+    Args:
+        model: a transformers causal LM.
+        config: an :class:`Attention` config or a backend name.
+
+    Returns:
+        The same model.
+
+    Raises:
+        IncompatibleModelError, MissingBackendError: see :meth:`Attention.check`.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> set_backend_(tiny_model(), "eager").config._attn_implementation
+        'eager'
+    """
+    if isinstance(config, str):
+        config = Attention(config)
+    for mod in config.required_backends():
+        require(mod, feature=f"attention backend {config.backend}")
+    info = inspect_model(model)
+    config.check(model, info, (config,))
+    old = model.config._attn_implementation
+    model.set_attn_implementation(BACKENDS[config.backend])
+    record_custom(model, f"attn_implementation {old} -> {config.backend}",
+                  lambda: model.set_attn_implementation(old), step=step or config.key)
+    return model
+
+
+@register_transform(Attention)
+def _apply(model: nn.Module, config: Attention, ctx: ApplyContext) -> None:
+    before = model.config._attn_implementation
+    set_backend_(model, config)
+    ctx.notes.append(f"attention {before} -> {BACKENDS[config.backend]}")
+
+
+def flash_attn_installed() -> bool:
+    """True when the flash-attn package is importable (not imported here)."""
+    return is_available("flash_attn")

@@ -1,0 +1,24 @@
+"""Ground floor of infopt: errors, recorded patches, model introspection, backend availability."""
+
+from .availability import is_available, lazy_import, require
+from .errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
+from .introspect import ModelInfo, inspect_model, param_bytes
+from .patch import PatchHandle, get_handle, has_patches, undo
+
+__all__ = [
+    "InfoptError",
+    "RecipeError",
+    "IncompatibleModelError",
+    "MissingBackendError",
+    "QualityGateError",
+    "is_available",
+    "lazy_import",
+    "require",
+    "ModelInfo",
+    "inspect_model",
+    "param_bytes",
+    "PatchHandle",
+    "get_handle",
+    "has_patches",
+    "undo",
+]

@@ -1,0 +1,162 @@
+"""Static (preallocated, fixed-shape) KV cache, reused across ``generate`` calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
+from ..core.introspect import inspect_model
+from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+
+__all__ = ["Static", "use_", "generation_lengths"]
+
+
+@register_step
+@dataclass(frozen=True)
+class Static(StepConfig):
+    """A preallocated KV cache of fixed shape ``[batch, kv_heads, max_length, head_dim]`` per layer.
+
+    Static shapes are what ``torch.compile`` needs, and reusing one allocation across calls avoids
+    growing (and copying) the cache token by token.
+
+    Args:
+        max_length: cache length in tokens (prompt + new tokens); longer calls go to the
+            original ``generate`` and the report counts them. None: the model's context length,
+            capped at 4096.
+        batch_size: fixed batch size, or None to size the cache on each call's batch.
+
+    Raises:
+        RecipeError: non-positive max_length or batch_size.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), [Static(max_length=64)])
+        >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape
+        torch.Size([1, 7])
+    """
+
+    stage: ClassVar[str] = "kvcache"
+    kind: ClassVar[str] = "static"
+    discriminator: ClassVar[str] = "kind"
+    max_length: int | None = None
+    batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.max_length is not None and (
+            not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length <= 0
+        ):
+            raise bad_field(self, "max_length", self.max_length, "a positive integer (prompt + new tokens)")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size <= 0):
+            raise bad_field(self, "batch_size", self.batch_size, "a positive integer or null")
+
+    def check(self, model, info, steps):
+        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if limit is not None and self.max_length is not None and self.max_length > limit:
+            from ..core.errors import IncompatibleModelError
+
+            raise IncompatibleModelError(
+                f"kvcache.Static(max_length={self.max_length}) exceeds the model's {limit} positions; "
+                f"use max_length <= {limit}"
+            )
+        return []
+
+
+DEFAULT_CAP = 4096
+
+
+def resolved_max_length(model: nn.Module, config: Static) -> int:
+    """``config.max_length``, or the model's context length capped at :data:`DEFAULT_CAP`."""
+    if config.max_length is not None:
+        return config.max_length
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    return min(int(limit or DEFAULT_CAP), DEFAULT_CAP)
+
+
+def generation_lengths(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """``(prompt_length, total_length)`` a generate call will reach, from its kwargs and generation config."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    prompt = input_ids.shape[-1]
+    new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+    if new is not None:
+        return prompt, prompt + int(new)
+    total = kwargs.get("max_length", getattr(gc, "max_length", None) or 20)
+    return prompt, int(total)
+
+
+class _StaticCacheHolder:
+    """Owns the one cache allocation and hands it out, reset, per call."""
+
+    def __init__(self, model: nn.Module, config: Static):
+        self.model = model
+        self.config = config
+        self.max_length = resolved_max_length(model, config)
+        self.cache = None
+        self.batch = None
+        self.allocations = 0
+
+    def get(self, batch: int):
+        from transformers import StaticCache
+
+        if self.cache is None or self.batch != batch:
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_length)
+            self.batch = batch
+            self.allocations += 1
+        else:
+            self.cache.reset()
+        return self.cache
+
+
+def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Module:
+    """Make ``model.generate`` (and pipelines) decode with a static cache, in place.
+
+    Calls the static cache cannot serve (beam search, a caller-supplied ``past_key_values``, a
+    length over ``max_length``, a batch size other than a fixed ``batch_size``) go to the original
+    ``generate``; :func:`infopt.core.generation.routing_stats` counts them.
+
+    Returns:
+        The same model.
+    """
+    inspect_model(model)  # refuses unsupported architectures
+    holder = _StaticCacheHolder(model, config)
+
+    def handler(original, *args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or not torch.is_tensor(input_ids):
+            raise Unsupported("no input_ids tensor")
+        if kwargs.get("past_key_values") is not None:
+            raise Unsupported("caller supplied past_key_values")
+        for k in SAMPLING_ONLY_KWARGS:
+            v = kwargs.get(k)
+            if v not in (None, 1, False, 0):
+                raise Unsupported(f"{k}={v}")
+        gc = kwargs.get("generation_config") or model.generation_config
+        if getattr(gc, "num_beams", 1) not in (None, 1):
+            raise Unsupported("beam search")
+        _, total = generation_lengths(model, input_ids, kwargs)
+        if total > holder.max_length:
+            raise Unsupported(f"length {total} > max_length {holder.max_length}")
+        batch = input_ids.shape[0]
+        if config.batch_size is not None and batch != config.batch_size:
+            raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
+        cache = holder.get(batch)
+        return original(*args, past_key_values=cache, **kwargs)
+
+    route_generate(model, handler, step=step or config.key)
+    return model
+
+
+@register_transform(Static)
+def _apply(model: nn.Module, config: Static, ctx: ApplyContext) -> None:
+    use_(model, config)
+    info = ctx.info or inspect_model(model)
+    length = resolved_max_length(model, config)
+    per_seq = info.kv_bytes_per_token * length
+    ctx.notes.append(
+        f"static KV cache: {length} tokens x {info.num_layers} layers = {per_seq / 2**20:.1f} MiB per sequence, "
+        "allocated on the first generate call and reused"
+    )

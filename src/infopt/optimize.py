@@ -1,0 +1,221 @@
+"""``optimize(model, recipe)``: validate a whole recipe, apply its steps in canonical order, report, undo."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .core.availability import require
+from .core.errors import IncompatibleModelError, QualityGateError, RecipeError
+from .core.generation import routing_stats
+from .core.introspect import inspect_model, param_bytes
+from .core.patch import get_handle, set_attr
+from .core.patch import undo as _undo_patches
+from .core.step import TRANSFORMS, ApplyContext, StepConfig
+from .recipe import Recipe, check_rules
+
+__all__ = ["optimize", "undo", "validate", "OptimizationReport", "StepReport"]
+
+
+@dataclass
+class StepReport:
+    """What one applied step did."""
+
+    key: str
+    config: dict[str, Any]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizationReport:
+    """Attached to an optimized model as ``model.infopt``.
+
+    Attributes:
+        steps: one :class:`StepReport` per applied step, in the order applied.
+        memory_before / memory_after: parameter + buffer bytes before the first and after the last step.
+        gate: the quality figures measured when a gate was given (``kl``, ``top1``, ...).
+    """
+
+    model: Any = field(repr=False, compare=False)
+    steps: list[StepReport] = field(default_factory=list)
+    memory_before: int = 0
+    memory_after: int = 0
+    gate: dict[str, float] | None = None
+
+    @property
+    def routing(self) -> dict[str, Any]:
+        """``generate`` calls served by infopt vs handed to the original, with reasons."""
+        return routing_stats(self.model).as_dict()
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return [f"{s.key}: {f}" for s in self.steps for f in s.fallbacks]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": [s.__dict__ for s in self.steps],
+            "memory_before": self.memory_before,
+            "memory_after": self.memory_after,
+            "fallbacks": self.fallbacks,
+            "routing": self.routing,
+            "gate": self.gate,
+        }
+
+    def __str__(self) -> str:
+        lines = ["infopt report", f"  {'step':<22} {'seconds':>8}  notes"]
+        for s in self.steps:
+            lines.append(f"  {s.key:<22} {s.seconds:>8.2f}  {'; '.join(s.notes)}")
+        mb = 2**20
+        lines.append(f"  parameters+buffers: {self.memory_before / mb:.1f} MiB -> {self.memory_after / mb:.1f} MiB")
+        if self.fallbacks:
+            lines.append("  fallbacks: " + "; ".join(self.fallbacks))
+        r = self.routing
+        if r["infopt"] or r["original"]:
+            lines.append(f"  generate calls: {r['infopt']} infopt, {r['original']} original {r['reasons'] or ''}")
+        if self.gate:
+            lines.append("  quality gate: " + ", ".join(f"{k}={v:.4g}" for k, v in self.gate.items()))
+        return "\n".join(lines)
+
+
+def _existing_report(model: nn.Module) -> OptimizationReport | None:
+    rep = model.__dict__.get("infopt")
+    return rep if isinstance(rep, OptimizationReport) else None
+
+
+def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]]]:
+    """Check a recipe against a model without changing anything.
+
+    Returns:
+        ``(recipe, fallbacks)``: the parsed :class:`Recipe` and, per step key, the fallbacks it will take.
+
+    Raises:
+        RecipeError, IncompatibleModelError, MissingBackendError: the first problem found.
+    """
+    r = Recipe.parse(recipe)
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise IncompatibleModelError(
+            f"optimize() needs a transformers causal LM (AutoModelForCausalLM), got {type(model).__name__}"
+        )
+    info = inspect_model(model)
+    prior = _existing_report(model)
+    if prior is not None:
+        done = {s.key.split(":")[0]: s.key for s in prior.steps}
+        again = [s.key for s in r.steps if s.stage in done]
+        if again:
+            raise RecipeError(
+                f"the model already has {', '.join(done[k.split(':')[0]] for k in again)} applied; "
+                "call infopt.undo(model) first, then optimize with the full recipe"
+            )
+        prior_steps = tuple(StepConfig.from_dict(s.config) for s in prior.steps)
+        check_rules(prior_steps + r.steps)
+    fallbacks: dict[str, list[str]] = {}
+    for step in r.steps:
+        if type(step) not in TRANSFORMS:
+            raise RecipeError(f"step {step.key} has no registered transform (internal error; please report it)")
+        for mod in step.required_backends():
+            require(mod, feature=f"recipe step {step.key}")
+    for step in r.steps:
+        fallbacks[step.key] = list(step.check(model, info, r.steps))
+    return r, fallbacks
+
+
+def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None):
+    """Apply a recipe to ``model`` in place and return the same object.
+
+    The whole recipe is validated first (structure, composition rules, architecture, device,
+    dtype, optional backends); any problem raises before the model is touched. Steps then run in
+    canonical stage order. If a step fails midway, the changes this call made are rolled back.
+
+    Args:
+        model: a transformers causal LM.
+        recipe: step configs, a dict ``{"steps": [...]}``, a YAML/JSON path, or a preset name.
+        gate: quality limits (``{"max_kl": 0.01, "min_top1": 0.98}``), overriding the recipe's own gate.
+            Measured against the model's own logits from before the recipe was applied.
+        gate_text: text to measure the gate on (default: :func:`infopt.eval.default_text`).
+
+    Returns:
+        The same model, with a report at ``model.infopt``.
+
+    Raises:
+        RecipeError, IncompatibleModelError, MissingBackendError: validation failed; model untouched.
+        QualityGateError: the optimized model missed the gate; it stays optimized (``infopt.undo`` reverts).
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
+        >>> [s.key for s in m.infopt.steps]
+        ['attention', 'kvcache:static']
+        >>> infopt.undo(m)
+        3
+    """
+    r, fallbacks = validate(model, recipe)
+    gate = gate if gate is not None else r.gate
+    if gate is not None:
+        Recipe(r.steps, gate=gate)  # validates the gate's keys and values
+    reference = None
+    if gate:
+        from . import eval as ev
+
+        reference = ev.reference_logits(model, text=gate_text)
+
+    info = inspect_model(model)
+    handle = get_handle(model)
+    mark = len(handle.records)
+    report = _existing_report(model)
+    new_report = report is None
+    if new_report:
+        report = OptimizationReport(model=model, memory_before=param_bytes(model))
+    applied: list[StepReport] = []
+    try:
+        for step in r.steps:
+            ctx = ApplyContext(info=info, steps=r.steps, fallbacks=list(fallbacks.get(step.key, [])))
+            t0 = time.perf_counter()
+            TRANSFORMS[type(step)](model, step, ctx)
+            applied.append(StepReport(step.key, step.to_dict(), time.perf_counter() - t0, ctx.notes, ctx.fallbacks,
+                                      ctx.stats))
+    except BaseException:
+        for rec in reversed(handle.records[mark:]):
+            rec.revert()
+        del handle.records[mark:]
+        raise
+    report.steps.extend(applied)
+    report.memory_after = param_bytes(model)
+    if new_report:
+        set_attr(model, model, "infopt", report, step="optimize")
+
+    if gate:
+        from . import eval as ev
+
+        figures = ev.compare(model, reference)
+        report.gate = figures
+        failed = ev.gate_failures(figures, gate)
+        if failed:
+            raise QualityGateError(
+                "quality gate failed: " + "; ".join(failed)
+                + ". The model stays optimized: accept it, or call infopt.undo(model) and pick a milder recipe",
+                figures=figures,
+            )
+    return model
+
+
+def undo(model: nn.Module) -> int:
+    """Revert everything infopt did to ``model``: modules, methods, hooks, config values, the report.
+
+    Returns:
+        The number of recorded changes reverted.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), [infopt.attention.Attention("eager")])
+        >>> infopt.undo(m), m.config._attn_implementation
+        (2, 'sdpa')
+    """
+    return _undo_patches(model)

@@ -1,0 +1,295 @@
+"""Recipes: an ordered, validated set of steps, read from Python configs, dicts, YAML/JSON files or presets."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# importing the feature packages fills the step registry
+from . import attention as _attention  # noqa: F401
+from . import compile as _compile  # noqa: F401
+from . import kvcache as _kvcache  # noqa: F401
+from . import quantize as _quantize  # noqa: F401
+from .core.errors import RecipeError
+from .core.step import STAGES, STEP_TYPES, StepConfig
+
+__all__ = ["Recipe", "Rule", "RULES", "PRESETS", "Preset", "available_steps", "check_rules"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One composition rule between two steps.
+
+    Attributes:
+        a, b: step patterns: ``stage``, ``stage:kind``, optionally with ``[field=value]``
+            (``attention[backend=sdpa]``) or ``[field!=value]``.
+        relation: ``conflicts`` (a and b cannot both be present) or ``requires`` (a needs some b).
+        reason: why, in one sentence.
+        fix: what to use instead.
+    """
+
+    a: str
+    b: str
+    relation: str
+    reason: str
+    fix: str
+
+    def __post_init__(self):
+        if self.relation not in ("conflicts", "requires"):
+            raise ValueError(f"Rule.relation={self.relation!r}; allowed: conflicts, requires")
+
+
+_PATTERN = re.compile(r"^(?P<stage>[a-z_]+)(?::(?P<kind>[a-z0-9_]+))?(?:\[(?P<field>[a-z_]+)(?P<op>!?=)(?P<value>[^\]]+)\])?$")
+
+
+def matches(pattern: str, step: StepConfig) -> bool:
+    """True when ``step`` fits a rule pattern (see :class:`Rule`)."""
+    m = _PATTERN.match(pattern)
+    if m is None:
+        raise ValueError(f"bad rule pattern {pattern!r}")
+    if m["stage"] != step.stage:
+        return False
+    if m["kind"] is not None and m["kind"] != step.kind:
+        return False
+    if m["field"] is not None:
+        value = str(getattr(step, m["field"], None)).lower()
+        hit = value == m["value"].lower()
+        return not hit if m["op"] == "!=" else hit
+    return True
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("compile", "kvcache:static", "requires",
+         "a compiled forward over a growing KV cache sees a new shape every token and recompiles each time",
+         "add kvcache.Static(max_length=...) to the recipe (it is applied before compile)"),
+    Rule("compile", "attention[backend=flex]", "conflicts",
+         "flex attention compiles its own kernels; compiling the whole forward around it is not supported here",
+         "use attention backend 'sdpa' with compile, or drop compile"),
+    Rule("kvcache:heavy_hitter", "attention[backend!=eager]", "conflicts",
+         "H2O eviction needs the attention weights, which only the eager backend returns",
+         "use attention backend 'eager' with kvcache heavy_hitter"),
+    Rule("kvcache:paged", "attention[backend!=paged]", "conflicts",
+         "the paged cache is read by the paged attention kernel only",
+         "use attention backend 'paged' with kvcache paged (or leave attention out)"),
+    Rule("speculative", "batching", "conflicts",
+         "the batching engine runs its own decode loop, which does not speculate",
+         "use speculative decoding for single-stream latency, batching for throughput"),
+    Rule("compile", "quantize:bnb_int8", "conflicts",
+         "bitsandbytes kernels break the compiled graph",
+         "use quantize int8 (native) with compile"),
+    Rule("compile", "quantize:bnb_nf4", "conflicts",
+         "bitsandbytes kernels break the compiled graph",
+         "use quantize int4 (native) with compile"),
+)
+
+
+def check_rules(steps: Iterable[StepConfig], rules: Iterable[Rule] = RULES) -> None:
+    """Raise :class:`RecipeError` for the first rule a recipe breaks.
+
+    Example:
+        >>> from infopt.compile import Compile
+        >>> check_rules([Compile()])
+        Traceback (most recent call last):
+        ...
+        infopt.core.errors.RecipeError: compile requires kvcache:static: a compiled forward ...
+    """
+    steps = list(steps)
+    for rule in rules:
+        a_steps = [s for s in steps if matches(rule.a, s)]
+        if not a_steps:
+            continue
+        b_steps = [s for s in steps if s not in a_steps and matches(rule.b, s)]
+        a_key = a_steps[0].key
+        if rule.relation == "conflicts" and b_steps:
+            raise RecipeError(f"{a_key} cannot be combined with {b_steps[0].key}: {rule.reason}. Fix: {rule.fix}")
+        if rule.relation == "requires" and not b_steps:
+            raise RecipeError(f"{a_key} requires {rule.b}: {rule.reason}. Fix: {rule.fix}")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named recipe with a one-line description."""
+
+    name: str
+    description: str
+    steps: tuple[dict[str, Any], ...]
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("cpu-lossless", "token-identical greedy output: SDPA attention and a reused static KV cache",
+               ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}})),
+        Preset("cpu-fast", "int8 weight-only linears (bf16 int8 kernel) + static KV cache; lossy, measured by KL",
+               ({"attention": {"backend": "sdpa"}}, {"quantize": {"method": "int8"}},
+                {"kvcache": {"kind": "static"}})),
+        Preset("memory-saver", "int8 weight-only linears with fp32 activations: ~1/4 of the linear weight memory",
+               ({"quantize": {"method": "int8", "compute_dtype": "float32"}},)),
+        Preset("gpu-fast", "CUDA: SDPA + static KV cache + torch.compile with CUDA graphs",
+               ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},
+                {"compile": {"mode": "reduce-overhead"}})),
+    )
+}
+
+
+def available_steps() -> dict[str, list[str | None]]:
+    """Registered steps: ``{stage: [kinds]}`` in canonical stage order."""
+    return {s: sorted(STEP_TYPES[s], key=lambda k: k or "") for s in STAGES if s in STEP_TYPES}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An ordered, structurally valid list of steps (plus an optional quality gate).
+
+    Build one with :meth:`parse` from any accepted spelling. Steps are kept in canonical stage
+    order (:data:`infopt.core.step.STAGES`), whatever order they were written in.
+
+    Example:
+        >>> r = Recipe.parse({"steps": [{"kvcache": {"kind": "static"}}, {"attention": "eager"}]})
+        >>> [s.key for s in r.steps]
+        ['attention', 'kvcache:static']
+        >>> Recipe.from_yaml(r.to_yaml()) == r
+        True
+    """
+
+    steps: tuple[StepConfig, ...]
+    gate: dict[str, float] | None = None
+    name: str | None = None
+    source: str | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        seen: dict[str, StepConfig] = {}
+        for s in self.steps:
+            if not isinstance(s, StepConfig):
+                raise RecipeError(f"recipe steps must be step configs, got {type(s).__name__}: {s!r}")
+            if s.stage in seen:
+                raise RecipeError(
+                    f"duplicate step: {seen[s.stage].key} and {s.key} are both '{s.stage}' steps; a recipe has at "
+                    "most one step per stage. Keep one of them"
+                )
+            seen[s.stage] = s
+        order = {st: i for i, st in enumerate(STAGES)}
+        object.__setattr__(self, "steps", tuple(sorted(self.steps, key=lambda s: order[s.stage])))
+        if self.gate is not None:
+            _check_gate(self.gate)
+        check_rules(self.steps)
+
+    # -- parsing ---------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, obj: Any) -> "Recipe":
+        """Accept a :class:`Recipe`, a step config, a list of configs or dicts, a dict with ``steps``,
+        a YAML/JSON file path, or a preset name.
+
+        Raises:
+            RecipeError: anything malformed, with the offending part named.
+        """
+        if isinstance(obj, Recipe):
+            return obj
+        if isinstance(obj, StepConfig):
+            return cls((obj,))
+        if isinstance(obj, (str, os.PathLike)):
+            return cls._parse_str(obj)
+        if isinstance(obj, dict):
+            if "steps" not in obj:
+                if len(obj) == 1 and next(iter(obj)) in STAGES:
+                    return cls((StepConfig.from_dict(obj),))
+                raise RecipeError(
+                    "a recipe mapping needs a 'steps' list, e.g. {'steps': [{'quantize': {'method': 'int8'}}]}; "
+                    f"got keys {sorted(obj)}"
+                )
+            unknown = sorted(set(obj) - {"steps", "gate", "name", "description"})
+            if unknown:
+                raise RecipeError(f"unknown recipe key(s) {unknown}; allowed: steps, gate, name, description")
+            steps = obj["steps"]
+            if not isinstance(steps, list):
+                raise RecipeError(f"recipe 'steps' must be a list, got {type(steps).__name__}")
+            return cls(tuple(cls._step(s, i) for i, s in enumerate(steps)), gate=obj.get("gate"), name=obj.get("name"))
+        if isinstance(obj, (list, tuple)):
+            return cls(tuple(cls._step(s, i) for i, s in enumerate(obj)))
+        raise RecipeError(
+            f"cannot read a recipe from {type(obj).__name__}; pass step configs, a dict with 'steps', "
+            f"a YAML/JSON path, or a preset name ({', '.join(PRESETS)})"
+        )
+
+    @staticmethod
+    def _step(s: Any, i: int) -> StepConfig:
+        if isinstance(s, StepConfig):
+            return s
+        try:
+            return StepConfig.from_dict(s)
+        except RecipeError as e:
+            raise RecipeError(f"step {i + 1}: {e}") from None
+
+    @classmethod
+    def _parse_str(cls, s: str | os.PathLike) -> "Recipe":
+        text = str(s)
+        if text in PRESETS:
+            p = PRESETS[text]
+            return cls(tuple(StepConfig.from_dict(d) for d in p.steps), name=p.name, source=f"preset {p.name}")
+        path = Path(text)
+        if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
+            if not path.is_file():
+                raise RecipeError(f"recipe file '{path}' does not exist")
+            r = cls.from_yaml(path.read_text())  # YAML is a superset of JSON
+            return Recipe(r.steps, gate=r.gate, name=r.name or path.stem, source=str(path))
+        raise RecipeError(
+            f"'{text}' is neither a preset ({', '.join(PRESETS)}) nor a .yaml/.json recipe file. "
+            "Run `infopt recipes` to list presets"
+        )
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "Recipe":
+        """Parse YAML (or JSON) text.
+
+        Raises:
+            RecipeError: malformed YAML, with the line and column.
+        """
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise RecipeError(f"malformed recipe YAML{where}: {getattr(e, 'problem', e)}") from None
+        if data is None:
+            raise RecipeError("the recipe is empty; write at least {steps: [...]}")
+        return cls.parse(data)
+
+    # -- writing ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.name:
+            out["name"] = self.name
+        out["steps"] = [s.to_dict() for s in self.steps]
+        if self.gate:
+            out["gate"] = dict(self.gate)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def describe(self) -> str:
+        return " -> ".join(s.key for s in self.steps) or "(empty)"
+
+
+_GATE_KEYS = {"max_kl": "mean KL divergence, nats/token", "min_top1": "top-1 agreement, 0..1",
+              "max_ppl_ratio": "perplexity / reference perplexity"}
+
+
+def _check_gate(gate: Any) -> None:
+    if not isinstance(gate, dict):
+        raise RecipeError(f"gate must be a mapping like {{max_kl: 0.01, min_top1: 0.98}}, got {gate!r}")
+    for k, v in gate.items():
+        if k not in _GATE_KEYS:
+            raise RecipeError(f"unknown gate key {k!r}; allowed: " + ", ".join(f"{a} ({b})" for a, b in _GATE_KEYS.items()))
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise RecipeError(f"gate {k}={v!r} must be a non-negative number")
