@@ -161,7 +161,7 @@ class Recipe:
 
     steps: tuple[StepConfig, ...]
     gate: dict[str, float] | None = None
-    name: str | None = None
+    name: str | None = field(default=None, compare=False)
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self):

@@ -181,10 +181,13 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     head_dim = getattr(tc, "head_dim", None) or hidden // heads
     rope = getattr(tc, "rope_parameters", None)
     rope_theta = None
-    if isinstance(rope, dict):
+    extras: dict = {}
+    if rope is not None and hasattr(rope, "get"):
         rope_theta = rope.get("rope_theta")
-    elif rope is not None and hasattr(rope, "get"):
-        rope_theta = rope.get("rope_theta")
+        nested = {k: v for k, v in rope.items() if isinstance(v, dict)}
+        if rope_theta is None and nested:  # per layer type (Gemma 3: sliding vs full attention)
+            extras["rope_theta_per_layer_type"] = {k: v.get("rope_theta") for k, v in nested.items()}
+            rope_theta = (nested.get("full_attention") or next(iter(nested.values()))).get("rope_theta")
     if rope_theta is None:
         rope_theta = getattr(tc, "rope_theta", None)
 
@@ -210,6 +213,7 @@ def inspect_model(model: nn.Module) -> ModelInfo:
         conv1d=family.conv1d,
         dtype=p.dtype,
         device=p.device,
+        extras=extras,
     )
 
 

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random models (unit tier) and the embedded default model (real_model tier)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infopt.models import tiny_model
+
+UNIT_ARCHS = ("llama", "qwen2", "gemma", "gpt2")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=UNIT_ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def prompt():
+    return torch.tensor([[1, 17, 400, 23, 9, 1200, 5]])
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from infopt.models import load_default_tokenizer
+
+    return load_default_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from infopt.models import load_default
+
+    return load_default()
+
+
+def state_snapshot(model):
+    """A deep copy of the state dict, for 'unchanged' checks."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_state_equal(model, snap):
+    now = model.state_dict()
+    assert set(now) == set(snap)
+    for k, v in snap.items():
+        assert torch.equal(now[k], v), k

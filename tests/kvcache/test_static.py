@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from infopt.core.errors import RecipeError
+from infopt.core.generation import routing_stats
+from infopt.kvcache import Static, use_
+from infopt.models import tiny_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2", "mistral", "phi3"])
+def test_greedy_token_identical(arch):
+    m = tiny_model(arch)
+    prompts = torch.tensor([[1, 5, 9, 300, 7, 2000], [4, 4, 8, 15, 16, 23]])
+    ref = m.generate(prompts, max_new_tokens=20, do_sample=False)
+    use_(m, Static(max_length=64))
+    out = m.generate(prompts, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    out2 = m.generate(prompts[:1], max_new_tokens=20, do_sample=False)  # batch change: new allocation
+    assert torch.equal(out2, ref[:1])
+    assert routing_stats(m).infopt == 2
+
+
+def test_cache_reused_across_calls(llama, prompt):
+    use_(llama, Static(max_length=64))
+    a = llama.generate(prompt, max_new_tokens=10, do_sample=False)
+    b = llama.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(a, b)  # the reset cache holds nothing of the first call
+
+
+def test_unsupported_calls_fall_back(llama, prompt):
+    ref_beam = llama.generate(prompt, max_new_tokens=5, num_beams=2, do_sample=False)
+    ref_long = llama.generate(prompt, max_new_tokens=40, do_sample=False)
+    use_(llama, Static(max_length=32))
+    assert torch.equal(llama.generate(prompt, max_new_tokens=5, num_beams=2, do_sample=False), ref_beam)
+    assert torch.equal(llama.generate(prompt, max_new_tokens=40, do_sample=False), ref_long)
+    stats = routing_stats(llama)
+    assert stats.original == 2 and stats.infopt == 0
+    assert any("max_length 32" in r for r in stats.reasons)
+
+
+@pytest.mark.parametrize("bad", [0, -5, "long", True])
+def test_bad_max_length(bad):
+    with pytest.raises(RecipeError, match="max_length"):
+        Static(max_length=bad)

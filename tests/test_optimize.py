@@ -1,0 +1,162 @@
+import pytest
+import torch
+
+import infopt
+from infopt.attention import Attention
+from infopt.core.errors import IncompatibleModelError, MissingBackendError, QualityGateError, RecipeError
+from infopt.core.generation import routing_stats
+from infopt.core.patch import has_patches
+from infopt.kvcache import Static
+from infopt.models import tiny_model
+from infopt.quantize import Int8Linear, Int8WeightOnly
+
+from .conftest import UNIT_ARCHS, assert_state_equal, state_snapshot
+
+FULL = [Attention("eager"), Int8WeightOnly(), Static(max_length=128)]
+
+
+@pytest.mark.parametrize("arch", UNIT_ARCHS)
+def test_undo_restores_bit_identical_logits(arch, prompt):
+    m = tiny_model(arch)
+    before = m(prompt).logits
+    snap = state_snapshot(m)
+    attn = m.config._attn_implementation
+    infopt.optimize(m, FULL)
+    assert any(isinstance(x, Int8Linear) for x in m.modules())
+    assert m.config._attn_implementation == "eager"
+    assert not torch.equal(m(prompt).logits, before)  # int8 changed the numbers
+    infopt.undo(m)
+    assert torch.equal(m(prompt).logits, before)
+    assert_state_equal(m, snap)
+    assert m.config._attn_implementation == attn
+    assert "generate" not in m.__dict__ and "infopt" not in m.__dict__
+    assert not has_patches(m)
+
+
+def test_report_contents(llama, prompt):
+    infopt.optimize(llama, FULL)
+    rep = llama.infopt
+    assert [s.key for s in rep.steps] == ["attention", "quantize:int8", "kvcache:static"]
+    assert rep.memory_after < rep.memory_before
+    assert rep.steps[1].stats["modules_quantized"] == 14
+    llama.generate(prompt, max_new_tokens=3, do_sample=False)
+    llama.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert rep.routing["infopt"] == 1 and rep.routing["original"] == 1
+    assert "beam" in str(rep.routing["reasons"]) or "num_beams" in str(rep.routing["reasons"])
+    text = str(rep)
+    assert "quantize:int8" in text and "MiB" in text
+
+
+def _assert_untouched(m, snap, prompt, gen_before):
+    assert_state_equal(m, snap)
+    assert not has_patches(m)
+    assert "infopt" not in m.__dict__ and "generate" not in m.__dict__
+    assert torch.equal(m.generate(prompt, max_new_tokens=5, do_sample=False), gen_before)
+
+
+@pytest.mark.parametrize(
+    "recipe,err,needle",
+    [
+        ({"steps": [{"quantise": {"method": "int8"}}]}, RecipeError, "unknown recipe step"),
+        ({"steps": [{"quantize": {"method": "int8", "compute_dtype": "int2"}}]}, RecipeError, "compute_dtype"),
+        ([Attention("eager"), Attention("sdpa")], RecipeError, "duplicate step"),
+        ({"steps": [{"compile": {}}]}, RecipeError, "requires kvcache:static"),
+        ([Static(max_length=100000)], IncompatibleModelError, "max_length <= 512"),
+        ([Attention("flash_attention_2")], (MissingBackendError, IncompatibleModelError), "flash"),
+        ("steps: [quantize: {method: int8}\n", RecipeError, "malformed"),
+    ],
+    ids=["unknown-step", "bad-field", "duplicate", "incompatible-pair", "too-long", "flash-attn", "malformed-yaml"],
+)
+def test_bad_input_leaves_model_untouched(llama, prompt, tmp_path, recipe, err, needle):
+    if isinstance(recipe, str):
+        p = tmp_path / "bad.yaml"
+        p.write_text(recipe)
+        recipe = str(p)
+    snap = state_snapshot(llama)
+    gen = llama.generate(prompt, max_new_tokens=5, do_sample=False)
+    with pytest.raises(err) as e:
+        infopt.optimize(llama, recipe)
+    assert needle in str(e.value)
+    _assert_untouched(llama, snap, prompt, gen)
+
+
+def test_missing_backend_names_extra(llama, monkeypatch):
+    import infopt.core.availability as av
+
+    real = av.is_available
+    monkeypatch.setattr(av, "is_available", lambda m: False if m == "flash_attn" else real(m))
+    with pytest.raises(MissingBackendError, match=r"infopt\[flash\]"):
+        infopt.optimize(llama, [Attention("flash_attention_2")])
+    assert not has_patches(llama)
+
+
+def test_unsupported_architecture_untouched(prompt):
+    from transformers import BertConfig, BertForMaskedLM
+
+    m = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    snap = state_snapshot(m)
+    with pytest.raises(IncompatibleModelError, match="Supported model types"):
+        infopt.optimize(m, [Int8WeightOnly()])
+    assert_state_equal(m, snap)
+
+
+def test_failure_midway_rolls_back(llama, prompt, monkeypatch):
+    from infopt.core import step as step_mod
+
+    snap = state_snapshot(llama)
+    gen = llama.generate(prompt, max_new_tokens=5, do_sample=False)
+
+    def boom(model, config, ctx):
+        raise RuntimeError("kvcache step failed")
+
+    monkeypatch.setitem(step_mod.TRANSFORMS, Static, boom)
+    with pytest.raises(RuntimeError, match="kvcache step failed"):
+        infopt.optimize(llama, FULL)  # attention and quantize applied, then kvcache fails
+    _assert_untouched(llama, snap, prompt, gen)
+
+
+def test_second_optimize_extends_and_refuses_same_stage(llama):
+    infopt.optimize(llama, [Attention("eager")])
+    infopt.optimize(llama, [Int8WeightOnly()])
+    assert [s.key for s in llama.infopt.steps] == ["attention", "quantize:int8"]
+    with pytest.raises(RecipeError, match="already has quantize:int8 applied"):
+        infopt.optimize(llama, [Int8WeightOnly(compute_dtype="float32")])
+    infopt.undo(llama)
+    assert not has_patches(llama)
+
+
+def test_optimize_refuses_non_models():
+    with pytest.raises(IncompatibleModelError):
+        infopt.optimize(torch.nn.Linear(2, 2), [Attention("eager")])
+
+
+def test_cpu_lossless_is_token_identical(arch, prompt):
+    m = tiny_model(arch)
+    ref = m.generate(prompt, max_new_tokens=24, do_sample=False)
+    infopt.optimize(m, "cpu-lossless")
+    out = m.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+    assert routing_stats(m).infopt == 1
+
+
+def test_pipeline_after_optimize(default_tokenizer):
+    from transformers import pipeline
+
+    m = tiny_model("llama")
+    infopt.optimize(m, "cpu-fast")
+    pipe = pipeline("text-generation", model=m, tokenizer=default_tokenizer)
+    out = pipe("Hello there", max_new_tokens=5, do_sample=False)
+    assert isinstance(out[0]["generated_text"], str) and out[0]["generated_text"].startswith("Hello there")
+    assert m.infopt.routing["infopt"] >= 1
+
+
+def test_quality_gate_pass_and_fail(default_tokenizer):
+    m = tiny_model("llama")
+    infopt.optimize(m, [Attention("eager")], gate={"max_kl": 1e-6, "min_top1": 0.999})
+    assert m.infopt.gate["kl"] < 1e-6
+    infopt.undo(m)
+    with pytest.raises(QualityGateError) as e:
+        infopt.optimize(m, [Int8WeightOnly()], gate={"max_kl": 0.0, "min_top1": 1.0})
+    assert e.value.figures["kl"] > 0
+    assert has_patches(m)  # the model stays optimized; the user decides
+    infopt.undo(m)

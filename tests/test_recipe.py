@@ -1,0 +1,147 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infopt.attention import Attention
+from infopt.compile import Compile
+from infopt.core.errors import RecipeError
+from infopt.core.step import STAGES, STEP_TYPES, TRANSFORMS, StepConfig
+from infopt.kvcache import Static
+from infopt.quantize import Int8WeightOnly
+from infopt.recipe import PRESETS, RULES, Recipe, check_rules, matches
+
+
+def test_every_spelling_gives_the_same_recipe(tmp_path):
+    steps = [Static(max_length=64), Attention("eager"), Int8WeightOnly()]
+    a = Recipe.parse(steps)
+    b = Recipe.parse({"steps": [s.to_dict() for s in steps]})
+    p = tmp_path / "r.yaml"
+    p.write_text(a.to_yaml())
+    c = Recipe.parse(str(p))
+    j = tmp_path / "r.json"
+    j.write_text(a.to_json())
+    d = Recipe.parse(j)
+    assert a == b == c == d
+    assert [s.key for s in a.steps] == ["attention", "quantize:int8", "kvcache:static"]
+
+
+def test_shorthand_and_single_step():
+    r = Recipe.parse({"steps": [{"attention": "eager"}, {"quantize": "int8"}]})
+    assert r.steps == (Attention("eager"), Int8WeightOnly())
+    assert Recipe.parse(Attention("sdpa")).steps == (Attention("sdpa"),)
+    assert Recipe.parse({"kvcache": {"kind": "static", "max_length": 32}}).steps == (Static(max_length=32),)
+
+
+def test_presets_parse():
+    for name in PRESETS:
+        r = Recipe.parse(name)
+        assert r.name == name and r.steps
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"steps": [{"quantise": {"method": "int8"}}]}, "unknown recipe step 'quantise'"),
+        ({"steps": [{"quantize": {"method": "int3"}}]}, "allowed: int8"),
+        ({"steps": [{"quantize": {"method": "int8", "bits": 4}}]}, "no field(s) 'bits'"),
+        ({"steps": [{"quantize": {}}]}, "needs 'method'"),
+        ({"steps": [{"attention": {"backend": "fast"}}]}, "Attention.backend='fast' is invalid"),
+        ({"steps": [{"kvcache": {"kind": "static", "max_length": -1}}]}, "max_length=-1"),
+        ({"steps": [{"attention": "eager"}, {"attention": "sdpa"}]}, "duplicate step"),
+        ({"steps": [{"compile": {}}]}, "compile requires kvcache:static"),
+        ({"steps": [{"attention": "flex"}, {"kvcache": {"kind": "static"}}, {"compile": {}}]}, "cannot be combined"),
+        ({"steps": "int8"}, "'steps' must be a list"),
+        ({"quantize": 1, "attention": 2}, "needs a 'steps' list"),
+        ({"steps": [], "gate": {"max_kl": -1}}, "gate max_kl=-1"),
+        ({"steps": [], "gate": {"kl": 0.1}}, "unknown gate key"),
+        ("no-such-preset", "neither a preset"),
+        (42, "cannot read a recipe"),
+    ],
+    ids=["unknown-stage", "unknown-kind", "unknown-field", "missing-kind", "bad-backend", "bad-length", "duplicate",
+         "requires", "conflict", "steps-not-list", "no-steps-key", "gate-negative", "gate-key", "preset", "type"],
+)
+def test_bad_recipes_raise_recipe_error(bad, needle):
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse(bad)
+    assert needle in str(e.value)
+
+
+def test_malformed_yaml_names_line():
+    with pytest.raises(RecipeError, match=r"malformed recipe YAML at line \d+, column \d+"):
+        Recipe.from_yaml("steps:\n  - quantize: {method: int8\n  - attention: sdpa\n")
+
+
+def test_missing_file():
+    with pytest.raises(RecipeError, match="does not exist"):
+        Recipe.parse("nope/recipe.yaml")
+
+
+def test_error_messages_name_the_fix():
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse([Compile()])
+    assert "Fix: add kvcache.Static" in str(e.value)
+
+
+def test_registry_matches_public_names():
+    import infopt.attention
+    import infopt.compile
+    import infopt.kvcache
+    import infopt.quantize
+
+    exported = {getattr(mod, n) for mod in (infopt.attention, infopt.compile, infopt.kvcache, infopt.quantize)
+                for n in mod.__all__ if isinstance(getattr(mod, n), type)}
+    registered = {cls for kinds in STEP_TYPES.values() for cls in kinds.values()}
+    assert registered <= exported
+    assert registered == set(TRANSFORMS)
+    for cls in registered:
+        assert cls.stage in STAGES
+
+
+def test_rule_patterns_are_valid_and_match():
+    for rule in RULES:
+        for pattern in (rule.a, rule.b):
+            matches(pattern, Attention())  # raises on a malformed pattern
+    assert matches("attention[backend!=eager]", Attention("sdpa"))
+    assert not matches("attention[backend!=eager]", Attention("eager"))
+    assert matches("kvcache:static", Static())
+    assert not matches("kvcache:paged", Static())
+
+
+def test_to_dict_is_json_serializable():
+    for name in PRESETS:
+        json.dumps(Recipe.parse(name).to_dict())
+
+
+_step = st.one_of(
+    st.builds(Attention, st.sampled_from(["eager", "sdpa", "flex", "flash_attention_2"])),
+    st.builds(Int8WeightOnly, st.sampled_from(["auto", "float32", "bfloat16"]), st.booleans()),
+    st.builds(Static, st.one_of(st.none(), st.integers(1, 4096))),
+    st.builds(Compile, st.sampled_from(["default", "max-autotune"])),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_step, max_size=5))
+def test_validator_property(steps):
+    """Any list of steps either parses into a canonical, rule-abiding recipe or raises RecipeError."""
+    try:
+        r = Recipe.parse(steps)
+    except RecipeError as e:
+        stages = [s.stage for s in steps]
+        dup = len(set(stages)) != len(stages)
+        broke_rule = True
+        try:
+            check_rules(steps)
+            broke_rule = False
+        except RecipeError:
+            pass
+        assert dup or broke_rule, str(e)
+        return
+    order = [STAGES.index(s.stage) for s in r.steps]
+    assert order == sorted(order)
+    assert set(r.steps) == set(steps)
+    assert Recipe.from_yaml(r.to_yaml()) == r
+    check_rules(r.steps)
+    assert all(StepConfig.from_dict(s.to_dict()) == s for s in r.steps)
