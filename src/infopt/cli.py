@@ -44,6 +44,10 @@ def _cmd_demo(args) -> int:
     return demo_main(args.rest)
 
 
+# modules that add their own subcommands: each defines register(subparsers) setting `fn` on its parser
+_PLUGINS = ("infopt.eval.cli", "infopt.memory.cli", "infopt.bench.cli")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infopt", description="Composable inference optimizations for transformers LMs")
     p.add_argument("--version", action="version", version=f"infopt {__version__}")
@@ -61,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the main demo on the embedded default model", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(fn=_cmd_demo)
+
+    import importlib
+    import importlib.util
+
+    for name in _PLUGINS:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(sub)
     return p
 
 
