@@ -62,21 +62,30 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--save", help="folder to write the optimized model to")
     o.set_defaults(fn=_cmd_optimize)
 
-    d = sub.add_parser("demo", help="run the main demo on the embedded default model", add_help=False)
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    d.set_defaults(fn=_cmd_demo)
+    d = sub.add_parser("demo", help="run the main demo on the embedded default model (options: infopt demo --help)",
+                       add_help=False)
+    d.set_defaults(fn=_cmd_demo, rest=[])
 
     import importlib
     import importlib.util
 
     for name in _PLUGINS:
-        if importlib.util.find_spec(name) is not None:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # the parent package is absent
+            found = False
+        if found:
             importlib.import_module(name).register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":  # the demo parses its own options
+        args.rest = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from .core.errors import InfoptError
 
     try:

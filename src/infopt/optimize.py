@@ -125,7 +125,8 @@ def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]
     return r, fallbacks
 
 
-def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None):
+def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None,
+             tokenizer=None):
     """Apply a recipe to ``model`` in place and return the same object.
 
     The whole recipe is validated first (structure, composition rules, architecture, device,
@@ -138,6 +139,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         gate: quality limits (``{"max_kl": 0.01, "min_top1": 0.98}``), overriding the recipe's own gate.
             Measured against the model's own logits from before the recipe was applied.
         gate_text: text to measure the gate on (default: :func:`infopt.eval.default_text`).
+        tokenizer: the model's tokenizer, used to encode ``gate_text`` (default: the embedded default
+            model's tokenizer, which only suits models sharing its vocabulary).
 
     Returns:
         The same model, with a report at ``model.infopt``.
@@ -152,8 +155,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
         ['attention', 'kvcache:static']
-        >>> infopt.undo(m)
-        3
+        >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report
+        4
     """
     r, fallbacks = validate(model, recipe)
     gate = gate if gate is not None else r.gate
@@ -163,7 +166,7 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     if gate:
         from . import eval as ev
 
-        reference = ev.reference_logits(model, text=gate_text)
+        reference = ev.reference_logits(model, text=gate_text, tokenizer=tokenizer)
 
     info = inspect_model(model)
     handle = get_handle(model)

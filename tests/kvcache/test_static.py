@@ -42,3 +42,27 @@ def test_unsupported_calls_fall_back(llama, prompt):
 def test_bad_max_length(bad):
     with pytest.raises(RecipeError, match="max_length"):
         Static(max_length=bad)
+
+
+def test_cache_sized_per_call_in_buckets(llama, prompt):
+    from infopt.kvcache.static import bucket_length
+
+    assert bucket_length(1, 512) == 256 and bucket_length(257, 512) == 512 and bucket_length(600, 512) == 512
+    use_(llama, Static(max_length=512))
+    holder_calls = []
+    from transformers import StaticCache
+
+    orig_init = StaticCache.__init__
+
+    def spy(self, *a, **kw):
+        holder_calls.append(kw.get("max_cache_len"))
+        orig_init(self, *a, **kw)
+
+    StaticCache.__init__ = spy
+    try:
+        llama.generate(prompt, max_new_tokens=10, do_sample=False)
+        llama.generate(prompt, max_new_tokens=20, do_sample=False)  # same bucket: reused
+        llama.generate(prompt, max_new_tokens=300, do_sample=False)  # next bucket
+    finally:
+        StaticCache.__init__ = orig_init
+    assert holder_calls == [256, 512]

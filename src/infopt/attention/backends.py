@@ -48,6 +48,7 @@ class Attention(StepConfig):
 
     stage: ClassVar[str] = "attention"
     discriminator: ClassVar[str] = "backend"
+    lossless: ClassVar[bool] = True
     backend: str = "sdpa"
 
     def __post_init__(self):

@@ -54,11 +54,14 @@ class StepConfig:
         stage: one of :data:`STAGES`.
         kind: the value selecting this class within its stage (``"int8"``), or None.
         discriminator: the recipe field holding ``kind`` (``"method"`` for quantize).
+        lossless: True when the step keeps greedy output token-identical (tests assert it); lossy
+            steps are measured with :mod:`infopt.eval` instead.
     """
 
     stage: ClassVar[str] = ""
     kind: ClassVar[str | None] = None
     discriminator: ClassVar[str | None] = None
+    lossless: ClassVar[bool] = False  # greedy output token-identical to the unoptimized model (fp32)
 
     # -- identity -------------------------------------------------------------------------
     @property

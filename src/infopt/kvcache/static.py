@@ -12,7 +12,7 @@ from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
 from ..core.introspect import inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 
-__all__ = ["Static", "use_", "generation_lengths"]
+__all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
 
 
 @register_step
@@ -24,9 +24,10 @@ class Static(StepConfig):
     growing (and copying) the cache token by token.
 
     Args:
-        max_length: cache length in tokens (prompt + new tokens); longer calls go to the
+        max_length: longest call served, in tokens (prompt + new tokens); longer calls go to the
             original ``generate`` and the report counts them. None: the model's context length,
-            capped at 4096.
+            capped at 4096. Each call gets a cache of its own length rounded up to a multiple of
+            256 (see :func:`bucket_length`), reused while calls fit the same bucket.
         batch_size: fixed batch size, or None to size the cache on each call's batch.
 
     Raises:
@@ -43,6 +44,7 @@ class Static(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "static"
     discriminator: ClassVar[str] = "kind"
+    lossless: ClassVar[bool] = True
     max_length: int | None = None
     batch_size: int | None = None
 
@@ -88,23 +90,45 @@ def generation_lengths(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[s
     return prompt, int(total)
 
 
+BUCKET = 256
+
+
+def bucket_length(needed: int, max_length: int, bucket: int = BUCKET) -> int:
+    """Cache length for a call needing ``needed`` positions: ``needed`` rounded up to a multiple of
+    ``bucket``, at most ``max_length``.
+
+    transformers' static cache attends over its whole length at every decode step, so a cache far
+    longer than the call wastes time (measured on the default model, 48 new tokens: 17.4 tok/s at 128
+    positions, 15.9 at 2,048, 2.6 at 4,096). Buckets keep shapes static (few distinct shapes for
+    ``torch.compile``) without that waste.
+
+    Example:
+        >>> bucket_length(40, 2048), bucket_length(300, 2048), bucket_length(2000, 2048)
+        (256, 512, 2048)
+    """
+    return min(max_length, -(-needed // bucket) * bucket)
+
+
 class _StaticCacheHolder:
-    """Owns the one cache allocation and hands it out, reset, per call."""
+    """Owns the current cache allocation and hands it out, reset, per call (reallocating on a new
+    batch size or length bucket)."""
 
     def __init__(self, model: nn.Module, config: Static):
         self.model = model
         self.config = config
         self.max_length = resolved_max_length(model, config)
         self.cache = None
-        self.batch = None
+        self.key: tuple[int, int] | None = None
         self.allocations = 0
 
-    def get(self, batch: int):
+    def get(self, batch: int, needed: int):
         from transformers import StaticCache
 
-        if self.cache is None or self.batch != batch:
-            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_length)
-            self.batch = batch
+        key = (batch, bucket_length(needed, self.max_length))
+        if self.cache is None or self.key != key:
+            self.cache = None  # free the old allocation first
+            self.cache = StaticCache(config=self.model.config, max_cache_len=key[1])
+            self.key = key
             self.allocations += 1
         else:
             self.cache.reset()
@@ -143,7 +167,7 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
         batch = input_ids.shape[0]
         if config.batch_size is not None and batch != config.batch_size:
             raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
-        cache = holder.get(batch)
+        cache = holder.get(batch, total)
         return original(*args, past_key_values=cache, **kwargs)
 
     route_generate(model, handler, step=step or config.key)
@@ -157,6 +181,6 @@ def _apply(model: nn.Module, config: Static, ctx: ApplyContext) -> None:
     length = resolved_max_length(model, config)
     per_seq = info.kv_bytes_per_token * length
     ctx.notes.append(
-        f"static KV cache: {length} tokens x {info.num_layers} layers = {per_seq / 2**20:.1f} MiB per sequence, "
-        "allocated on the first generate call and reused"
+        f"static KV cache up to {length} tokens ({per_seq / 2**20:.1f} MiB per sequence at most), sized per call "
+        f"in {BUCKET}-token buckets and reused"
     )

@@ -1,0 +1,55 @@
+"""``infopt bench``: run a workload through plain transformers and a recipe; or compare two result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def _run(args) -> int:
+    from .report import compare_runs, format_table
+
+    if args.compare:
+        a, b = (json.loads(Path(p).read_text()) for p in args.compare)
+        print(compare_runs(a, b))
+        return 0
+    from ..models import load_model
+    from .harness import run_bench
+    from .report import append_csv, plot
+
+    model, tok = load_model(args.model)
+    if tok is None:
+        raise FileNotFoundError(f"{args.model} has no tokenizer; the benchmark workloads need one")
+    result = run_bench(model, tok, args.recipe, args.workload, repeats=args.repeats, seed=args.seed,
+                       num_requests=args.requests, progress=not args.quiet,
+                       model_name="SmolLM2-135M-Instruct" if args.model == "default" else str(args.model))
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot(result, args.plot)}")
+    if args.csv:
+        append_csv(result, args.csv)
+    return 0
+
+
+def register(sub) -> None:
+    from .workloads import WORKLOADS
+
+    p = sub.add_parser("bench", help="benchmark a recipe against plain transformers on one workload")
+    p.add_argument("--workload", default="decode", choices=list(WORKLOADS))
+    p.add_argument("--recipe", default="none", help="preset, recipe file, or 'none' (baseline only)")
+    p.add_argument("--model", default="default", help="'default' or a local HF folder")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the result JSON here")
+    p.add_argument("--plot", help="write a PNG bar chart here (needs infopt[bench])")
+    p.add_argument("--csv", help="append a row to this history CSV")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print B/A ratios of two results")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(fn=_run)

@@ -1,0 +1,152 @@
+"""Reading benchmark results: the stdout table, two-run comparison, the PNG chart, the history CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..core.availability import lazy_import
+
+__all__ = ["format_table", "compare_runs", "plot", "append_csv", "METRICS"]
+
+# metric -> (label, higher is better)
+METRICS: dict[str, tuple[str, bool]] = {
+    "decode_tokens_per_s": ("decode tokens/s", True),
+    "tokens_per_s": ("output tokens/s", True),
+    "requests_per_s": ("requests/s", True),
+    "ttft_p50_ms": ("TTFT p50 ms", False),
+    "ttft_p90_ms": ("TTFT p90 ms", False),
+    "tpot_p50_ms": ("time/output token p50 ms", False),
+    "model_mb": ("weights+buffers MiB", False),
+    "peak_rss_mb": ("peak RSS MiB", False),
+    "weight_gbs": ("weight bandwidth GB/s", True),
+}
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A readable table of one :func:`~infopt.bench.harness.run_bench` result."""
+    mach = result["machine"]
+    wl = result["workload"]
+    lines = [
+        f"workload {wl['name']}: {wl['description']}",
+        f"  {wl['requests']} requests, {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
+        f"{wl['dtype']}, repeats {wl['repeats']} (median), seed {wl['seed']}",
+        f"machine: {mach['cpu']}, {mach['threads']} threads, torch {mach['torch']}, transformers "
+        f"{mach['transformers']}; measured copy bandwidth {mach['bandwidth_gbs']:.1f} GB/s",
+        f"recipe: {_recipe_str(result.get('recipe'))}",
+        "",
+    ]
+    modes = result["baseline_modes"]
+    cols = [f"HF {m}" for m in modes] + (["infopt"] if result["optimized"] else []) + \
+        (["ratio"] if result["ratios"] else [])
+    w = max(len(v[0]) for v in METRICS.values())
+    lines.append(f"{'':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
+    for key, (label, _) in METRICS.items():
+        row = [modes[m].get(key) for m in modes]
+        if result["optimized"]:
+            row.append(result["optimized"].get(key))
+        if result["ratios"]:
+            row.append(result["ratios"].get(key))
+        cells = [_fmt(v) for v in row]
+        if result["ratios"]:
+            cells[-1] = cells[-1] + "x" if cells[-1] != "-" else "-"
+        lines.append(f"{label:<{w}}  " + "  ".join(f"{c:>13}" for c in cells))
+    bw = mach.get("bandwidth_gbs")
+    if bw:
+        b = result["baseline"]["weight_gbs"]
+        line = f"\nweight bandwidth achieved: baseline {b:.2f} GB/s ({100 * b / bw:.0f}% of {bw:.1f} GB/s)"
+        if result["optimized"]:
+            o = result["optimized"]["weight_gbs"]
+            line += f", infopt {o:.2f} GB/s ({100 * o / bw:.0f}%)"
+        lines.append(line)
+    q = result.get("quality")
+    if q:
+        lines.append(f"quality vs original: KL {q['kl']:.4g} nats/token (max {q['kl_max']:.3g}), top-1 {q['top1']:.3f}, "
+                     f"perplexity {q['ppl_ref']:.2f} -> {q['ppl']:.2f}")
+    if result.get("exact_greedy") is not None:
+        claim = " (recipe claims lossless)" if result.get("lossless_claimed") else ""
+        lines.append(f"greedy outputs identical to baseline: {'yes' if result['exact_greedy'] else 'no'}{claim}")
+    return "\n".join(lines)
+
+
+def _recipe_str(recipe: dict | None) -> str:
+    if not recipe:
+        return "none (baseline only)"
+    return " -> ".join(json.dumps(s, separators=(",", ":")) for s in recipe["steps"])
+
+
+def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Ratio table of run ``b`` over run ``a`` (the optimized side if present, else the baseline)."""
+    sa = a["optimized"] or a["baseline"]
+    sb = b["optimized"] or b["baseline"]
+    w = max(len(v[0]) for v in METRICS.values())
+    lines = [f"A: {a['workload']['name']} / {_recipe_str(a.get('recipe'))} ({a['machine']['date']})",
+             f"B: {b['workload']['name']} / {_recipe_str(b.get('recipe'))} ({b['machine']['date']})", "",
+             f"{'':<{w}}  {'A':>12}  {'B':>12}  {'B/A':>8}"]
+    for key, (label, _) in METRICS.items():
+        va, vb = sa.get(key), sb.get(key)
+        ratio = vb / va if va and vb is not None else None
+        lines.append(f"{label:<{w}}  {_fmt(va):>12}  {_fmt(vb):>12}  {_fmt(ratio) + 'x' if ratio else '-':>8}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str | Path) -> Path:
+    """Bar chart, one panel per metric, baseline vs infopt. Needs matplotlib (``infopt[bench]``)."""
+    mpl = lazy_import("matplotlib", feature="benchmark charts (--plot)")
+    mpl.use("Agg")
+    plt = lazy_import("matplotlib.pyplot", feature="benchmark charts (--plot)")
+    keys = [k for k in METRICS if result["baseline"].get(k) is not None and not math.isnan(result["baseline"][k])]
+    fig, axes = plt.subplots(1, len(keys), figsize=(2.2 * len(keys), 3.2))
+    for ax, k in zip(axes, keys, strict=True):
+        names = [f"HF\n{m}" for m in result["baseline_modes"]]
+        vals = [result["baseline_modes"][m][k] for m in result["baseline_modes"]]
+        if result["optimized"]:
+            names.append("infopt")
+            vals.append(result["optimized"][k])
+        ax.bar(names, vals, color=["#888888"] * (len(names) - (1 if result["optimized"] else 0)) +
+               (["#2a7ab9"] if result["optimized"] else []))
+        label, higher = METRICS[k]
+        ax.set_title(f"{label}\n({'higher' if higher else 'lower'} is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"infopt bench: {result['workload']['name']} — {result['model']}", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def append_csv(result: dict[str, Any], path: str | Path) -> Path:
+    """Append one row (date, machine, versions, recipe, key figures) to a history CSV."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    m = result["machine"]
+    row = {"date": m["date"], "cpu": m["cpu"], "threads": m["threads"], "torch": m["torch"],
+           "transformers": m["transformers"], "infopt": m["infopt"], "bandwidth_gbs": round(m["bandwidth_gbs"], 2),
+           "model": result["model"], "workload": result["workload"]["name"], "recipe": _recipe_str(result["recipe"]),
+           "exact_greedy": result["exact_greedy"]}
+    for side in ("baseline", "optimized"):
+        for k in ("decode_tokens_per_s", "tokens_per_s", "ttft_p50_ms", "model_mb", "peak_rss_mb"):
+            v = (result[side] or {}).get(k)
+            row[f"{side}_{k}"] = round(v, 3) if isinstance(v, float) else v
+    if result["quality"]:
+        row["kl"] = round(result["quality"]["kl"], 5)
+        row["top1"] = round(result["quality"]["top1"], 4)
+    new = not p.exists()
+    with p.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+    return p
