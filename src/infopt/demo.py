@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nQ: {args.question}\nA: {answer}\n")
     mb = 2**20
     rows = [
-        ("decode tokens/s (median of %d)" % args.repeats, f"{tps0:.1f}", f"{tps1:.1f}", f"{tps1 / tps0:.2f}x"),
+        (f"decode tokens/s (median of {args.repeats})", f"{tps0:.1f}", f"{tps1:.1f}", f"{tps1 / tps0:.2f}x"),
         ("weights+buffers MiB", f"{mem0 / mb:.1f}", f"{mem1 / mb:.1f}", f"{mem1 / mem0:.2f}x"),
         ("KL vs original (nats/token)", "0", f"{q['kl']:.4f}", ""),
         ("top-1 agreement", "1.000", f"{q['top1']:.3f}", ""),

@@ -183,7 +183,7 @@ class Recipe:
 
     # -- parsing ---------------------------------------------------------------------------
     @classmethod
-    def parse(cls, obj: Any) -> "Recipe":
+    def parse(cls, obj: Any) -> Recipe:
         """Accept a :class:`Recipe`, a step config, a list of configs or dicts, a dict with ``steps``,
         a YAML/JSON file path, or a preset name.
 
@@ -228,7 +228,7 @@ class Recipe:
             raise RecipeError(f"step {i + 1}: {e}") from None
 
     @classmethod
-    def _parse_str(cls, s: str | os.PathLike) -> "Recipe":
+    def _parse_str(cls, s: str | os.PathLike) -> Recipe:
         text = str(s)
         if text in PRESETS:
             p = PRESETS[text]
@@ -245,7 +245,7 @@ class Recipe:
         )
 
     @classmethod
-    def from_yaml(cls, text: str) -> "Recipe":
+    def from_yaml(cls, text: str) -> Recipe:
         """Parse YAML (or JSON) text.
 
         Raises:

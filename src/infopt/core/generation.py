@@ -36,7 +36,7 @@ class RoutingStats:
         return {"infopt": self.infopt, "original": self.original, "reasons": dict(self.reasons)}
 
 
-_STATS: "weakref.WeakKeyDictionary[nn.Module, RoutingStats]" = weakref.WeakKeyDictionary()
+_STATS: weakref.WeakKeyDictionary[nn.Module, RoutingStats] = weakref.WeakKeyDictionary()
 
 # generate() arguments that select decoding strategies infopt's loops do not implement
 SAMPLING_ONLY_KWARGS = ("num_beams", "num_beam_groups", "penalty_alpha", "constraints", "force_words_ids")

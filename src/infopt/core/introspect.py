@@ -175,8 +175,8 @@ def inspect_model(model: nn.Module) -> ModelInfo:
         attn += existing(lf, family.attn, family.attn_linears)
         mlp += existing(lf, family.mlp, family.mlp_linears)
 
-    hidden = getattr(tc, "hidden_size", None) or getattr(tc, "n_embd")
-    heads = getattr(tc, "num_attention_heads", None) or getattr(tc, "n_head")
+    hidden = getattr(tc, "hidden_size", None) or tc.n_embd
+    heads = getattr(tc, "num_attention_heads", None) or tc.n_head
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
     head_dim = getattr(tc, "head_dim", None) or hidden // heads
     rope = getattr(tc, "rope_parameters", None)

@@ -34,7 +34,7 @@ __all__ = [
     "undo",
 ]
 
-_HANDLES: "weakref.WeakKeyDictionary[nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
 _MISSING = object()
 
 

@@ -35,9 +35,9 @@ STAGES: tuple[str, ...] = ("attention", "quantize", "parallel", "kvcache", "comp
 """Canonical order in which :func:`infopt.optimize` applies steps, whatever order a recipe lists them."""
 
 # stage -> kind (None for single-kind stages) -> config class
-STEP_TYPES: dict[str, dict[str | None, type["StepConfig"]]] = {}
+STEP_TYPES: dict[str, dict[str | None, type[StepConfig]]] = {}
 # config class -> transform(model, config, ctx)
-TRANSFORMS: dict[type["StepConfig"], Callable[[nn.Module, "StepConfig", "ApplyContext"], None]] = {}
+TRANSFORMS: dict[type[StepConfig], Callable[[nn.Module, StepConfig, ApplyContext], None]] = {}
 
 
 def bad_field(cls_or_obj: Any, name: str, value: Any, allowed: str) -> RecipeError:
@@ -96,7 +96,7 @@ class StepConfig:
         return {self.stage: body}
 
     @classmethod
-    def from_fields(cls, fields: dict[str, Any]) -> "StepConfig":
+    def from_fields(cls, fields: dict[str, Any]) -> StepConfig:
         """Build from a flat field dict, with a :class:`RecipeError` for unknown fields."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - set(names))
@@ -118,7 +118,7 @@ class StepConfig:
             raise RecipeError(f"{cls.__name__}: {e}") from e
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "StepConfig":
+    def from_dict(d: dict[str, Any]) -> StepConfig:
         """Inverse of :meth:`to_dict`: ``{stage: {...}}`` to the registered config class.
 
         Raises:
@@ -163,7 +163,7 @@ class StepConfig:
         """Import names of optional packages this step needs (checked before anything is applied)."""
         return ()
 
-    def check(self, model: nn.Module, info: ModelInfo, steps: tuple["StepConfig", ...]) -> list[str]:
+    def check(self, model: nn.Module, info: ModelInfo, steps: tuple[StepConfig, ...]) -> list[str]:
         """Raise if the step cannot apply to ``model``; return the fallbacks it will take (for the report).
 
         Args:

@@ -1,21 +1,46 @@
-"""Quality against the original model: perplexity, KL divergence, top-1 agreement, on text every Python has."""
+"""Quality against the original model: strided perplexity, KL divergence, top-1 agreement, exact greedy tokens.
+
+Measured on text every Python has (``pydoc_data.topics``) unless told otherwise; references can be
+cached on disk. See docs/eval.md.
+"""
 
 from .metrics import (
     Reference,
+    check_reference,
     compare,
     default_text,
     encode_text,
     gate_failures,
     logit_metrics,
     reference_logits,
+    resolve_text,
 )
+from .quality import STORE_DTYPES, EvalResult, evaluate, make_reference, reference_for
+from .store import load_reference, reference_meta, save_reference
+from .tokens import assert_same_tokens, assert_token_identical, greedy_outputs
+from .windows import Window, window_layout
 
 __all__ = [
+    "EvalResult",
     "Reference",
+    "STORE_DTYPES",
+    "Window",
+    "assert_same_tokens",
+    "assert_token_identical",
+    "check_reference",
     "compare",
     "default_text",
     "encode_text",
+    "evaluate",
     "gate_failures",
+    "greedy_outputs",
+    "load_reference",
     "logit_metrics",
+    "make_reference",
+    "reference_for",
     "reference_logits",
+    "reference_meta",
+    "resolve_text",
+    "save_reference",
+    "window_layout",
 ]

@@ -93,7 +93,7 @@ class Int8Linear(nn.Module):
         self._scale_cache: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, compute_dtype: str = "auto", conv1d: bool = False) -> "Int8Linear":
+    def from_float(cls, module: nn.Module, *, compute_dtype: str = "auto", conv1d: bool = False) -> Int8Linear:
         """Build from an ``nn.Linear`` (or a transformers ``Conv1D`` with ``conv1d=True``)."""
         w = module.weight.detach()
         if conv1d:  # Conv1D stores [in, out]

@@ -1,0 +1,184 @@
+"""Exact token equality of greedy generations, for lossless steps (attention backend, KV cache, compile)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["greedy_outputs", "assert_same_tokens", "assert_token_identical"]
+
+Prompt = str | torch.Tensor | Sequence[int]
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+def _prompt_ids(prompts: Prompt | Sequence[Prompt], tokenizer) -> list[torch.Tensor]:
+    # each prompt -> [1, S] int64; one string / tensor / id list counts as one prompt, a [B, S] tensor as B
+    if isinstance(prompts, (str, torch.Tensor)) or _is_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of strings, token-id lists or tensors, got {prompts!r}")
+    out: list[torch.Tensor] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is a string; pass tokenizer= (or token ids)")
+            ids = tokenizer(p, return_tensors="pt")["input_ids"]
+            out.append(ids)
+        elif isinstance(p, torch.Tensor):
+            if p.dim() == 1:
+                out.append(p.unsqueeze(0))
+            elif p.dim() == 2:
+                out.extend(row.unsqueeze(0) for row in p)
+            else:
+                raise ValueError(f"prompt {i} has shape {tuple(p.shape)}; pass [S] or [B, S] token ids")
+        elif isinstance(p, (list, tuple)) and (not p or _is_ids(p)):
+            out.append(torch.tensor([list(p)], dtype=torch.long))  # [1, S]; S = 0 is caught below
+        else:
+            raise ValueError(f"prompt {i} is a {type(p).__name__}; pass a string, a list of token ids or a tensor")
+    for i, ids in enumerate(out):
+        if ids.shape[-1] == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if ids.is_floating_point():
+            raise ValueError(f"prompt {i} holds {ids.dtype} values; token ids are integers")
+    return [ids.long() for ids in out]
+
+
+@torch.inference_mode()
+def greedy_outputs(model: nn.Module, prompts: Prompt | Sequence[Prompt], max_new_tokens: int = 32, *,
+                   tokenizer=None) -> list[list[int]]:
+    """Greedy continuations of each prompt, through ``model.generate`` (batch 1 per prompt, no padding).
+
+    Record them before an optimization and compare after with :func:`assert_same_tokens`; this is how
+    a lossless step is checked on one model object. Generation stops at ``max_new_tokens`` or at the
+    model's end-of-sequence token.
+
+    Args:
+        model: a transformers causal LM (optimized or not: its own ``generate`` is called).
+        prompts: one prompt or a list; each a string (needs ``tokenizer``), a list of token ids, or a
+            ``[S]`` / ``[B, S]`` id tensor (each row a prompt).
+        max_new_tokens: tokens to generate per prompt.
+        tokenizer: the model's tokenizer, for string prompts.
+
+    Returns:
+        One list of generated token ids (prompt excluded) per prompt.
+
+    Raises:
+        ValueError: ``max_new_tokens <= 0``; an empty or malformed prompt; a string without a tokenizer.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> out = greedy_outputs(tiny_model(), [[1, 17, 400], torch.tensor([5, 6])], max_new_tokens=4)
+        >>> [len(o) for o in out]
+        [4, 4]
+    """
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    device = next(model.parameters()).device
+    gc = model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else gc.eos_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0]
+    out = []
+    for ids in _prompt_ids(prompts, tokenizer):
+        ids = ids.to(device)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad)
+        out.append(seq[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _at(seq: list[int], pos: int, tokenizer) -> str:
+    if pos >= len(seq):
+        return f"ended after {len(seq)} tokens"
+    return f"has {seq[pos]}" + (f" {tokenizer.decode([seq[pos]])!r}" if tokenizer is not None else "")
+
+
+def _show(ids: Sequence[int], tokenizer) -> str:
+    return repr(tokenizer.decode(list(ids))) if tokenizer is not None else str(list(ids))
+
+
+def assert_same_tokens(expected: Sequence[Sequence[int]], actual: Sequence[Sequence[int]], *, tokenizer=None,
+                       names: tuple[str, str] = ("expected", "actual"),
+                       prompt_lengths: Sequence[int] | None = None) -> None:
+    """Raise AssertionError at the first prompt whose continuations differ, naming where.
+
+    Args:
+        expected, actual: from :func:`greedy_outputs` (one id list per prompt), same number of prompts.
+        tokenizer: decode continuations in the message (token ids are shown otherwise).
+        names: labels of the two sides in the message.
+        prompt_lengths: prompt lengths, to also report the position in the whole sequence.
+
+    Returns:
+        None when every continuation is identical token for token (lengths included).
+
+    Raises:
+        AssertionError: a continuation differs; the message gives the prompt index, the first
+            diverging generated-token position (0 = first generated token), both tokens there and
+            both continuations.
+        ValueError: the two lists hold different numbers of prompts.
+
+    Example:
+        >>> assert_same_tokens([[5, 6, 7]], [[5, 6, 7]])
+        >>> assert_same_tokens([[5, 6, 7]], [[5, 9, 7]])
+        Traceback (most recent call last):
+        ...
+        AssertionError: greedy outputs differ for prompt 0 at generated token 1: expected has 6, actual has 9
+          expected: [5, 6, 7]
+          actual: [5, 9, 7]
+    """
+    if len(expected) != len(actual):
+        raise ValueError(f"{names[0]} has {len(expected)} prompt(s) but {names[1]} has {len(actual)}; record both "
+                         "with the same prompts")
+    a_name, b_name = names
+    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
+        a, b = list(a), list(b)
+        if a == b:
+            continue
+        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+        where = f" (sequence position {prompt_lengths[i] + pos})" if prompt_lengths is not None else ""
+        raise AssertionError(
+            f"greedy outputs differ for prompt {i} at generated token {pos}{where}: {a_name} {_at(a, pos, tokenizer)}, "
+            f"{b_name} {_at(b, pos, tokenizer)}\n"
+            f"  {a_name}: {_show(a, tokenizer)}\n  {b_name}: {_show(b, tokenizer)}")
+
+
+def assert_token_identical(model_a: nn.Module, model_b: nn.Module, prompts: Prompt | Sequence[Prompt],
+                           max_new_tokens: int = 32, *, tokenizer=None) -> None:
+    """Assert two models produce the same greedy tokens for every prompt (the check for lossless steps).
+
+    For a before/after check on one object (optimizing in place), record with
+    :func:`greedy_outputs` before and use :func:`assert_same_tokens` after; passing the same object
+    twice here only compares it with itself.
+
+    Args:
+        model_a, model_b: the two models, e.g. an original and an optimized copy.
+        prompts: as for :func:`greedy_outputs`.
+        max_new_tokens: tokens to generate per prompt.
+        tokenizer: needed for string prompts; also decodes the continuations in the message.
+
+    Returns:
+        None when all continuations are equal token for token.
+
+    Raises:
+        AssertionError: the first prompt whose outputs differ, with the first diverging position
+            and both continuations (see :func:`assert_same_tokens`).
+        ValueError: bad prompts or ``max_new_tokens``.
+
+    Example:
+        >>> import copy
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model()
+        >>> assert_token_identical(m, copy.deepcopy(m), [[1, 17, 400, 23]], max_new_tokens=8)
+    """
+    ids = _prompt_ids(prompts, tokenizer)
+    a = greedy_outputs(model_a, ids, max_new_tokens)
+    b = greedy_outputs(model_b, ids, max_new_tokens)
+    assert_same_tokens(a, b, tokenizer=tokenizer, names=("model_a", "model_b"),
+                       prompt_lengths=[int(x.shape[-1]) for x in ids])
