@@ -30,7 +30,7 @@ def _cmd_optimize(args) -> int:
     from .optimize import optimize
 
     model, tok = load_model(args.model)
-    optimize(model, args.recipe)
+    optimize(model, args.recipe, tokenizer=tok)
     print(model.infopt)
     if args.save:
         out = save_optimized(model, args.save, tokenizer=tok)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (InfoptError, FileNotFoundError) as e:
+    except (InfoptError, FileNotFoundError, ValueError) as e:
         print(f"infopt: error: {e}", file=sys.stderr)
         return 2
 

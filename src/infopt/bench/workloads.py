@@ -12,7 +12,8 @@ __all__ = ["Request", "WORKLOADS", "make_workload"]
 
 WORKLOADS: dict[str, str] = {
     "decode": "batch 1, one 32-token prompt, 128 new tokens, greedy",
-    "batch": "64 chat requests, prompt lengths 16-512 and output lengths 16-256 (seeded log-uniform)",
+    "batch": "64 chat requests, prompt lengths 16-512 (median 64) and output lengths 16-256 (median 32), "
+             "seeded long-tailed (log-normal, clipped)",
     "grounded": "8 edit/summarize prompts whose answers copy from the input (for speculative decoding)",
     "prefix": "a ~1,000-token shared system prompt, then 8 short questions",
     "long": "long-context decode: a 2,048-token prompt, 64 new tokens (KV-cache memory)",
@@ -54,8 +55,10 @@ def _chat(tokenizer, user: str, system: str | None = None) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt")["input_ids"]
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+def _long_tailed(rng: random.Random, median: int, lo: int, hi: int, sigma: float = 0.8) -> int:
+    """A log-normal draw around ``median``, clipped to ``[lo, hi]``: most requests short, a few long,
+    as in chat traffic."""
+    return int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma))))))
 
 
 def make_workload(name: str, tokenizer, *, seed: int = 0, num_requests: int | None = None) -> list[Request]:
@@ -93,11 +96,11 @@ def make_workload(name: str, tokenizer, *, seed: int = 0, num_requests: int | No
         ids = _corpus_ids(tokenizer, 20_000)
         reqs = []
         for _ in range(n):
-            plen = _log_uniform(rng, 16, 512)
+            plen = _long_tailed(rng, 64, 16, 512)
             start = rng.randrange(0, len(ids) - plen)
             text = tokenizer.decode(ids[start:start + plen])
             prompt = _chat(tokenizer, "Explain this passage briefly:\n" + text)
-            reqs.append(Request(prompt, _log_uniform(rng, 16, 256)))
+            reqs.append(Request(prompt, _long_tailed(rng, 32, 16, 256)))
         return reqs
     elif name == "grounded":
         from ..eval import default_text

@@ -18,7 +18,8 @@ __all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
 @register_step
 @dataclass(frozen=True)
 class Static(StepConfig):
-    """A preallocated KV cache of fixed shape ``[batch, kv_heads, max_length, head_dim]`` per layer.
+    """A preallocated KV cache of static shape ``[batch, kv_heads, L, head_dim]`` per layer, where ``L`` is the
+    call's length rounded up to a 256-token bucket (at most ``max_length``).
 
     Static shapes are what ``torch.compile`` needs, and reusing one allocation across calls avoids
     growing (and copying) the cache token by token.
