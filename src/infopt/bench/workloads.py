@@ -12,7 +12,7 @@ __all__ = ["Request", "WORKLOADS", "make_workload"]
 
 WORKLOADS: dict[str, str] = {
     "decode": "batch 1, one 32-token prompt, 128 new tokens, greedy",
-    "batch": "64 chat requests, prompt lengths 16-512 (median 64) and output lengths 16-256 (median 32), "
+    "batch": "64 chat requests, prompt lengths 16-512 (median 64) and output lengths 16-256 (median 24), "
              "seeded long-tailed (log-normal, clipped)",
     "grounded": "8 edit/summarize prompts whose answers copy from the input (for speculative decoding)",
     "prefix": "a ~1,000-token shared system prompt, then 8 short questions",
@@ -100,7 +100,7 @@ def make_workload(name: str, tokenizer, *, seed: int = 0, num_requests: int | No
             start = rng.randrange(0, len(ids) - plen)
             text = tokenizer.decode(ids[start:start + plen])
             prompt = _chat(tokenizer, "Explain this passage briefly:\n" + text)
-            reqs.append(Request(prompt, _long_tailed(rng, 32, 16, 256)))
+            reqs.append(Request(prompt, _long_tailed(rng, 24, 16, 256)))
         return reqs
     elif name == "grounded":
         from ..eval import default_text
