@@ -139,6 +139,34 @@ def _tokenizer(tokenizer):
     return load_default_tokenizer()
 
 
+def _encode_checked(model: nn.Module, text, tokenizer, max_tokens: int):
+    """``(tokenizer, body, ids)``: the resolved text and its ``[1, T]`` ids, checked against ``model``."""
+    tokenizer = _tokenizer(tokenizer)
+    body = resolve_text(text)
+    ids = tokenize(body, tokenizer, max_tokens)
+    _check_ids(model, ids)
+    if ids.shape[1] < 2:
+        raise ValueError(f"the text is {ids.shape[1]} token long; perplexity needs at least 2 tokens")
+    return tokenizer, body, ids
+
+
+def _prepare_reference(model: nn.Module, text, tokenizer, max_tokens: int, stride: int | None,
+                       window: int | None, dtype: torch.dtype | str, *, original_only: bool):
+    """Validate a reference request: ``(ids, window, stride, dtype, identity)`` (see :func:`make_reference`).
+
+    ``original_only`` refuses an optimized model before the text is encoded.
+    """
+    _positive("max_tokens", max_tokens)
+    _positive("stride", stride)
+    _positive("window", window)
+    dtype = _store_dtype(dtype)
+    if original_only:
+        _check_unoptimized(model)
+    tokenizer, body, ids = _encode_checked(model, text, tokenizer, max_tokens)
+    w, s = _default_layout([model], window, stride)
+    return ids, w, s, dtype, _identity(model, tokenizer, body, ids, max_tokens, w, s, dtype)
+
+
 def evaluate(
     model: nn.Module,
     reference: nn.Module | Reference | str | os.PathLike | None = None,
@@ -219,11 +247,7 @@ def evaluate(
 
             raise IncompatibleModelError(f"the reference model's vocabulary ({model_vocab(ref_model)}) differs from "
                                          f"the model's ({model_vocab(model)}); compare a model with its own original")
-        tokenizer = _tokenizer(tokenizer)
-        ids = tokenize(resolve_text(text), tokenizer, max_tokens)
-        _check_ids(model, ids)
-        if ids.shape[1] < 2:
-            raise ValueError(f"the text is {ids.shape[1]} token long; perplexity needs at least 2 tokens")
+        tokenizer, _, ids = _encode_checked(model, text, tokenizer, max_tokens)
         w, s = _default_layout([model] + ([ref_model] if ref_model is not None else []), window, stride)
         layout = window_layout(int(ids.shape[1]), w, s)
         fig = measure(model, ids, layout, ref_model=ref_model)
@@ -331,19 +355,9 @@ def make_reference(
         >>> ref.logits.shape, ref.logits.dtype, evaluate(m, ref).kl
         (torch.Size([1, 100, 49152]), torch.float16, 0.0)
     """
-    _positive("max_tokens", max_tokens)
-    _positive("stride", stride)
-    _positive("window", window)
-    dtype = _store_dtype(dtype)
-    _check_unoptimized(model)
-    tokenizer = _tokenizer(tokenizer)
-    body = resolve_text(text)
-    ids = tokenize(body, tokenizer, max_tokens)
-    _check_ids(model, ids)
-    if ids.shape[1] < 2:
-        raise ValueError(f"the text is {ids.shape[1]} token long; perplexity needs at least 2 tokens")
-    w, s = _default_layout([model], window, stride)
-    return _build(model, ids, w, s, dtype, _identity(model, tokenizer, body, ids, max_tokens, w, s, dtype))
+    ids, w, s, dtype, identity = _prepare_reference(model, text, tokenizer, max_tokens, stride, window, dtype,
+                                                    original_only=True)
+    return _build(model, ids, w, s, dtype, identity)
 
 
 def reference_for(
@@ -388,18 +402,8 @@ def reference_for(
         >>> torch.equal(a.logits, b.logits)
         True
     """
-    _positive("max_tokens", max_tokens)
-    _positive("stride", stride)
-    _positive("window", window)
-    dtype = _store_dtype(dtype)
-    tokenizer = _tokenizer(tokenizer)
-    body = resolve_text(text)
-    ids = tokenize(body, tokenizer, max_tokens)
-    _check_ids(model, ids)
-    if ids.shape[1] < 2:
-        raise ValueError(f"the text is {ids.shape[1]} token long; perplexity needs at least 2 tokens")
-    w, s = _default_layout([model], window, stride)
-    identity = _identity(model, tokenizer, body, ids, max_tokens, w, s, dtype)
+    ids, w, s, dtype, identity = _prepare_reference(model, text, tokenizer, max_tokens, stride, window, dtype,
+                                                    original_only=False)  # a cache hit may come from any model
     p = Path(path)
     if p.exists() and not recompute:
         try:
