@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .core.errors import IncompatibleModelError, MissingBackendError
+from .core.errors import MissingBackendError
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -252,10 +252,3 @@ def tiny_model(
         return model, load_default_tokenizer()
     return model
 
-
-def check_causal_lm(model) -> None:
-    """Raise :class:`IncompatibleModelError` unless ``model`` looks like a transformers causal LM."""
-    if not hasattr(model, "config") or not hasattr(model, "generate"):
-        raise IncompatibleModelError(
-            f"expected a transformers causal LM (AutoModelForCausalLM), got {type(model).__name__}"
-        )

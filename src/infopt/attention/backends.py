@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.availability import is_available, require
+from ..core.availability import require
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, inspect_model
 from ..core.patch import record_custom
@@ -123,7 +123,3 @@ def _apply(model: nn.Module, config: Attention, ctx: ApplyContext) -> None:
     set_backend_(model, config)
     ctx.notes.append(f"attention {before} -> {BACKENDS[config.backend]}")
 
-
-def flash_attn_installed() -> bool:
-    """True when the flash-attn package is importable (not imported here)."""
-    return is_available("flash_attn")

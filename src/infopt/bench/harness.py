@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from ..core.introspect import inspect_model, param_bytes
+from .report import METRICS
 from .workloads import WORKLOADS, Request, make_workload
 
 __all__ = ["measure_bandwidth", "run_requests", "summarize", "run_bench", "machine_info", "weight_bytes_per_token"]
 
-_HIGHER_IS_BETTER = {"tokens_per_s", "decode_tokens_per_s", "requests_per_s", "weight_gbs"}
 
 
 def machine_info() -> dict[str, Any]:
@@ -127,12 +127,12 @@ def run_requests(model: nn.Module, requests: list[Request], *, mode: str = "sequ
     """
     from tqdm.auto import tqdm
 
-    device = next(model.parameters()).device
-    out: list[dict[str, Any] | None] = [None] * len(requests)
-    groups = [[i] for i in range(len(requests))] if mode == "sequential" else \
-        [list(range(i, min(i + batch_size, len(requests)))) for i in range(0, len(requests), batch_size)]
     if mode not in ("sequential", "padded"):
         raise ValueError(f"mode={mode!r}; allowed: sequential, padded")
+    device = next(model.parameters()).device
+    out: list[dict[str, Any] | None] = [None] * len(requests)
+    size = 1 if mode == "sequential" else batch_size
+    groups = [list(range(i, min(i + size, len(requests)))) for i in range(0, len(requests), size)]
     t_start = time.perf_counter()
     for group in tqdm(groups, desc=desc, disable=not progress, leave=False):
         reqs = [requests[i] for i in group]
@@ -191,13 +191,13 @@ def _median_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def _timed(model, requests, mode, pad, progress, desc, bandwidth_per_token):
+def _timed(model, requests, mode, pad, progress, desc):
     _reset_peak_rss()
     run = run_requests(model, requests, mode=mode, pad_token_id=pad, progress=progress, desc=desc)
     m = summarize(run)
     m["peak_rss_mb"] = (_peak_rss_bytes() or 0) / 2**20
     m["model_mb"] = param_bytes(model) / 2**20
-    m["weight_gbs"] = bandwidth_per_token(model) * m["decode_tokens_per_s"] / 1e9
+    m["weight_gbs"] = weight_bytes_per_token(model) * m["decode_tokens_per_s"] / 1e9
     return m, [r["tokens"] for r in run["requests"]]
 
 
@@ -251,8 +251,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     for rep in range(repeats):
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
         for mode in base_modes:
-            m, toks = _timed(model, requests, mode, pad, progress, f"baseline {mode} {rep + 1}/{repeats}",
-                             weight_bytes_per_token)
+            m, toks = _timed(model, requests, mode, pad, progress, f"baseline {mode} {rep + 1}/{repeats}")
             base_rows[mode].append(m)
             base_tokens[mode] = toks
         if r is None:
@@ -260,8 +259,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         optimize(model, r)
         try:
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
-            m, opt_tokens = _timed(model, requests, opt_mode, pad, progress, f"optimized {rep + 1}/{repeats}",
-                                   weight_bytes_per_token)
+            m, opt_tokens = _timed(model, requests, opt_mode, pad, progress, f"optimized {rep + 1}/{repeats}")
             opt_rows.append(m)
             if reference is not None and quality_figs is None:
                 from ..eval import compare
@@ -294,5 +292,5 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         "ratios": ratios,
         "quality": quality_figs,
         "exact_greedy": exact,
-        "higher_is_better": sorted(_HIGHER_IS_BETTER),
+        "higher_is_better": sorted(k for k, (_, higher) in METRICS.items() if higher),
     }

@@ -120,7 +120,6 @@ class _StaticCacheHolder:
         self.max_length = resolved_max_length(model, config)
         self.cache = None
         self.key: tuple[int, int] | None = None
-        self.allocations = 0
 
     def get(self, batch: int, needed: int):
         from transformers import StaticCache
@@ -130,7 +129,6 @@ class _StaticCacheHolder:
             self.cache = None  # free the old allocation first
             self.cache = StaticCache(config=self.model.config, max_cache_len=key[1])
             self.key = key
-            self.allocations += 1
         else:
             self.cache.reset()
         return self.cache
