@@ -39,9 +39,7 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None) -> P
         model.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    from .core.step import StepConfig
-
-    recipe = Recipe(tuple(StepConfig.from_dict(s.config) for s in report.steps))
+    recipe = Recipe(report.applied_steps())
     (out / RECIPE_FILE).write_text(recipe.to_yaml())
     save_model(model, str(out / WEIGHTS_FILE))
     (out / "infopt_meta.json").write_text(json.dumps({"dtype": str(next(model.parameters()).dtype)}))

@@ -15,7 +15,7 @@ from .core.introspect import inspect_model, param_bytes
 from .core.patch import get_handle, set_attr
 from .core.patch import undo as _undo_patches
 from .core.step import TRANSFORMS, ApplyContext, StepConfig
-from .recipe import Recipe, check_rules
+from .recipe import Recipe, check_gate, check_rules
 
 __all__ = ["optimize", "undo", "validate", "OptimizationReport", "StepReport"]
 
@@ -52,6 +52,10 @@ class OptimizationReport:
     def routing(self) -> dict[str, Any]:
         """``generate`` calls served by infopt vs handed to the original, with reasons."""
         return routing_stats(self.model).as_dict()
+
+    def applied_steps(self) -> tuple[StepConfig, ...]:
+        """The step configs applied so far, in the order applied."""
+        return tuple(StepConfig.from_dict(s.config) for s in self.steps)
 
     @property
     def fallbacks(self) -> list[str]:
@@ -97,6 +101,12 @@ def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]
     Raises:
         RecipeError, IncompatibleModelError, MissingBackendError: the first problem found.
     """
+    r, fallbacks, _ = _validate(model, recipe)
+    return r, fallbacks
+
+
+def _validate(model: nn.Module, recipe: Any):
+    """:func:`validate`, also returning the :class:`~infopt.core.introspect.ModelInfo` it read."""
     r = Recipe.parse(recipe)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise IncompatibleModelError(
@@ -112,8 +122,7 @@ def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]
                 f"the model already has {', '.join(done[k.split(':')[0]] for k in again)} applied; "
                 "call infopt.undo(model) first, then optimize with the full recipe"
             )
-        prior_steps = tuple(StepConfig.from_dict(s.config) for s in prior.steps)
-        check_rules(prior_steps + r.steps)
+        check_rules(prior.applied_steps() + r.steps)
     fallbacks: dict[str, list[str]] = {}
     for step in r.steps:
         if type(step) not in TRANSFORMS:
@@ -122,7 +131,7 @@ def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]
             require(mod, feature=f"recipe step {step.key}")
     for step in r.steps:
         fallbacks[step.key] = list(step.check(model, info, r.steps))
-    return r, fallbacks
+    return r, fallbacks, info
 
 
 def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None,
@@ -158,17 +167,16 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report
         4
     """
-    r, fallbacks = validate(model, recipe)
+    r, fallbacks, info = _validate(model, recipe)
     gate = gate if gate is not None else r.gate
     if gate is not None:
-        Recipe(r.steps, gate=gate)  # validates the gate's keys and values
+        check_gate(gate)
     reference = None
     if gate:
         from . import eval as ev
 
         reference = ev.reference_logits(model, text=gate_text, tokenizer=tokenizer)
 
-    info = inspect_model(model)
     handle = get_handle(model)
     mark = len(handle.records)
     report = _existing_report(model)

@@ -20,7 +20,7 @@ from . import quantize as _quantize  # noqa: F401
 from .core.errors import RecipeError
 from .core.step import STAGES, STEP_TYPES, StepConfig
 
-__all__ = ["Recipe", "Rule", "RULES", "PRESETS", "Preset", "available_steps", "check_rules"]
+__all__ = ["Recipe", "Rule", "RULES", "PRESETS", "Preset", "available_steps", "check_rules", "check_gate"]
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Recipe:
         order = {st: i for i, st in enumerate(STAGES)}
         object.__setattr__(self, "steps", tuple(sorted(self.steps, key=lambda s: order[s.stage])))
         if self.gate is not None:
-            _check_gate(self.gate)
+            check_gate(self.gate)
         check_rules(self.steps)
 
     # -- parsing ---------------------------------------------------------------------------
@@ -285,7 +285,8 @@ _GATE_KEYS = {"max_kl": "mean KL divergence, nats/token", "min_top1": "top-1 agr
               "max_ppl_ratio": "perplexity / reference perplexity"}
 
 
-def _check_gate(gate: Any) -> None:
+def check_gate(gate: Any) -> None:
+    """Raise :class:`RecipeError` unless ``gate`` is a mapping of known keys to non-negative numbers."""
     if not isinstance(gate, dict):
         raise RecipeError(f"gate must be a mapping like {{max_kl: 0.01, min_top1: 0.98}}, got {gate!r}")
     for k, v in gate.items():

@@ -9,7 +9,15 @@ from torch import nn
 
 from .errors import IncompatibleModelError
 
-__all__ = ["ModelInfo", "FAMILIES", "SUPPORTED_MODEL_TYPES", "inspect_model", "param_bytes", "linear_fqns"]
+__all__ = [
+    "ModelInfo",
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "inspect_model",
+    "param_bytes",
+    "linear_fqns",
+    "context_length",
+]
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,19 @@ class ModelInfo:
 def _text_config(config):
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The model's trained context in tokens (``max_position_embeddings``; GPT-2's ``n_positions``), or None.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> context_length(tiny_model("gpt2", max_positions=128))
+        128
+    """
+    tc = _text_config(model.config)
+    n = getattr(tc, "max_position_embeddings", None) or getattr(tc, "n_positions", None)
+    return int(n) if n else None
 
 
 def inspect_model(model: nn.Module) -> ModelInfo:

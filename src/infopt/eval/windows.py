@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.introspect import context_length
+
 __all__ = ["Window", "window_layout", "window_logits", "measure", "model_context", "model_vocab", "CHUNK"]
 
 # rows of [rows, V] log-softmax temporaries per step: 256 x 49,152 x 4 B = 48 MiB each
@@ -77,10 +79,8 @@ def window_layout(n_tokens: int, window: int, stride: int) -> tuple[Window, ...]
 
 
 def model_context(model: nn.Module) -> int | None:
-    """The model's maximum sequence length (``max_position_embeddings``), or None when it has none."""
-    cfg = model.config.get_text_config()
-    n = getattr(cfg, "max_position_embeddings", None)
-    return int(n) if n else None
+    """The model's maximum sequence length (see :func:`infopt.core.introspect.context_length`), or None."""
+    return context_length(model)
 
 
 def model_vocab(model: nn.Module) -> int:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
-from ..core.introspect import inspect_model
+from ..core.introspect import context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 
 __all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
@@ -58,7 +58,7 @@ class Static(StepConfig):
             raise bad_field(self, "batch_size", self.batch_size, "a positive integer or null")
 
     def check(self, model, info, steps):
-        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        limit = context_length(model)
         if limit is not None and self.max_length is not None and self.max_length > limit:
             from ..core.errors import IncompatibleModelError
 
@@ -76,8 +76,7 @@ def resolved_max_length(model: nn.Module, config: Static) -> int:
     """``config.max_length``, or the model's context length capped at :data:`DEFAULT_CAP`."""
     if config.max_length is not None:
         return config.max_length
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    return min(int(limit or DEFAULT_CAP), DEFAULT_CAP)
+    return min(int(context_length(model) or DEFAULT_CAP), DEFAULT_CAP)
 
 
 def generation_lengths(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
