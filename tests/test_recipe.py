@@ -9,7 +9,7 @@ from infopt.compile import Compile
 from infopt.core.errors import RecipeError
 from infopt.core.step import STAGES, STEP_TYPES, TRANSFORMS, StepConfig
 from infopt.kvcache import Static
-from infopt.quantize import Int8WeightOnly
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly
 from infopt.recipe import PRESETS, RULES, Recipe, check_rules, matches
 
 
@@ -44,7 +44,7 @@ def test_presets_parse():
     "bad,needle",
     [
         ({"steps": [{"quantise": {"method": "int8"}}]}, "unknown recipe step 'quantise'"),
-        ({"steps": [{"quantize": {"method": "int3"}}]}, "allowed: int8"),
+        ({"steps": [{"quantize": {"method": "int3"}}]}, "allowed: int4, int8"),
         ({"steps": [{"quantize": {"method": "int8", "bits": 4}}]}, "no field(s) 'bits'"),
         ({"steps": [{"quantize": {}}]}, "needs 'method'"),
         ({"steps": [{"attention": {"backend": "fast"}}]}, "Attention.backend='fast' is invalid"),
@@ -116,7 +116,9 @@ def test_to_dict_is_json_serializable():
 
 _step = st.one_of(
     st.builds(Attention, st.sampled_from(["eager", "sdpa", "flex", "flash_attention_2"])),
-    st.builds(Int8WeightOnly, st.sampled_from(["auto", "float32", "bfloat16"]), st.booleans()),
+    st.builds(Int8WeightOnly, compute_dtype=st.sampled_from(["auto", "float32", "bfloat16"]),
+              include_lm_head=st.booleans(), group_size=st.sampled_from([None, 32])),
+    st.builds(Int4WeightOnly, group_size=st.sampled_from([32, 64, 128]), symmetric=st.booleans()),
     st.builds(Static, st.one_of(st.none(), st.integers(1, 4096))),
     st.builds(Compile, st.sampled_from(["default", "max-autotune"])),
 )

@@ -64,7 +64,7 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     if (d / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(d), local_files_only=True)
-    optimize(model, Recipe.from_yaml((d / RECIPE_FILE).read_text()))
+    optimize(model, Recipe.from_yaml((d / RECIPE_FILE).read_text()), rebuild=True)
     load_model(model, str(d / WEIGHTS_FILE), strict=True, device=str(device))
     tok = None
     if (d / "tokenizer_config.json").is_file():

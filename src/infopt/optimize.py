@@ -135,7 +135,7 @@ def _validate(model: nn.Module, recipe: Any):
 
 
 def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None,
-             tokenizer=None):
+             tokenizer=None, calibration=None, rebuild: bool = False):
     """Apply a recipe to ``model`` in place and return the same object.
 
     The whole recipe is validated first (structure, composition rules, architecture, device,
@@ -148,8 +148,13 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         gate: quality limits (``{"max_kl": 0.01, "min_top1": 0.98}``), overriding the recipe's own gate.
             Measured against the model's own logits from before the recipe was applied.
         gate_text: text to measure the gate on (default: :func:`infopt.eval.default_text`).
-        tokenizer: the model's tokenizer, used to encode ``gate_text`` (default: the embedded default
-            model's tokenizer, which only suits models sharing its vocabulary).
+        tokenizer: the model's tokenizer, used to encode ``gate_text`` and text calibration data
+            (default: the embedded default model's tokenizer, which only suits models sharing its vocabulary).
+        calibration: data for steps that calibrate (GPTQ, AWQ, SmoothQuant): token ids ``[n, seq]``,
+            a list of id tensors, or a list of strings (encoded with ``tokenizer``). None: each step's
+            default (Python's documentation text, a slice disjoint from the one :mod:`infopt.eval` scores).
+        rebuild: used by :func:`infopt.load_optimized`: calibrating steps build modules of the right
+            structure without calibrating, because saved weights are loaded over them.
 
     Returns:
         The same model, with a report at ``model.infopt``.
@@ -186,7 +191,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     applied: list[StepReport] = []
     try:
         for step in r.steps:
-            ctx = ApplyContext(info=info, steps=r.steps, fallbacks=list(fallbacks.get(step.key, [])))
+            ctx = ApplyContext(info=info, steps=r.steps, fallbacks=list(fallbacks.get(step.key, [])),
+                               tokenizer=tokenizer, calibration=calibration, rebuild=rebuild)
             t0 = time.perf_counter()
             TRANSFORMS[type(step)](model, step, ctx)
             applied.append(StepReport(step.key, step.to_dict(), time.perf_counter() - t0, ctx.notes, ctx.fallbacks,

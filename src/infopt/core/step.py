@@ -233,6 +233,12 @@ class ApplyContext:
         notes: free-text lines for the report (what was done, bytes saved).
         fallbacks: fallbacks taken, for the report.
         stats: numbers for the report (``{"modules_swapped": 210}``).
+        tokenizer: the model's tokenizer when the caller gave one (calibration text, gate text).
+        calibration: calibration data the caller gave :func:`infopt.optimize` (token ids or texts),
+            for steps that calibrate (GPTQ, AWQ, SmoothQuant); None lets them use their default.
+        rebuild: True when a saved model is being rebuilt (:func:`infopt.load_optimized`): steps
+            that calibrate only build modules of the right structure, because the saved weights
+            are loaded over them.
     """
 
     info: ModelInfo | None = None
@@ -240,3 +246,6 @@ class ApplyContext:
     notes: list[str] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    calibration: Any = None
+    rebuild: bool = False

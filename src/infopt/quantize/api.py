@@ -1,30 +1,94 @@
-"""``quantize_``: the one verb that applies any quantization config to a model's linear layers."""
+"""``quantize_``: the one verb that applies any quantization config to a model's linear layers.
+
+Two kinds of quantizer register here, beside their configs:
+
+- :func:`register_quantizer` — round-to-nearest style: ``make(module, config, conv1d) -> new module``,
+  one layer at a time, no data needed.
+- :func:`register_calibrated` — needs activations (GPTQ, AWQ, SmoothQuant):
+  ``plan(model, config, targets, calibration, rebuild) -> {fqn: new module}``. The plan may also
+  replace modules other than the targets (a norm with AWQ scales folded into it). Nothing is swapped
+  until the whole plan is built, so a failure leaves the model untouched.
+
+Both get the same generic transform, so each config is also a recipe step.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model, param_bytes
 from ..core.patch import swap_module
 from ..core.step import ApplyContext, StepConfig, register_transform
-from .int8 import Int8Linear, Int8WeightOnly
 
-__all__ = ["quantize_", "QUANTIZERS"]
-
-# config type -> function(module, config, conv1d) -> replacement module
-QUANTIZERS: dict[type[StepConfig], Callable[[nn.Module, StepConfig, bool], nn.Module]] = {
-    Int8WeightOnly: lambda mod, cfg, conv1d: Int8Linear.from_float(mod, compute_dtype=cfg.compute_dtype, conv1d=conv1d),
-}
+__all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
+           "quantize_targets"]
 
 
-def _targets(model: nn.Module, config: StepConfig, filter_fn, include, exclude) -> list[tuple[str, nn.Module, bool]]:
+@dataclass(frozen=True)
+class Target:
+    """A layer ``quantize_`` will replace: its dotted name, the module, and whether it is a
+    transformers ``Conv1D`` (weight stored ``[in, out]``) rather than an ``nn.Linear``."""
+
+    fqn: str
+    module: nn.Module
+    conv1d: bool
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as ``[out, in]`` whatever the layer type."""
+        w = self.module.weight.detach()
+        return w.t() if self.conv1d else w
+
+
+# config type -> make(module, config, conv1d) -> replacement module
+QUANTIZERS: dict[type[StepConfig], Callable[[nn.Module, Any, bool], nn.Module]] = {}
+# config type -> plan(model, config, targets, calibration, rebuild) -> {fqn: replacement}
+CALIBRATED: dict[type[StepConfig], Callable[..., dict[str, nn.Module]]] = {}
+
+
+def register_quantizer(config_cls: type[StepConfig]):
+    """Decorator: ``make(module, config, conv1d) -> nn.Module`` builds one layer's replacement for ``config_cls``
+    (and the config becomes a recipe step with the generic quantize transform)."""
+
+    def deco(fn):
+        QUANTIZERS[config_cls] = fn
+        register_transform(config_cls)(_apply)
+        return fn
+
+    return deco
+
+
+def register_calibrated(config_cls: type[StepConfig]):
+    """Decorator: ``plan(model, config, targets, calibration, rebuild) -> {fqn: nn.Module}`` for a config that
+    needs activations. ``calibration`` is a ``[n, seq]`` int64 tensor of token ids (see
+    :func:`infopt.quantize.calibration.calibration_ids`); with ``rebuild=True`` the plan only builds
+    modules of the right structure (saved weights are loaded over them) and ``calibration`` is None."""
+
+    def deco(fn):
+        CALIBRATED[config_cls] = fn
+        register_transform(config_cls)(_apply)
+        return fn
+
+    return deco
+
+
+def _known() -> str:
+    return ", ".join(sorted(c.__name__ for c in (*QUANTIZERS, *CALIBRATED)))
+
+
+def quantize_targets(model: nn.Module, config: StepConfig, filter_fn=None, include=None, exclude=None) -> list[Target]:
+    """The layers ``quantize_(model, config, ...)`` would replace, in model order."""
     info = inspect_model(model)
     names = list(info.attn_linear_fqns) + list(info.mlp_linear_fqns)
-    if getattr(config, "include_lm_head", False) and not info.tied_embeddings:
+    if getattr(config, "include_lm_head", False):
+        # a head tied to the input embedding gets its own quantized copy; the embedding keeps its weight
         names.append(info.lm_head_fqn)
     out = []
     for fqn in names:
@@ -38,7 +102,7 @@ def _targets(model: nn.Module, config: StepConfig, filter_fn, include, exclude) 
         is_conv1d = type(mod).__name__ == "Conv1D"
         if not isinstance(mod, nn.Linear) and not is_conv1d:
             continue  # already swapped, or a layer type this config does not handle
-        out.append((fqn, mod, is_conv1d))
+        out.append(Target(fqn, mod, is_conv1d))
     return out
 
 
@@ -49,8 +113,11 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     include: list[str] | tuple[str, ...] | None = None,
     exclude: list[str] | tuple[str, ...] | None = None,
+    calibration: Any = None,
+    tokenizer: Any = None,
     keep_original: str = "disk",
     step: str | None = None,
+    rebuild: bool = False,
 ) -> nn.Module:
     """Quantize the attention and MLP projections of ``model`` in place.
 
@@ -59,46 +126,67 @@ def quantize_(
         config: a quantization config such as :class:`Int8WeightOnly`.
         filter_fn: ``filter_fn(module, fqn) -> bool`` picks the layers to quantize.
         include / exclude: glob patterns on the layer's dotted name (``"*.mlp.*"``).
+        calibration: for configs that need activations (GPTQ, AWQ, SmoothQuant): token ids
+            ``[n, seq]``, a list of id tensors, or a list of strings (encoded with ``tokenizer``).
+            None: a slice of Python's documentation text disjoint from the one :mod:`infopt.eval`
+            scores. Ignored by round-to-nearest configs.
+        tokenizer: encodes string calibration data (default: the embedded default model's tokenizer,
+            usable when the model shares its vocabulary).
         keep_original: ``"disk"`` (default) moves the original weights to a temporary file so their
             memory is freed while :func:`infopt.undo` can still restore them bit for bit;
             ``"memory"`` keeps them in RAM (faster undo, no memory saved).
+        rebuild: build modules of the right structure without calibrating (for loading saved weights).
 
     Returns:
         The same model.
 
     Raises:
-        RecipeError: ``config`` is not a quantization config.
+        RecipeError: ``config`` is not a quantization config, or bad calibration data.
         IncompatibleModelError: the model's architecture is not supported, or nothing matched.
 
     Example:
         >>> from infopt.models import tiny_model
+        >>> from infopt.quantize import Int8WeightOnly
         >>> m = quantize_(tiny_model(), Int8WeightOnly(), include=["*.mlp.*"])
         >>> type(m.model.layers[0].self_attn.q_proj).__name__, type(m.model.layers[0].mlp.up_proj).__name__
         ('Linear', 'Int8Linear')
     """
-    make = QUANTIZERS.get(type(config))
-    if make is None:
-        raise RecipeError(
-            f"quantize_ got {type(config).__name__}; expected one of: {', '.join(c.__name__ for c in QUANTIZERS)}"
-        )
-    targets = _targets(model, config, filter_fn, include, exclude)
+    if type(config) not in QUANTIZERS and type(config) not in CALIBRATED:
+        raise RecipeError(f"quantize_ got {type(config).__name__}; expected one of: {_known()}")
+    info = inspect_model(model)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check(model, info, (config,))
+    targets = quantize_targets(model, config, filter_fn, include, exclude)
     if not targets:
         raise IncompatibleModelError(
             f"quantize_({type(config).__name__}) found no linear layer to quantize; check include/exclude/filter_fn, "
             "or whether the model is already quantized"
         )
     # build every replacement first, so a failure leaves the model untouched
-    replacements = [(fqn, make(mod, config, conv1d)) for fqn, mod, conv1d in targets]
-    for fqn, new in replacements:
+    if type(config) in QUANTIZERS:
+        make = QUANTIZERS[type(config)]
+        replacements = {t.fqn: make(t.module, config, t.conv1d) for t in targets}
+    else:
+        ids = None
+        if not rebuild:
+            from .calibration import calibration_ids
+
+            ids = calibration_ids(model, calibration, tokenizer=tokenizer,
+                                  samples=getattr(config, "samples", 32), seq_len=getattr(config, "seq_len", 512))
+        replacements = CALIBRATED[type(config)](model, config, targets, ids, rebuild)
+    for fqn, new in replacements.items():
         swap_module(model, fqn, new, step=step or config.key, keep_original=keep_original)
     return model
 
 
-@register_transform(Int8WeightOnly)
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
     before = param_bytes(model)
-    n = len(_targets(model, config, None, None, None))
-    quantize_(model, config)
+    n = len(quantize_targets(model, config))
+    quantize_(model, config, calibration=ctx.calibration, tokenizer=ctx.tokenizer, rebuild=ctx.rebuild,
+              step=config.key)
     after = param_bytes(model)
     ctx.stats["modules_quantized"] = n
+    ctx.stats["weight_bytes_before"] = before
+    ctx.stats["weight_bytes_after"] = after
     ctx.notes.append(f"{n} linear layers -> {type(config).__name__}; weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.step import StepConfig, bad_field, register_step
+from .api import register_quantizer
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "quantize_int8_per_channel"]
 
@@ -22,12 +23,16 @@ class Int8WeightOnly(StepConfig):
     """Weights stored as int8 with one fp32 scale per output channel; activations stay floating point.
 
     Args:
+        group_size: None (default) for one scale per output channel, which the fused CPU kernel
+            takes; or a number of input channels per scale (finer, more accurate, but dequantized
+            per call: slower). Must divide every quantized layer's ``in_features``.
         compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
             int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
             on the same weights, and the model's dtype elsewhere (dequantize-then-matmul).
             ``"float32"`` keeps fp32 activations (dequantizes each call: exact but slower).
-        include_lm_head: also quantize the output head (it is often tied to the embedding, in which
-            case it is left alone whatever this says).
+        include_lm_head: also quantize the output head. When it is tied to the input embedding, the
+            head gets its own int8 copy and the embedding keeps its weight: more memory in all, but the
+            head is read whole every token while the embedding gives one row per token.
 
     Raises:
         RecipeError: unknown compute_dtype.
@@ -43,30 +48,52 @@ class Int8WeightOnly(StepConfig):
     stage: ClassVar[str] = "quantize"
     kind: ClassVar[str] = "int8"
     discriminator: ClassVar[str] = "method"
+    group_size: int | None = None
     compute_dtype: str = "auto"
     include_lm_head: bool = False
 
     def __post_init__(self):
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0
+        ):
+            raise bad_field(self, "group_size", self.group_size, "null (per output channel) or a positive integer")
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise bad_field(self, "compute_dtype", self.compute_dtype, ", ".join(_COMPUTE_DTYPES))
         if not isinstance(self.include_lm_head, bool):
             raise bad_field(self, "include_lm_head", self.include_lm_head, "true or false")
 
+    def check(self, model, info, steps):
+        if self.group_size is not None:
+            from ..core.errors import IncompatibleModelError
+            from .api import quantize_targets
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization.
+            for t in quantize_targets(model, self):
+                in_f = t.weight.shape[1]
+                if in_f % self.group_size:
+                    raise IncompatibleModelError(
+                        f"Int8WeightOnly(group_size={self.group_size}) does not divide {t.fqn}.in_features={in_f}; "
+                        "use a divisor of it, or group_size=None (per channel)"
+                    )
+        return []
+
+
+def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization per output row, or per group of ``group_size`` input channels.
 
     Args:
         w: ``[out, in]`` floating-point weight.
+        group_size: None for one scale per row.
 
     Returns:
-        ``(q, scale)``: ``q`` int8 ``[out, in]``, ``scale`` fp32 ``[out]`` with ``w ~= q * scale[:, None]``.
+        ``(q, scale)``: ``q`` int8 ``[out, in]``; ``scale`` fp32 ``[out]`` (``w ~= q * scale[:, None]``),
+        or ``[out, in // group_size]`` with a group size.
     """
     w32 = w.detach().float()
-    amax = w32.abs().amax(dim=1).clamp(min=1e-12)  # [out]
-    scale = amax / 127.0
-    q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    out_f, in_f = w32.shape
+    g = w32.reshape(out_f, 1 if group_size is None else in_f // group_size, -1)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [out, G]
+    q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_f, in_f)
+    return q, (scale[:, 0] if group_size is None else scale)
 
 
 def _int8pack_available(device: torch.device) -> bool:
@@ -76,43 +103,67 @@ def _int8pack_available(device: torch.device) -> bool:
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights ``[out, in]`` and per-channel scales.
 
-    Buffers (saved in ``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``;
-    ``bias`` stays a floating-point parameter.
+    Buffers (saved in ``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``
+    (or ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None, device=None):
+                 compute_dtype: torch.dtype | None, device=None, group_size: int | None = None):
         super().__init__()
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"Int8Linear: group_size {group_size} does not divide in_features {in_features}")
         self.in_features = in_features
         self.out_features = out_features
         self.out_dtype = dtype
+        self.group_size = group_size
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
         self._scale_cache: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, compute_dtype: str = "auto", conv1d: bool = False) -> Int8Linear:
+    def from_float(cls, module: nn.Module, *, compute_dtype: str = "auto", conv1d: bool = False,
+                   group_size: int | None = None) -> Int8Linear:
         """Build from an ``nn.Linear`` (or a transformers ``Conv1D`` with ``conv1d=True``)."""
         w = module.weight.detach()
         if conv1d:  # Conv1D stores [in, out]
             w = w.t()
-        out_f, in_f = w.shape
+        q, s = quantize_int8_per_channel(w, group_size)
+        return cls.from_codes(q, s, bias=getattr(module, "bias", None), dtype=w.dtype, compute_dtype=compute_dtype)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, *, bias: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32, compute_dtype: str = "auto") -> Int8Linear:
+        """Build from int8 codes computed elsewhere (GPTQ, SmoothQuant).
+
+        Args:
+            codes: int8 ``[out, in]`` (-128..127).
+            scales: ``[out]`` per channel, or ``[out, G]`` per group of ``in // G`` input channels.
+            bias: ``[out]`` or None.
+            dtype: the model's floating-point dtype.
+            compute_dtype: as in :class:`Int8WeightOnly`.
+        """
+        out_f, in_f = codes.shape
+        group = None if scales.dim() == 1 else in_f // scales.shape[1]
         cd = _COMPUTE_DTYPES[compute_dtype]
-        if cd is None:
-            cd = torch.bfloat16 if _int8pack_available(w.device) else None
-        new = cls(in_f, out_f, bias=module.bias is not None, dtype=w.dtype, compute_dtype=cd, device=w.device)
-        q, s = quantize_int8_per_channel(w)
-        new.weight_int8.copy_(q)
-        new.weight_scale.copy_(s)
-        if module.bias is not None:
-            new.bias.data.copy_(module.bias.detach())
+        if cd is None and group is None:
+            cd = torch.bfloat16 if _int8pack_available(codes.device) else None
+        new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
+                  group_size=group)
+        new.weight_int8.copy_(codes.to(torch.int8))
+        new.weight_scale.copy_(scales.float())
+        if bias is not None:
+            new.bias.data.copy_(bias.detach())
         return new
 
     def dequantize(self) -> torch.Tensor:
         """The float weight ``[out, in]`` these int8 values stand for."""
-        return self.weight_int8.float() * self.weight_scale[:, None]
+        s = self.weight_scale
+        if self.group_size is None:
+            return self.weight_int8.float() * s[:, None]
+        return self.weight_int8.float() * s.float().repeat_interleave(self.group_size, 1)
 
     def _scale(self, dtype: torch.dtype) -> torch.Tensor:
         s = self._scale_cache.get(dtype)
@@ -128,7 +179,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         cd = self.compute_dtype
-        if cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
+        if self.group_size is not None:
+            wd = cd or x.dtype
+            y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
+        elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             x2 = x.reshape(-1, self.in_features).to(cd).contiguous()
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale(cd))
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -141,5 +195,11 @@ class Int8Linear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
+        g = "" if self.group_size is None else f", group_size={self.group_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}")
+                f"compute_dtype={self.compute_dtype}{g}")
+
+
+@register_quantizer(Int8WeightOnly)
+def _make(module: nn.Module, config: Int8WeightOnly, conv1d: bool) -> Int8Linear:
+    return Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d, group_size=config.group_size)

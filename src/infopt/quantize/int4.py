@@ -1,0 +1,347 @@
+"""Int4 weight-only quantization: grouped asymmetric (or symmetric) round-to-nearest, packed two per byte.
+
+:class:`Int4Linear` keeps its weights in the layout of the fastest kernel for its device and
+converts to and from one portable layout when saved or loaded:
+
+- ``cpu_int4pack``: ``torch._weight_int4pack_mm_for_cpu`` (bf16 activations), CPU.
+- ``cuda_tinygemm``: ``torch._weight_int4pack_mm`` (bf16 activations), CUDA.
+- ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
+
+Portable layout (the ``state_dict``): ``qweight`` uint8 ``[out, in // 2]`` (column ``2j`` in the low
+nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` uint8
+``[out, in // group_size]`` (integer zero points), optional ``in_perm`` int64 ``[in]``. A weight is
+``(code - zero) * scale``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.errors import IncompatibleModelError
+from ..core.step import StepConfig, bad_field, register_step
+from .api import quantize_targets, register_quantizer
+
+__all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES"]
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+"""Group sizes the fused int4 kernels accept."""
+
+
+@register_step
+@dataclass(frozen=True)
+class Int4WeightOnly(StepConfig):
+    """Weights stored as 4-bit codes (two per byte) with one scale and zero point per group of
+    ``group_size`` input channels; activations stay floating point (bf16 inside the fused kernel).
+
+    Args:
+        group_size: input channels per scale/zero (32, 64, 128 or 256). It must divide every
+            quantized layer's ``in_features`` (the default model's 576 takes 32 or 64, not 128).
+        symmetric: zero point fixed at 8 (codes -8..7 around zero) instead of fitted per group.
+        include_lm_head: also quantize the output head. When it is tied to the input embedding,
+            the head gets its own int4 copy and the embedding stays as it is (lookups read one row;
+            the head reads all of it every token).
+
+    Raises:
+        RecipeError: a group size the kernels do not take, a non-boolean flag.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> from infopt.quantize import quantize_
+        >>> m = quantize_(tiny_model(), Int4WeightOnly(group_size=32))
+        >>> type(m.model.layers[0].mlp.up_proj).__name__
+        'Int4Linear'
+    """
+
+    stage: ClassVar[str] = "quantize"
+    kind: ClassVar[str] = "int4"
+    discriminator: ClassVar[str] = "method"
+    group_size: int = 128
+    symmetric: bool = False
+    include_lm_head: bool = False
+
+    def __post_init__(self):
+        if self.group_size not in KERNEL_GROUP_SIZES or isinstance(self.group_size, bool):
+            raise bad_field(self, "group_size", self.group_size, ", ".join(map(str, KERNEL_GROUP_SIZES)))
+        for name in ("symmetric", "include_lm_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_field(self, name, getattr(self, name), "true or false")
+
+    def check(self, model, info, steps):
+        check_group_size(model, self, self.group_size)
+        return []
+
+
+def check_group_size(model: nn.Module, config: StepConfig, group_size: int) -> None:
+    """Raise :class:`IncompatibleModelError` naming the first layer whose ``in_features`` ``group_size`` does not divide."""
+    for t in quantize_targets(model, config):
+        in_f = t.weight.shape[1]
+        if in_f % group_size:
+            ok = [g for g in KERNEL_GROUP_SIZES if in_f % g == 0]
+            fix = f"use group_size {' or '.join(map(str, ok))}" if ok else "exclude it with exclude=[...]"
+            raise IncompatibleModelError(
+                f"{type(config).__name__}(group_size={group_size}) does not divide {t.fqn}.in_features={in_f}; {fix}"
+            )
+        if t.weight.shape[0] % 16:
+            raise IncompatibleModelError(
+                f"{type(config).__name__}: {t.fqn} has {t.weight.shape[0]} output features; the int4 kernels need a "
+                "multiple of 16. Exclude it with exclude=[...]"
+            )
+
+
+def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit quantization per group of input channels.
+
+    Args:
+        w: ``[out, in]`` float weight, ``in`` divisible by ``group_size``.
+        group_size: input channels per group.
+        symmetric: zero point 8 and scale ``absmax / 7.5`` instead of min/max fitting.
+
+    Returns:
+        ``(codes, scales, zeros)``: uint8 ``[out, in]`` in 0..15, fp32 ``[out, G]``, uint8 ``[out, G]``,
+        with ``w ~= (codes - zeros) * scales`` per group.
+
+    Example:
+        >>> w = torch.randn(16, 64)
+        >>> c, s, z = quantize_int4_grouped(w, 32)
+        >>> bool(((c.float() - z.float().repeat_interleave(32, 1)) * s.repeat_interleave(32, 1) - w).abs().max()
+        ...      <= s.max() / 2 + 1e-6)
+        True
+    """
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // group_size, group_size)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return codes.reshape(out_f, in_f).to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` codes 0..15 -> uint8 ``[out, in // 2]`` (even column in the low nibble).
+
+    Example:
+        >>> c = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+        >>> pack_int4(c).tolist(), unpack_int4(pack_int4(c)).tolist() == c.tolist()
+        ([[33, 15]], True)
+    """
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 ``[out, in // 2]`` -> codes ``[out, in]``."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _layout_for(device: torch.device) -> str:
+    if device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return "cpu_int4pack"
+    if device.type == "cuda" and hasattr(torch, "_weight_int4pack_mm"):
+        return "cuda_tinygemm"
+    return "plain"
+
+
+_PORTABLE = ("qweight", "scales", "zeros")
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with grouped 4-bit weights (see the module docstring for the layouts).
+
+    Build with :meth:`from_float` (round-to-nearest) or :meth:`from_codes` (codes computed
+    elsewhere, e.g. by GPTQ or AWQ). ``layout`` says which kernel runs.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, *, bias: bool, dtype: torch.dtype,
+                 device=None, layout: str | None = None, has_perm: bool = False):
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(f"Int4Linear: group_size {group_size} does not divide in_features {in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.out_dtype = dtype
+        device = torch.device(device or "cpu")
+        self.layout = layout or _layout_for(device)
+        if self.layout != "plain" and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
+            self.layout = "plain"
+        n_groups = in_features // group_size
+        if self.layout == "plain":
+            self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+            self.register_buffer("scales", torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
+            self.register_buffer("zeros", torch.full((out_features, n_groups), 8, dtype=torch.uint8, device=device))
+        else:
+            # kernel layout: packed weight + bf16 [G, out, 2] (scale, offset) with w = (code - 8) * scale + offset
+            self.register_buffer("weight_packed", torch.zeros(0, dtype=torch.uint8, device=device))
+            self.register_buffer("scale_offset", torch.zeros(n_groups, out_features, 2, dtype=torch.bfloat16,
+                                                             device=device))
+        self.register_buffer("in_perm", torch.arange(in_features, device=device) if has_perm else None)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
+                   bias: torch.Tensor | None = None, in_perm: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32, layout: str | None = None) -> Int4Linear:
+        """Build from codes computed elsewhere.
+
+        Args:
+            codes: ``[out, in]`` integers 0..15 (in the stored column order: after ``in_perm``).
+            scales: ``[out, in // group_size]`` float.
+            zeros: ``[out, in // group_size]`` integer zero points 0..15.
+            group_size: input channels per group.
+            bias: ``[out]`` or None.
+            in_perm: optional ``[in]`` permutation: the layer computes ``x[..., in_perm] @ W.T``.
+            dtype: the model's floating-point dtype (of outputs and bias).
+            layout: force a layout (default: the fastest for ``codes.device``).
+        """
+        out_f, in_f = codes.shape
+        new = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype, device=codes.device, layout=layout,
+                  has_perm=in_perm is not None)
+        new._set_portable(pack_int4(codes), scales.float(), zeros.to(torch.uint8))
+        if in_perm is not None:
+            new.in_perm.copy_(in_perm)
+        if bias is not None:
+            new.bias.data.copy_(bias.detach())
+        return new
+
+    @classmethod
+    def from_float(cls, module: nn.Module, *, group_size: int = 128, symmetric: bool = False, conv1d: bool = False,
+                   weight: torch.Tensor | None = None) -> Int4Linear:
+        """Round-to-nearest from an ``nn.Linear`` (or ``Conv1D`` with ``conv1d=True``); ``weight`` overrides
+        the module's ``[out, in]`` weight (e.g. a tied embedding)."""
+        w = weight if weight is not None else module.weight.detach()
+        if conv1d and weight is None:
+            w = w.t()
+        codes, scales, zeros = quantize_int4_grouped(w, group_size, symmetric)
+        bias = getattr(module, "bias", None)
+        return cls.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, dtype=w.dtype)
+
+    # -- layouts ------------------------------------------------------------------------------------
+    def _set_portable(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        if self.layout == "plain":
+            self.qweight = qweight.contiguous()
+            self.scales = scales.float().contiguous()
+            self.zeros = zeros.to(torch.uint8).contiguous()
+            return
+        codes = unpack_int4(qweight).to(torch.int32)  # [out, in]
+        if self.layout == "cpu_int4pack":
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        else:  # cuda_tinygemm takes nibble pairs with the even column in the high nibble
+            pairs = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+            packed = torch._convert_weight_to_int4pack(pairs.contiguous(), 8)
+        # (c - z) * s == (c - 8) * s + (8 - z) * s; the kernel takes bf16, so derive the offset from the bf16
+        # scale: then a save (which recovers z from both) and reload repacks the very same values
+        s16 = scales.to(torch.bfloat16).float()
+        offset = (8.0 - zeros.float()) * s16
+        self.weight_packed = packed
+        self.scale_offset = torch.stack([s16.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def _portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(qweight, scales, zeros)`` in the portable layout (recovered exactly from a kernel layout)."""
+        if self.layout == "plain":
+            return self.qweight, self.scales, self.zeros
+        # run the kernel on the identity with scale 1, offset 0: it returns (code - 8), exactly, as [in, out]
+        ones = torch.zeros_like(self.scale_offset)
+        ones[..., 0] = 1.0
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_packed.device)
+        codes = (self._kernel(eye, self.weight_packed, ones).t().float() + 8.0).round().to(torch.uint8)
+        scales = self.scale_offset[..., 0].t().float()
+        offset = self.scale_offset[..., 1].t().float()
+        zeros = torch.round(8.0 - offset / scales).clamp(0, 15).to(torch.uint8)
+        return pack_int4(codes), scales, zeros
+
+    def _kernel(self, x: torch.Tensor, packed: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+        if self.layout == "cpu_int4pack":
+            return torch._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_offset)
+        return torch._weight_int4pack_mm(x, packed, self.group_size, scale_offset)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        q, s, z = self._portable()
+        destination[prefix + "qweight"] = q
+        destination[prefix + "scales"] = s
+        destination[prefix + "zeros"] = z
+        if self.in_perm is not None:
+            destination[prefix + "in_perm"] = self.in_perm
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        names = list(_PORTABLE) + (["in_perm"] if self.in_perm is not None else []) + (
+            ["bias"] if self.bias is not None else [])
+        got = {}
+        for n in names:
+            key = prefix + n
+            if key in state_dict:
+                got[n] = state_dict[key]
+            elif strict:
+                missing_keys.append(key)
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix) and "." not in key[len(prefix):] and key[len(prefix):] not in names:
+                    unexpected_keys.append(key)
+        if all(n in got for n in _PORTABLE):
+            q, s, z = got["qweight"], got["scales"], got["zeros"]
+            want = (self.out_features, self.in_features // 2)
+            if tuple(q.shape) != want:
+                error_msgs.append(f"{prefix}qweight: shape {tuple(q.shape)} != {want}")
+                return
+            dev = self.scale_offset.device if self.layout != "plain" else self.qweight.device
+            self._set_portable(q.to(dev), s.to(dev), z.to(dev))
+        with torch.no_grad():
+            if "in_perm" in got:
+                self.in_perm.copy_(got["in_perm"])
+            if "bias" in got:
+                self.bias.copy_(got["bias"])
+
+    # -- compute ------------------------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight ``[out, in]`` in the layer's input order (``in_perm`` undone)."""
+        q, s, z = self._portable()
+        codes = unpack_int4(q).float()
+        g = self.group_size
+        w = (codes - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
+        if self.in_perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.in_perm] = w
+            w = out
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        if self.in_perm is not None:
+            x = x.index_select(-1, self.in_perm)
+        if self.layout == "plain":
+            q, s, z = self.qweight, self.scales, self.zeros
+            g = self.group_size
+            w = (unpack_int4(q).to(x.dtype) - z.to(x.dtype).repeat_interleave(g, 1)) * s.to(x.dtype).repeat_interleave(g, 1)
+            y = F.linear(x, w)
+        else:
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            y = self._kernel(x2, self.weight_packed, self.scale_offset)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}, layout={self.layout}")
+
+
+@register_quantizer(Int4WeightOnly)
+def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
+    return Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d)

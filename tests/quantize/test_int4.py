@@ -1,0 +1,170 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import infopt
+from infopt.core.errors import IncompatibleModelError, RecipeError
+from infopt.io import load_optimized, save_optimized
+from infopt.models import tiny_model
+from infopt.quantize import Int4Linear, Int4WeightOnly, Int8Linear, Int8WeightOnly, quantize_
+from infopt.quantize.int4 import pack_int4, quantize_int4_grouped, unpack_int4
+from infopt.recipe import Recipe
+
+from ..conftest import assert_state_equal, state_snapshot
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.detach().float(), x.detach().float()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 8), cols=st.integers(1, 16).map(lambda c: 2 * c), seed=st.integers(0, 2**16))
+def test_pack_unpack_roundtrip(rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (rows, cols // 2) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), codes)
+
+
+@settings(max_examples=25, deadline=None)
+@given(out_blocks=st.integers(1, 4), groups=st.integers(1, 4), group=st.sampled_from([32, 64, 128]),
+       symmetric=st.booleans(), seed=st.integers(0, 2**16))
+def test_rtn_error_within_half_step(out_blocks, groups, group, symmetric, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16 * out_blocks, groups * group, generator=g) * 0.05
+    codes, scales, zeros = quantize_int4_grouped(w, group, symmetric)
+    assert codes.max() <= 15 and zeros.max() <= 15
+    deq = (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    # every weight within half a quantization step (symmetric clips the top code: one step there)
+    bound = scales.repeat_interleave(group, 1) * (1.0 if symmetric else 0.5) + 1e-6
+    assert ((deq - w).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128], ids=lambda g: f"int4-g{g}")
+@pytest.mark.parametrize("layout", ["kernel", "plain"])
+def test_int4_linear_sqnr_and_paths_agree(group, layout):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=True)
+    q = Int4Linear.from_float(lin, group_size=group)
+    if layout == "plain":
+        ref_q = q
+        q = Int4Linear(256, 128, group, bias=True, dtype=torch.float32, layout="plain")
+        q.load_state_dict(ref_q.state_dict())
+    x = torch.randn(2, 5, 256)
+    out = q(x)
+    assert out.shape == (2, 5, 128) and out.dtype == torch.float32
+    # 4-bit grouped weights on Gaussian weights: ~20-25 dB; a floor well clear of noise
+    assert sqnr_db(lin(x), out) > 17
+    # the reference (dequantize + fp32 matmul) and the fused kernel agree up to bf16 activations
+    ref = x @ q.dequantize().t() + lin.bias
+    assert sqnr_db(ref, out) > 30
+
+
+def test_kernel_layout_is_used_on_cpu_and_state_dict_is_portable():
+    lin = nn.Linear(128, 64, bias=False)
+    q = Int4Linear.from_float(lin, group_size=32)
+    assert q.layout == "cpu_int4pack"
+    sd = q.state_dict()
+    assert set(sd) == {"qweight", "scales", "zeros"}
+    assert sd["qweight"].shape == (64, 64) and sd["qweight"].dtype == torch.uint8
+    codes, scales, zeros = quantize_int4_grouped(lin.weight, 32)
+    # the kernel layout round-trips to the same codes and zero points (scales pass through bf16)
+    assert torch.equal(unpack_int4(sd["qweight"]), codes)
+    assert torch.equal(sd["zeros"], zeros)
+    assert torch.allclose(sd["scales"], scales, rtol=1e-2)
+
+
+def test_weight_bytes_about_an_eighth(llama):
+    from infopt.core.introspect import param_bytes
+
+    lin = {n: m for n, m in llama.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
+    fp32 = sum(m.weight.numel() * 4 for m in lin.values())
+    quantize_(llama, Int4WeightOnly(group_size=32))
+    q = sum(param_bytes(llama.get_submodule(n)) for n in lin)
+    # codes 0.5 B + bf16 (scale, offset) per 32 weights: 0.625 B per weight = 0.156x of fp32
+    assert q <= 0.16 * fp32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_model_quality_and_undo(arch, prompt):
+    m = tiny_model(arch)
+    ref = m(prompt).logits
+    snap = state_snapshot(m)
+    infopt.optimize(m, [Int4WeightOnly(group_size=32)])
+    assert isinstance(m.model.layers[0].mlp.down_proj, Int4Linear)
+    out = m(prompt).logits
+    kl = torch.nn.functional.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert float(kl.detach()) / prompt.shape[1] < 0.05
+    infopt.undo(m)
+    assert_state_equal(m, snap)
+    assert torch.equal(m(prompt).logits, ref)
+
+
+def test_group_size_not_dividing_is_refused_before_mutation(llama):
+    snap = state_snapshot(llama)
+    # the tiny llama has 64 hidden channels: 128 does not divide them
+    with pytest.raises(IncompatibleModelError, match=r"in_features=64; use group_size 32 or 64"):
+        infopt.optimize(llama, [Int4WeightOnly(group_size=128)])
+    assert_state_equal(llama, snap)
+
+
+@pytest.mark.parametrize("bad", [{"group_size": 48}, {"group_size": 0}, {"symmetric": "yes"}])
+def test_bad_fields(bad):
+    with pytest.raises(RecipeError, match=next(iter(bad))):
+        Int4WeightOnly(**bad)
+
+
+def test_bits_3_is_not_a_method():
+    with pytest.raises(RecipeError, match="unknown quantize method 'int3'"):
+        Recipe.parse([{"quantize": {"method": "int3"}}])
+
+
+def test_recipe_spelling():
+    r = Recipe.parse([{"quantize": {"method": "int4", "group_size": 64}}])
+    assert r.steps == (Int4WeightOnly(group_size=64),)
+    assert Recipe.from_yaml(r.to_yaml()) == r
+
+
+@pytest.mark.parametrize("config", [Int4WeightOnly(group_size=32, include_lm_head=True),
+                                    Int8WeightOnly(include_lm_head=True)], ids=["int4", "int8"])
+def test_tied_lm_head_gets_its_own_quantized_copy(config, prompt):
+    m = tiny_model("llama")
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    emb = m.model.embed_tokens.weight.detach().clone()
+    ref = m(prompt).logits
+    infopt.optimize(m, [config])
+    assert isinstance(m.lm_head, (Int4Linear, Int8Linear))
+    assert torch.equal(m.model.embed_tokens.weight, emb)  # lookups keep the float table
+    assert sqnr_db(ref, m(prompt).logits) > 10
+    infopt.undo(m)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert torch.equal(m(prompt).logits, ref)
+
+
+def test_save_reload_identical(tmp_path, prompt):
+    m = tiny_model("llama")
+    infopt.optimize(m, [Int4WeightOnly(group_size=32, include_lm_head=True)])
+    logits = m(prompt).logits
+    save_optimized(m, tmp_path / "q4")
+    m2, _ = load_optimized(tmp_path / "q4")
+    assert isinstance(m2.model.layers[1].self_attn.o_proj, Int4Linear)
+    assert torch.equal(m2(prompt).logits, logits)
+
+
+def test_int8_groups(prompt):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64)
+    per_channel = Int8Linear.from_float(lin, compute_dtype="float32")
+    grouped = Int8Linear.from_float(lin, compute_dtype="float32", group_size=32)
+    assert grouped.weight_scale.shape == (64, 4)
+    x = torch.randn(3, 128)
+    assert sqnr_db(lin(x), grouped(x)) >= sqnr_db(lin(x), per_channel(x))
+    m = tiny_model()
+    with pytest.raises(IncompatibleModelError, match="group_size=48"):
+        infopt.optimize(m, [Int8WeightOnly(group_size=48)])
+    infopt.optimize(m, [Int8WeightOnly(group_size=32)])
+    assert m.model.layers[0].mlp.up_proj.group_size == 32
