@@ -32,12 +32,14 @@ def test_pack_unpack_roundtrip(rows, cols, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(out_blocks=st.integers(1, 4), groups=st.integers(1, 4), group=st.sampled_from([32, 64, 128]),
-       symmetric=st.booleans(), seed=st.integers(0, 2**16))
-def test_rtn_error_within_half_step(out_blocks, groups, group, symmetric, seed):
+       symmetric=st.booleans(), zero_point=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**16))
+def test_rtn_error_within_half_step(out_blocks, groups, group, symmetric, zero_point, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(16 * out_blocks, groups * group, generator=g) * 0.05
-    codes, scales, zeros = quantize_int4_grouped(w, group, symmetric)
-    assert codes.max() <= 15 and zeros.max() <= 15
+    codes, scales, zeros = quantize_int4_grouped(w, group, symmetric, zero_point)
+    assert codes.max() <= 15
+    if zero_point == "int" or symmetric:
+        assert torch.equal(zeros, zeros.round()) and zeros.min() >= 0 and zeros.max() <= 15
     deq = (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
     # every weight within half a quantization step (symmetric clips the top code: one step there)
     bound = scales.repeat_interleave(group, 1) * (1.0 if symmetric else 0.5) + 1e-6
@@ -71,11 +73,11 @@ def test_kernel_layout_is_used_on_cpu_and_state_dict_is_portable():
     sd = q.state_dict()
     assert set(sd) == {"qweight", "scales", "zeros"}
     assert sd["qweight"].shape == (64, 64) and sd["qweight"].dtype == torch.uint8
-    codes, scales, zeros = quantize_int4_grouped(lin.weight, 32)
-    # the kernel layout round-trips to the same codes and zero points (scales pass through bf16)
+    codes, scales, zeros = quantize_int4_grouped(lin.weight, 32, zero_point="float")
+    # the kernel layout round-trips to the same codes (scales and offsets pass through bf16)
     assert torch.equal(unpack_int4(sd["qweight"]), codes)
-    assert torch.equal(sd["zeros"], zeros)
     assert torch.allclose(sd["scales"], scales, rtol=1e-2)
+    assert torch.allclose(sd["zeros"], zeros, atol=0.1)
 
 
 def test_weight_bytes_about_an_eighth(llama):
@@ -87,6 +89,23 @@ def test_weight_bytes_about_an_eighth(llama):
     q = sum(param_bytes(llama.get_submodule(n)) for n in lin)
     # codes 0.5 B + bf16 (scale, offset) per 32 weights: 0.625 B per weight = 0.156x of fp32
     assert q <= 0.16 * fp32
+
+
+def test_float_zero_point_recovers_weights_already_on_a_4bit_grid():
+    # weights dequantized from a min/scale 4-bit format (like the embedded model's Q4_1 GGUF) are
+    # 16 affine levels per group; the float zero point lands on them, an integer one cannot
+    torch.manual_seed(0)
+    lo = torch.randn(64, 8, 1) * 0.1 - 0.05
+    step = torch.rand(64, 8, 1) * 0.01 + 0.001
+    codes = torch.randint(0, 16, (64, 8, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans its full range
+    w = (lo + codes * step).reshape(64, 256)
+    c, s, z = quantize_int4_grouped(w, 32, zero_point="float")
+    deq = (c.float() - z.repeat_interleave(32, 1)) * s.repeat_interleave(32, 1)
+    assert (deq - w).abs().max() < 1e-5
+    c, s, z = quantize_int4_grouped(w, 32, zero_point="int")
+    deq_int = (c.float() - z.repeat_interleave(32, 1)) * s.repeat_interleave(32, 1)
+    assert (deq_int - w).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
@@ -112,7 +131,7 @@ def test_group_size_not_dividing_is_refused_before_mutation(llama):
     assert_state_equal(llama, snap)
 
 
-@pytest.mark.parametrize("bad", [{"group_size": 48}, {"group_size": 0}, {"symmetric": "yes"}])
+@pytest.mark.parametrize("bad", [{"group_size": 48}, {"group_size": 0}, {"symmetric": "yes"}, {"zero_point": "half"}])
 def test_bad_fields(bad):
     with pytest.raises(RecipeError, match=next(iter(bad))):
         Int4WeightOnly(**bad)

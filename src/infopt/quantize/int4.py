@@ -8,9 +8,9 @@ converts to and from one portable layout when saved or loaded:
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
 
 Portable layout (the ``state_dict``): ``qweight`` uint8 ``[out, in // 2]`` (column ``2j`` in the low
-nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` uint8
-``[out, in // group_size]`` (integer zero points), optional ``in_perm`` int64 ``[in]``. A weight is
-``(code - zero) * scale``.
+nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` fp32
+``[out, in // group_size]`` (zero points: integers from GPTQ/AWQ and ``zero_point="int"``, any value
+with ``zero_point="float"``), optional ``in_perm`` int64 ``[in]``. A weight is ``(code - zero) * scale``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Int4WeightOnly(StepConfig):
         group_size: input channels per scale/zero (32, 64, 128 or 256). It must divide every
             quantized layer's ``in_features`` (the default model's 576 takes 32 or 64, not 128).
         symmetric: zero point fixed at 8 (codes -8..7 around zero) instead of fitted per group.
+        zero_point: ``"float"`` (default): each group's 16 levels span exactly its min..max, which
+            the kernels take natively (they add a float offset); ``"int"``: an integer zero point,
+            the GPTQ checkpoint convention (needed to export in that layout), slightly coarser.
         include_lm_head: also quantize the output head. When it is tied to the input embedding,
             the head gets its own int4 copy and the embedding stays as it is (lookups read one row;
             the head reads all of it every token).
@@ -62,11 +65,14 @@ class Int4WeightOnly(StepConfig):
     discriminator: ClassVar[str] = "method"
     group_size: int = 128
     symmetric: bool = False
+    zero_point: str = "float"
     include_lm_head: bool = False
 
     def __post_init__(self):
         if self.group_size not in KERNEL_GROUP_SIZES or isinstance(self.group_size, bool):
             raise bad_field(self, "group_size", self.group_size, ", ".join(map(str, KERNEL_GROUP_SIZES)))
+        if self.zero_point not in ("float", "int"):
+            raise bad_field(self, "zero_point", self.zero_point, "float, int")
         for name in ("symmetric", "include_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
@@ -93,7 +99,7 @@ def check_group_size(model: nn.Module, config: StepConfig, group_size: int) -> N
             )
 
 
-def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = False
+def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = False, zero_point: str = "int"
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit quantization per group of input channels.
 
@@ -101,9 +107,11 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = Fa
         w: ``[out, in]`` float weight, ``in`` divisible by ``group_size``.
         group_size: input channels per group.
         symmetric: zero point 8 and scale ``absmax / 7.5`` instead of min/max fitting.
+        zero_point: ``"int"``: the range is widened to include 0 and the zero point rounded to an
+            integer; ``"float"``: the 16 levels span the group's min..max exactly (fractional zero point).
 
     Returns:
-        ``(codes, scales, zeros)``: uint8 ``[out, in]`` in 0..15, fp32 ``[out, G]``, uint8 ``[out, G]``,
+        ``(codes, scales, zeros)``: uint8 ``[out, in]`` in 0..15, fp32 ``[out, G]``, fp32 ``[out, G]``,
         with ``w ~= (codes - zeros) * scales`` per group.
 
     Example:
@@ -118,13 +126,17 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = Fa
     if symmetric:
         scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8)
         zero = torch.full_like(scale, 8.0)
-    else:
+    elif zero_point == "int":
         lo = g.amin(-1).clamp(max=0.0)
         hi = g.amax(-1).clamp(min=0.0)
         scale = ((hi - lo) / 15.0).clamp(min=1e-8)
         zero = torch.round(-lo / scale).clamp(0, 15)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        zero = -lo / scale
     codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    return codes.reshape(out_f, in_f).to(torch.uint8), scale, zero.to(torch.uint8)
+    return codes.reshape(out_f, in_f).to(torch.uint8), scale, zero
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -181,7 +193,7 @@ class Int4Linear(nn.Module):
         if self.layout == "plain":
             self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
             self.register_buffer("scales", torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
-            self.register_buffer("zeros", torch.full((out_features, n_groups), 8, dtype=torch.uint8, device=device))
+            self.register_buffer("zeros", torch.full((out_features, n_groups), 8.0, dtype=torch.float32, device=device))
         else:
             # kernel layout: packed weight + bf16 [G, out, 2] (scale, offset) with w = (code - 8) * scale + offset
             self.register_buffer("weight_packed", torch.zeros(0, dtype=torch.uint8, device=device))
@@ -200,7 +212,7 @@ class Int4Linear(nn.Module):
         Args:
             codes: ``[out, in]`` integers 0..15 (in the stored column order: after ``in_perm``).
             scales: ``[out, in // group_size]`` float.
-            zeros: ``[out, in // group_size]`` integer zero points 0..15.
+            zeros: ``[out, in // group_size]`` zero points (integers 0..15 for GPTQ/AWQ; any float allowed).
             group_size: input channels per group.
             bias: ``[out]`` or None.
             in_perm: optional ``[in]`` permutation: the layer computes ``x[..., in_perm] @ W.T``.
@@ -210,7 +222,7 @@ class Int4Linear(nn.Module):
         out_f, in_f = codes.shape
         new = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype, device=codes.device, layout=layout,
                   has_perm=in_perm is not None)
-        new._set_portable(pack_int4(codes), scales.float(), zeros.to(torch.uint8))
+        new._set_portable(pack_int4(codes), scales.float(), zeros.float())
         if in_perm is not None:
             new.in_perm.copy_(in_perm)
         if bias is not None:
@@ -219,13 +231,13 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, module: nn.Module, *, group_size: int = 128, symmetric: bool = False, conv1d: bool = False,
-                   weight: torch.Tensor | None = None) -> Int4Linear:
+                   weight: torch.Tensor | None = None, zero_point: str = "float") -> Int4Linear:
         """Round-to-nearest from an ``nn.Linear`` (or ``Conv1D`` with ``conv1d=True``); ``weight`` overrides
         the module's ``[out, in]`` weight (e.g. a tied embedding)."""
         w = weight if weight is not None else module.weight.detach()
         if conv1d and weight is None:
             w = w.t()
-        codes, scales, zeros = quantize_int4_grouped(w, group_size, symmetric)
+        codes, scales, zeros = quantize_int4_grouped(w, group_size, symmetric, zero_point)
         bias = getattr(module, "bias", None)
         return cls.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, dtype=w.dtype)
 
@@ -234,7 +246,7 @@ class Int4Linear(nn.Module):
         if self.layout == "plain":
             self.qweight = qweight.contiguous()
             self.scales = scales.float().contiguous()
-            self.zeros = zeros.to(torch.uint8).contiguous()
+            self.zeros = zeros.float().contiguous()
             return
         codes = unpack_int4(qweight).to(torch.int32)  # [out, in]
         if self.layout == "cpu_int4pack":
@@ -260,7 +272,7 @@ class Int4Linear(nn.Module):
         codes = (self._kernel(eye, self.weight_packed, ones).t().float() + 8.0).round().to(torch.uint8)
         scales = self.scale_offset[..., 0].t().float()
         offset = self.scale_offset[..., 1].t().float()
-        zeros = torch.round(8.0 - offset / scales).clamp(0, 15).to(torch.uint8)
+        zeros = 8.0 - offset / scales
         return pack_int4(codes), scales, zeros
 
     def _kernel(self, x: torch.Tensor, packed: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
@@ -344,4 +356,5 @@ class Int4Linear(nn.Module):
 
 @register_quantizer(Int4WeightOnly)
 def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
-    return Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d)
+    return Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
+                                 zero_point=config.zero_point)
