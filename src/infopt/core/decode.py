@@ -1,0 +1,185 @@
+"""A lean greedy decode loop: one forward per token, preallocated output, no per-token logits-processor objects.
+
+``transformers``' ``generate`` builds logits processors, stopping criteria and model-input dicts every
+token; for a small model on a CPU that bookkeeping is a visible part of each token's time. This loop
+does only what greedy decoding needs, with the same arithmetic as ``generate`` (positions from the
+attention mask, the mask dropped when it has no padding, fp32 argmax of the last position's logits,
+``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Calls it
+does not cover raise :class:`~infopt.core.generation.Unsupported` from :func:`plan_greedy` and go to
+the original ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .generation import Unsupported
+
+__all__ = ["GreedyCall", "plan_greedy", "greedy_decode"]
+
+# generate() kwargs this loop understands; anything else goes to the original generate
+_KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
+                 "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "generation_config", "num_beams",
+                 "num_return_sequences", "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p",
+                 "tokenizer", "min_length"}
+
+# generation-config fields that must keep these values for plain greedy decoding
+_GREEDY_DEFAULTS: dict[str, Any] = {
+    "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "guidance_scale": None, "stop_strings": None, "max_time": None, "output_scores": False, "output_logits": False,
+    "output_attentions": False, "output_hidden_states": False, "return_dict_in_generate": False,
+    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "exponential_decay_length_penalty": None,
+    "renormalize_logits": False, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None,
+    "low_memory": None, "watermarking_config": None, "assistant_model": None, "prompt_lookup_num_tokens": None,
+    "min_length": 0, "typical_p": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
+}
+
+
+@dataclass
+class GreedyCall:
+    """A ``generate`` call the lean loop serves: inputs and the resolved limits."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor | None  # [B, T] or None
+    max_new_tokens: int
+    min_new_tokens: int
+    eos_token_ids: torch.Tensor | None  # [E]
+    pad_token_id: int | None
+
+
+def _as_ids(v) -> list[int] | None:
+    if v is None:
+        return None
+    if torch.is_tensor(v):
+        return [int(x) for x in v.reshape(-1).tolist()]
+    if isinstance(v, int):
+        return [v]
+    return [int(x) for x in v]
+
+
+def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> GreedyCall:
+    """Resolve a ``generate(*args, **kwargs)`` call for the lean greedy loop, or raise :class:`Unsupported`.
+
+    Args:
+        model: the model whose ``generate`` was called.
+        args, kwargs: the call's arguments.
+
+    Returns:
+        The resolved :class:`GreedyCall`.
+
+    Raises:
+        Unsupported: the call needs something the loop does not do (sampling, beams, logits
+            processors, streamers, scores, ...); the message says what.
+    """
+    if len(args) > 1:
+        raise Unsupported("positional arguments after input_ids")
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise Unsupported(f"argument(s) {', '.join(unknown)}")
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        raise Unsupported("no 2-D input_ids tensor")
+    if input_ids.shape[1] == 0:
+        raise Unsupported("empty prompt")
+    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    updates = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config",
+                                                                  "tokenizer", "use_cache")}
+    for k, v in updates.items():
+        setattr(gc, k, v)
+    for field, default in _GREEDY_DEFAULTS.items():
+        v = getattr(gc, field, default)
+        if v is not None and v != default and not (default is None and v in ((), [])):
+            raise Unsupported(f"{field}={v!r}")
+    if getattr(gc, "use_cache", True) is False or kwargs.get("use_cache") is False:
+        raise Unsupported("use_cache=False")
+    prompt = input_ids.shape[1]
+    if getattr(gc, "max_new_tokens", None) is not None:
+        new = int(gc.max_new_tokens)
+    else:
+        new = int(gc.max_length if gc.max_length is not None else 20) - prompt
+    if new <= 0:
+        raise Unsupported("no new tokens requested")
+    min_new = int(getattr(gc, "min_new_tokens", None) or 0)
+    eos = _as_ids(gc.eos_token_id)
+    pad = gc.pad_token_id
+    if pad is None and eos:
+        pad = eos[0]
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not torch.is_tensor(mask) or mask.shape != input_ids.shape):
+        raise Unsupported("attention_mask not the shape of input_ids")
+    eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
+    return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad))
+
+
+@torch.inference_mode()
+def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
+    """Run greedy decoding for ``call`` with ``cache`` (a transformers ``Cache``, empty).
+
+    Returns:
+        ``[B, T + n]`` token ids, ``n <= max_new_tokens`` (shorter when every row hit EOS), as
+        ``generate`` returns them.
+    """
+    ids = call.input_ids
+    B, T = ids.shape
+    out = torch.empty(B, T + call.max_new_tokens, dtype=ids.dtype, device=ids.device)
+    out[:, :T] = ids
+    mask = call.attention_mask
+    if mask is not None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, T]
+        if bool(mask.all()):
+            mask = None  # no padding: generate drops the mask too
+    else:
+        positions = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, T)
+    full_mask = None
+    if mask is not None:
+        full_mask = torch.ones(B, T + call.max_new_tokens, dtype=mask.dtype, device=mask.device)
+        full_mask[:, :T] = mask
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+    unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+    eos = call.eos_token_ids
+    pad = call.pad_token_id
+    logits_to_keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+
+    outputs = model(input_ids=ids, attention_mask=full_mask[:, :T] if full_mask is not None else None,
+                    position_ids=positions, past_key_values=cache, use_cache=True, **logits_to_keep)
+    n = 0
+    while True:
+        scores = outputs.logits[:, -1].to(dtype=torch.float32)  # [B, V]
+        if eos is not None and n < call.min_new_tokens:
+            scores[:, eos] = -float("inf")
+        tok = scores.argmax(dim=-1)  # [B]
+        if eos is not None and pad is not None:
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+        out[:, T + n] = tok
+        n += 1
+        if eos is not None:
+            unfinished &= ~torch.isin(tok, eos)
+            if not bool(unfinished.any()):
+                break
+        if n == call.max_new_tokens:
+            break
+        cur = T + n
+        outputs = model(input_ids=tok[:, None], position_ids=next_pos,
+                        attention_mask=full_mask[:, :cur] if full_mask is not None else None,
+                        past_key_values=cache, use_cache=True, **logits_to_keep)
+        next_pos = next_pos + 1
+    return out[:, : T + n]
+
+
+_TAKES: dict[type, bool] = {}
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    import inspect
+
+    t = type(model)
+    if t not in _TAKES:
+        _TAKES[t] = "logits_to_keep" in inspect.signature(t.forward).parameters
+    return _TAKES[t]
