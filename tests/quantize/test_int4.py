@@ -148,15 +148,17 @@ def test_recipe_spelling():
     assert Recipe.from_yaml(r.to_yaml()) == r
 
 
-@pytest.mark.parametrize("config", [Int4WeightOnly(group_size=32, include_lm_head=True),
-                                    Int8WeightOnly(include_lm_head=True)], ids=["int4", "int8"])
-def test_tied_lm_head_gets_its_own_quantized_copy(config, prompt):
+@pytest.mark.parametrize("config,head", [
+    (Int4WeightOnly(group_size=32, include_lm_head=True), Int8Linear),
+    (Int4WeightOnly(group_size=32, include_lm_head=True, lm_head_bits=4), Int4Linear),
+    (Int8WeightOnly(include_lm_head=True), Int8Linear)], ids=["int4-head8", "int4-head4", "int8"])
+def test_tied_lm_head_gets_its_own_quantized_copy(config, head, prompt):
     m = tiny_model("llama")
     assert m.lm_head.weight is m.model.embed_tokens.weight
     emb = m.model.embed_tokens.weight.detach().clone()
     ref = m(prompt).logits
     infopt.optimize(m, [config])
-    assert isinstance(m.lm_head, (Int4Linear, Int8Linear))
+    assert type(m.lm_head) is head
     assert torch.equal(m.model.embed_tokens.weight, emb)  # lookups keep the float table
     assert sqnr_db(ref, m(prompt).logits) > 10
     infopt.undo(m)

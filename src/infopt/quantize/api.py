@@ -165,8 +165,12 @@ def quantize_(
         )
     # build every replacement first, so a failure leaves the model untouched
     if type(config) in QUANTIZERS:
-        make = QUANTIZERS[type(config)]
-        replacements = {t.fqn: make(t.module, config, t.conv1d) for t in targets}
+        head_fqn = inspect_model(model).lm_head_fqn
+        head_config = getattr(config, "head_config", lambda: None)() or config
+        replacements = {}
+        for t in targets:
+            cfg = head_config if t.fqn == head_fqn else config
+            replacements[t.fqn] = QUANTIZERS[type(cfg)](t.module, cfg, t.conv1d)
     else:
         ids = None
         if not rebuild:
