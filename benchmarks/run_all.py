@@ -1,6 +1,7 @@
 """Run the benchmark scenarios on the embedded default model and append them to benchmarks/results/history.csv.
 
 Usage: python benchmarks/run_all.py [--workloads decode batch] [--recipes none cpu-lossless cpu-fast]
+       python benchmarks/run_all.py --recipes benchmarks/recipes/int8.yaml benchmarks/recipes/int4-g32-head8.yaml
 Run on a quiet machine: other processes on the same cores distort CPU timings.
 """
 
@@ -28,7 +29,7 @@ for wl in args.workloads:
         res = run_bench(model, tok, recipe, wl, repeats=args.repeats, num_requests=args.requests,
                         model_name="SmolLM2-135M-Instruct")
         print(format_table(res), "\n")
-        stem = f"{wl}-{recipe}"
+        stem = f"{wl}-{Path(recipe).stem if recipe.endswith(('.yaml', '.yml', '.json')) else recipe}"
         (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
         plot(res, out / f"{stem}.png")
         append_csv(res, out / "history.csv")

@@ -11,6 +11,7 @@ Example:
 from . import attention, compile, kvcache, quantize
 from ._version import __version__
 from .core.errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
+from .io import load, save_optimized
 from .optimize import OptimizationReport, optimize, undo, validate
 from .recipe import PRESETS, Recipe
 
@@ -19,6 +20,8 @@ __all__ = [
     "optimize",
     "undo",
     "validate",
+    "load",
+    "save_optimized",
     "Recipe",
     "PRESETS",
     "OptimizationReport",

@@ -11,7 +11,7 @@ from torch import nn
 from .optimize import optimize
 from .recipe import Recipe
 
-__all__ = ["save_optimized", "load_optimized", "RECIPE_FILE", "WEIGHTS_FILE"]
+__all__ = ["save_optimized", "load_optimized", "load", "install_save_hook", "RECIPE_FILE", "WEIGHTS_FILE"]
 
 RECIPE_FILE = "infopt_recipe.yaml"
 WEIGHTS_FILE = "infopt_model.safetensors"
@@ -39,25 +39,69 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None) -> P
         model.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    recipe = Recipe(report.applied_steps())
-    (out / RECIPE_FILE).write_text(recipe.to_yaml())
+    _write_recipe(model, out)
     save_model(model, str(out / WEIGHTS_FILE))
-    (out / "infopt_meta.json").write_text(json.dumps({"dtype": str(next(model.parameters()).dtype)}))
     return out
 
 
-def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu"):
-    """Load what :func:`save_optimized` wrote: ``(model, tokenizer_or_None)``, optimized, same outputs.
+def _write_recipe(model: nn.Module, out: Path) -> None:
+    report = model.__dict__["infopt"]
+    (out / RECIPE_FILE).write_text(Recipe(report.applied_steps()).to_yaml())
+    (out / "infopt_meta.json").write_text(json.dumps({"dtype": str(next(model.parameters()).dtype)}))
 
-    The model is built from its config, the recipe re-applied (which creates the quantized
-    modules), then the saved state dict loaded over it, strictly.
+
+def install_save_hook(model: nn.Module, *, step: str = "optimize") -> None:
+    """Make ``model.save_pretrained(dir)`` also write the recipe, so :func:`load` rebuilds the optimized model.
+
+    Called by :func:`infopt.optimize`; undone with the rest of the model's changes.
     """
-    from safetensors.torch import load_model
+    from .core.patch import wrap_method
+
+    def make(original):
+        def save_pretrained(save_directory, *args, **kwargs):
+            result = original(save_directory, *args, **kwargs)
+            if model.__dict__.get("infopt") is not None:
+                _write_recipe(model, Path(save_directory))
+            return result
+
+        save_pretrained.__doc__ = getattr(original, "__doc__", None)
+        return save_pretrained
+
+    wrap_method(model, "save_pretrained", make, step=step)
+
+
+def _state_files(d: Path) -> list[Path]:
+    if (d / WEIGHTS_FILE).is_file():
+        return [d / WEIGHTS_FILE]
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / s for s in shards]
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    raise FileNotFoundError(f"{d} has no {WEIGHTS_FILE}, model.safetensors or model.safetensors.index.json")
+
+
+def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu"):
+    """Load an optimized model written by :func:`save_optimized` or by ``save_pretrained`` of an optimized
+    model: ``(model, tokenizer_or_None)``, optimized, same outputs.
+
+    The model is built from its config, the recipe re-applied without calibrating (which creates
+    the quantized modules), then the saved state dict loaded over it. Every saved tensor must find
+    its place, and every tensor of the model must be saved except heads tied to the embedding.
+
+    Raises:
+        FileNotFoundError: the folder has no recipe (it was not saved from an optimized model) or no weights.
+        RuntimeError: the saved tensors do not fit the rebuilt model.
+    """
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     d = Path(directory)
     if not (d / RECIPE_FILE).is_file():
-        raise FileNotFoundError(f"{d} has no {RECIPE_FILE}; it was not written by infopt.save_optimized")
+        raise FileNotFoundError(
+            f"{d} has no {RECIPE_FILE}; save an optimized model with infopt.save_optimized or its save_pretrained"
+        )
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     meta = json.loads((d / "infopt_meta.json").read_text())
     dtype = getattr(torch, meta["dtype"].replace("torch.", ""))
@@ -65,8 +109,30 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
     if (d / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(d), local_files_only=True)
     optimize(model, Recipe.from_yaml((d / RECIPE_FILE).read_text()), rebuild=True)
-    load_model(model, str(d / WEIGHTS_FILE), strict=True, device=str(device))
+    state: dict[str, torch.Tensor] = {}
+    for f in _state_files(d):
+        state.update(load_file(str(f), device=str(device)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if _is_tied(model, k)}
+    bad_missing = sorted(set(missing) - tied)
+    if bad_missing or unexpected:
+        raise RuntimeError(
+            f"the weights in {d} do not fit the rebuilt model: missing {bad_missing[:5]}, unexpected {unexpected[:5]}"
+        )
     tok = None
     if (d / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     return model, tok
+
+
+load = load_optimized
+
+
+def _is_tied(model: nn.Module, key: str) -> bool:
+    """True when parameter ``key`` shares its storage with another parameter (a head tied to the embedding)."""
+    try:
+        t = model.get_parameter(key)
+    except AttributeError:
+        return False
+    ptr = t.data_ptr()
+    return sum(1 for _, p in model.named_parameters(remove_duplicate=False) if p.data_ptr() == ptr) > 1

@@ -169,8 +169,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
         ['attention', 'kvcache:static']
-        >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report
-        4
+        >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report, the save hook
+        5
     """
     r, fallbacks, info = _validate(model, recipe)
     gate = gate if gate is not None else r.gate
@@ -206,6 +206,10 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     report.memory_after = param_bytes(model)
     if new_report:
         set_attr(model, model, "infopt", report, step="optimize")
+        if callable(getattr(model, "save_pretrained", None)):
+            from .io import install_save_hook
+
+            install_save_hook(model)
 
     if gate:
         from . import eval as ev
@@ -232,7 +236,7 @@ def undo(model: nn.Module) -> int:
         >>> import infopt
         >>> from infopt.models import tiny_model
         >>> m = infopt.optimize(tiny_model(), [infopt.attention.Attention("eager")])
-        >>> infopt.undo(m), m.config._attn_implementation
-        (2, 'sdpa')
+        >>> infopt.undo(m), m.config._attn_implementation  # the backend, the report, the save hook
+        (3, 'sdpa')
     """
     return _undo_patches(model)

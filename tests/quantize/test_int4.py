@@ -189,3 +189,17 @@ def test_int8_groups(prompt):
         infopt.optimize(m, [Int8WeightOnly(group_size=48)])
     infopt.optimize(m, [Int8WeightOnly(group_size=32)])
     assert m.model.layers[0].mlp.up_proj.group_size == 32
+
+
+def test_save_pretrained_then_infopt_load(tmp_path, prompt):
+    m = tiny_model("qwen2")
+    infopt.optimize(m, [Int4WeightOnly(group_size=32, include_lm_head=True)])
+    logits = m(prompt).logits
+    m.save_pretrained(tmp_path / "hf")  # the optimized model's save_pretrained also writes the recipe
+    assert (tmp_path / "hf" / "infopt_recipe.yaml").is_file()
+    m2, _ = infopt.load(tmp_path / "hf")
+    assert isinstance(m2.lm_head, Int8Linear)
+    assert torch.equal(m2(prompt).logits, logits)
+    infopt.undo(m)
+    m.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "infopt_recipe.yaml").exists()
