@@ -41,10 +41,29 @@ def test_min_new_tokens_and_max_length():
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"do_sample": True}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"streamer": object()},
+    {"do_sample": True}, {"num_beams": 2}, {"repetition_penalty": 1.2}, {"assistant_model": object()},
     {"output_scores": True, "return_dict_in_generate": True}, {"logits_processor": []}, {"max_new_tokens": 0},
 ])
 def test_unsupported_calls_are_named(kwargs):
     m = tiny_model()
     with pytest.raises(Unsupported):
         plan_greedy(m, (torch.tensor([[1, 2, 3]]),), dict(kwargs))
+
+
+def test_streamer_sees_what_generate_shows():
+    class Rec:
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, v):
+            self.seen.append(v.tolist())
+
+        def end(self):
+            self.ended = True
+
+    m = tiny_model()
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    a, b = Rec(), Rec()
+    ref = m.generate(ids, max_new_tokens=5, do_sample=False, streamer=a)
+    out = greedy_decode(m, plan_greedy(m, (ids,), dict(max_new_tokens=5, do_sample=False, streamer=b)), DynamicCache())
+    assert torch.equal(out, ref) and a.seen == b.seen and b.ended

@@ -175,6 +175,9 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
     decode = [(r["n_out"] - 1) / (r["service"] - r["first_service"]) for r in reqs
               if r["n_out"] > 1 and r["service"] > r["first_service"]]
     tpot = [(r["service"] - r["first_service"]) / (r["n_out"] - 1) for r in reqs if r["n_out"] > 1]
+    # own TTFT: from the request's own start (no queueing) to its first token; the prefix workload
+    # compares the first request (cold cache) with the later ones (shared prefix)
+    own = [r["first_service"] for r in reqs]
     return {
         "tokens_per_s": n_out / run["wall"],
         "decode_tokens_per_s": statistics.median(decode) if decode else float("nan"),
@@ -182,6 +185,8 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
         "ttft_p50_ms": 1e3 * _pct([r["ttft"] for r in reqs], 0.5),
         "ttft_p90_ms": 1e3 * _pct([r["ttft"] for r in reqs], 0.9),
         "tpot_p50_ms": 1e3 * _pct(tpot, 0.5) if tpot else float("nan"),
+        "prefill_first_ms": 1e3 * own[0],
+        "prefill_rest_p50_ms": 1e3 * _pct(own[1:], 0.5) if len(own) > 1 else float("nan"),
         "wall_s": run["wall"],
         "output_tokens": float(n_out),
     }

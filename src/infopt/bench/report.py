@@ -19,6 +19,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "requests_per_s": ("requests/s", True),
     "ttft_p50_ms": ("TTFT p50 ms", False),
     "ttft_p90_ms": ("TTFT p90 ms", False),
+    "prefill_first_ms": ("own TTFT, 1st request ms", False),
+    "prefill_rest_p50_ms": ("own TTFT, later p50 ms", False),
     "tpot_p50_ms": ("time/output token p50 ms", False),
     "model_mb": ("weights+buffers MiB", False),
     "peak_rss_mb": ("peak RSS MiB", False),

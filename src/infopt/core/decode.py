@@ -26,7 +26,7 @@ __all__ = ["GreedyCall", "plan_greedy", "greedy_decode"]
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
                  "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "generation_config", "num_beams",
                  "num_return_sequences", "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p",
-                 "tokenizer", "min_length"}
+                 "tokenizer", "min_length", "streamer"}
 
 # generation-config fields that must keep these values for plain greedy decoding
 _GREEDY_DEFAULTS: dict[str, Any] = {
@@ -52,6 +52,7 @@ class GreedyCall:
     min_new_tokens: int
     eos_token_ids: torch.Tensor | None  # [E]
     pad_token_id: int | None
+    streamer: Any = None  # gets the prompt, then each step's tokens, then end(), as generate does
 
 
 def _as_ids(v) -> list[int] | None:
@@ -90,7 +91,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
         raise Unsupported("empty prompt")
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     updates = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config",
-                                                                  "tokenizer", "use_cache")}
+                                                                  "tokenizer", "use_cache", "streamer")}
     for k, v in updates.items():
         setattr(gc, k, v)
     for field, default in _GREEDY_DEFAULTS.items():
@@ -115,7 +116,10 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
     if mask is not None and (not torch.is_tensor(mask) or mask.shape != input_ids.shape):
         raise Unsupported("attention_mask not the shape of input_ids")
     eos_t = torch.tensor(eos, device=input_ids.device) if eos else None
-    return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad))
+    streamer = kwargs.get("streamer")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise Unsupported("a streamer with batch > 1")  # generate refuses it too
+    return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad), streamer)
 
 
 @torch.inference_mode()
@@ -146,6 +150,9 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
     eos = call.eos_token_ids
     pad = call.pad_token_id
     logits_to_keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    streamer = call.streamer
+    if streamer is not None:
+        streamer.put(ids.cpu())
 
     outputs = model(input_ids=ids, attention_mask=full_mask[:, :T] if full_mask is not None else None,
                     position_ids=positions, past_key_values=cache, use_cache=True, **logits_to_keep)
@@ -158,6 +165,8 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
         if eos is not None and pad is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
         out[:, T + n] = tok
+        if streamer is not None:
+            streamer.put(tok.cpu())
         n += 1
         if eos is not None:
             unfinished &= ~torch.isin(tok, eos)
@@ -170,6 +179,8 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
                         attention_mask=full_mask[:, :cur] if full_mask is not None else None,
                         past_key_values=cache, use_cache=True, **logits_to_keep)
         next_pos = next_pos + 1
+    if streamer is not None:
+        streamer.end()
     return out[:, : T + n]
 
 
