@@ -66,6 +66,10 @@ def matches(pattern: str, step: StepConfig) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule("compile", "kvcache:paged", "conflicts",
+         "a compiled forward needs static shapes, and the paged cache's block tables and packed batches change "
+         "shape every step",
+         "use kvcache static with compile, or drop compile to keep paged + prefix caching"),
     Rule("compile", "kvcache:static", "requires",
          "a compiled forward over a growing KV cache sees a new shape every token and recompiles each time",
          "add kvcache.Static(max_length=...) to the recipe (it is applied before compile)"),
@@ -75,9 +79,16 @@ RULES: tuple[Rule, ...] = (
     Rule("kvcache:heavy_hitter", "attention[backend!=eager]", "conflicts",
          "H2O eviction needs the attention weights, which only the eager backend returns",
          "use attention backend 'eager' with kvcache heavy_hitter"),
+    Rule("speculative", "kvcache:sinks", "conflicts",
+         "speculative decoding rolls rejected draft tokens back with crop, which a cache that evicted tokens cannot undo",
+         "use kvcache static or quantized with speculative decoding"),
+    Rule("speculative", "kvcache:heavy_hitter", "conflicts",
+         "speculative decoding rolls rejected draft tokens back with crop, which a cache that evicted tokens cannot undo",
+         "use kvcache static or quantized with speculative decoding"),
     Rule("kvcache:paged", "attention[backend!=paged]", "conflicts",
          "the paged cache is read by the paged attention kernel only",
-         "use attention backend 'paged' with kvcache paged (or leave attention out)"),
+         "use attention backend 'paged' with kvcache paged, or leave the attention step out (kvcache paged then "
+         "switches the backend itself)"),
     Rule("speculative", "batching", "conflicts",
          "the batching engine runs its own decode loop, which does not speculate",
          "use speculative decoding for single-stream latency, batching for throughput"),

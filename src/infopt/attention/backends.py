@@ -13,6 +13,7 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, inspect_model
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .paged import PAGED_IMPL, register_paged_attention
 
 __all__ = ["Attention", "BACKENDS", "set_backend_"]
 
@@ -22,6 +23,7 @@ BACKENDS: dict[str, str] = {
     "sdpa": "sdpa",
     "flash_attention_2": "flash_attention_2",
     "flex": "flex_attention",
+    "paged": PAGED_IMPL,
 }
 
 
@@ -33,7 +35,9 @@ class Attention(StepConfig):
     Args:
         backend: ``eager`` (reference, returns attention weights), ``sdpa``
             (``torch.nn.functional.scaled_dot_product_attention``), ``flash_attention_2`` (CUDA,
-            fp16/bf16, needs ``infopt[flash]``) or ``flex`` (``torch.nn.attention.flex_attention``).
+            fp16/bf16, needs ``infopt[flash]``), ``flex`` (``torch.nn.attention.flex_attention``) or
+            ``paged`` (reads the block tables of ``kvcache.Paged``; SDPA for calls without a paged cache,
+            see :mod:`infopt.attention.paged`).
 
     Raises:
         RecipeError: unknown backend.
@@ -53,10 +57,7 @@ class Attention(StepConfig):
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            hint = ""
-            if self.backend == "paged":
-                hint = " ('paged' arrives with the paged KV cache)"
-            raise bad_field(self, "backend", self.backend, ", ".join(BACKENDS) + hint)
+            raise bad_field(self, "backend", self.backend, ", ".join(BACKENDS))
 
     def required_backends(self) -> tuple[str, ...]:
         return ("flash_attn",) if self.backend == "flash_attention_2" else ()
@@ -111,6 +112,8 @@ def set_backend_(model: nn.Module, config: Attention | str, *, step: str | None 
     info = inspect_model(model)
     config.check(model, info, (config,))
     old = model.config._attn_implementation
+    if config.backend == "paged":
+        register_paged_attention()
     model.set_attn_implementation(BACKENDS[config.backend])
     record_custom(model, f"attn_implementation {old} -> {config.backend}",
                   lambda: model.set_attn_implementation(old), step=step or config.key)

@@ -122,7 +122,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
     return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad), streamer)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a cache allocated lazily here must stay writable by later calls (reset)
 def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
     """Run greedy decoding for ``call`` with ``cache`` (a transformers ``Cache``, empty).
 

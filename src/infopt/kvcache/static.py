@@ -8,9 +8,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..core.decode import greedy_decode, plan_greedy
 from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
 from ..core.introspect import context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .api import register_use
 
 __all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
 
@@ -133,6 +135,7 @@ class _StaticCacheHolder:
         return self.cache
 
 
+@register_use(Static)
 def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Module:
     """Make ``model.generate`` (and pipelines) decode with a static cache, in place.
 
@@ -166,7 +169,11 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
         if config.batch_size is not None and batch != config.batch_size:
             raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
         cache = holder.get(batch, total)
-        return original(*args, past_key_values=cache, **kwargs)
+        try:
+            call = plan_greedy(model, args, kwargs)
+        except Unsupported:  # sampling, processors, ...: transformers' loop, still on the static cache
+            return original(*args, past_key_values=cache, **kwargs)
+        return greedy_decode(model, call, cache)
 
     route_generate(model, handler, step=step or config.key)
     return model

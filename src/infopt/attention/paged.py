@@ -1,0 +1,227 @@
+"""The ``paged`` attention backend: each query attends to its own sequence's K/V, read through a block table.
+
+transformers calls an attention function as ``fn(module, query, key, value, attention_mask, **kwargs)``
+right after the layer's ``past_key_values.update(key, value, layer_idx)``. A paged KV cache
+(:class:`infopt.kvcache.PagedCache`) writes the new K/V into its block pool in ``update``, returns the
+layer's pools as ``key``/``value`` and :func:`bind` s the step's :class:`PagedAttentionMetadata`;
+:func:`paged_attention_forward` finds that binding (matched by the pool tensor's identity) and computes
+attention through the block tables. Called with anything else (a plain forward, a ``DynamicCache`` for a
+``generate`` call the paged cache does not serve), it is transformers' SDPA attention, so a model on this
+backend keeps working everywhere.
+
+Kernels: a reference in torch that runs on any device (gather each sequence's blocks, one masked
+SDPA call for the whole step), and on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's
+variable-length kernel reading the block table directly (its paged mode needs a block size that is a
+multiple of 256; other sizes use the reference).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.availability import is_available
+from ..core.errors import IncompatibleModelError
+
+__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention"]
+
+PAGED_IMPL = "infopt_paged"
+"""The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
+
+FLASH_PAGE_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """One forward's layout, shared by every layer (built by the paged cache before layer 0 attends).
+
+    Queries are arranged on a grid ``[S, Q]``: one row per sequence in the step, its new tokens
+    left-aligned. K/V pools are ``[num_blocks, block_size, kv_heads, head_dim]``.
+
+    Attributes:
+        block_size: token slots per block.
+        block_table: ``[S, max_blocks]`` block ids of each sequence (rows padded with any valid id).
+        kv_lens: ``[S]`` tokens each sequence holds after this step's writes.
+        query_pos: ``[S, Q]`` position of each grid query in its sequence (0 on grid padding).
+        mask: ``[S, 1, Q, max_blocks * block_size]`` bool, True where query may attend: slot ``j <= query_pos``.
+        gather: ``[S, Q]`` index of each grid query in the forward's flattened tokens (``B * q``), or None
+            when the grid is the forward's own ``[B, q]`` layout (a padded ``generate`` batch).
+        scatter: ``[N]`` index into the flattened grid ``S * Q`` of each of the forward's tokens, or None
+            with ``gather``.
+        token_index: ``[n]`` flat indices (into ``B * q``) of the tokens that are real, grouped by sequence in
+            position order; None when all are (packed steps). Padding tokens of a padded batch are neither
+            stored nor attended to.
+        new_lens: ``[S]`` real new tokens per sequence in this step.
+        single: ``(new tokens, kv length)`` when the step is one sequence with no padding (batch-1 prefill
+            and decode), so the reference kernel can attend over exactly its tokens with SDPA's causal fast
+            path instead of a materialized mask; None otherwise.
+    """
+
+    block_size: int
+    block_table: torch.Tensor
+    kv_lens: torch.Tensor
+    query_pos: torch.Tensor
+    mask: torch.Tensor
+    gather: torch.Tensor | None
+    scatter: torch.Tensor | None
+    token_index: torch.Tensor | None
+    new_lens: torch.Tensor
+    single: tuple[int, int] | None = None
+    _flash: tuple | None = None
+
+    def flash_args(self):
+        """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)`` for flash-attn, built once."""
+        if self._flash is None:
+            dev = self.kv_lens.device
+            zero = torch.zeros(1, dtype=torch.int32, device=dev)
+            cu_q = torch.cat([zero, self.new_lens.cumsum(0).to(torch.int32)])
+            cu_k = torch.cat([zero, self.kv_lens.cumsum(0).to(torch.int32)])
+            self._flash = (cu_q, cu_k, int(self.new_lens.max()), int(self.kv_lens.max()),
+                           self.block_table.to(torch.int32))
+        return self._flash
+
+
+class _Binding(threading.local):
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    meta: PagedAttentionMetadata | None = None
+
+
+_BOUND = _Binding()
+
+
+def bind(key_pool: torch.Tensor, value_pool: torch.Tensor, meta: PagedAttentionMetadata) -> None:
+    """Announce that the next attention call receiving ``key_pool`` reads it through ``meta`` (called by the
+    paged cache's ``update``, in the same thread, just before the layer attends)."""
+    _BOUND.key, _BOUND.value, _BOUND.meta = key_pool, value_pool, meta
+
+
+def _take(key: torch.Tensor) -> PagedAttentionMetadata | None:
+    if _BOUND.key is not key:
+        return None
+    meta = _BOUND.meta
+    _BOUND.key = _BOUND.value = _BOUND.meta = None  # one binding per layer call; holds no pool afterwards
+    return meta
+
+
+def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+    # query: [B, H, q, D]; pools: [num_blocks, block_size, H_kv, D]
+    b, h, q, d = query.shape
+    s, nb = meta.block_table.shape
+    h_kv = key_pool.shape[2]
+    if meta.gather is None:
+        qg = query  # grid == the forward's [B, q]
+    else:
+        qg = query.transpose(1, 2).reshape(b * q, h, d)[meta.gather].permute(0, 2, 1, 3)  # [S, H, Q, D]
+    length = nb * meta.block_size
+    # gather each sequence's blocks: [S, nb, block_size, H_kv, D] -> [S, H_kv, L, D]
+    k = key_pool[meta.block_table].reshape(s, length, h_kv, d).transpose(1, 2)
+    v = value_pool[meta.block_table].reshape(s, length, h_kv, value_pool.shape[-1]).transpose(1, 2)
+    mask, causal = meta.mask, False
+    if meta.single is not None:  # one sequence: attend over exactly its kv_len tokens
+        n, kv_len = meta.single
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        mask = None if n in (1, kv_len) else mask[..., :kv_len]
+        causal = n == kv_len > 1  # a fresh prefill: SDPA's causal kernel, no mask materialized
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=causal, scale=scaling,
+                                         enable_gqa=h != h_kv)
+    out = out.transpose(1, 2)  # [S, Q, H, D]
+    if meta.gather is None:
+        return out.contiguous()
+    return out.reshape(-1, h, out.shape[-1])[meta.scatter].reshape(b, q, h, out.shape[-1])
+
+
+def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and meta.block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn"))
+
+
+def _flash(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+    from flash_attn import flash_attn_varlen_func
+
+    b, h, q, d = query.shape
+    flat = query.transpose(1, 2).reshape(b * q, h, d)  # [B*q, H, D]
+    if meta.token_index is not None:
+        flat = flat[meta.token_index]
+    cu_q, cu_k, max_q, max_k, table = meta.flash_args()
+    # causal masks align to the end of each sequence's keys: query i of n sees keys up to kv_len - n + i
+    out = flash_attn_varlen_func(flat.contiguous(), key_pool, value_pool, cu_q, cu_k, max_q, max_k,
+                                 softmax_scale=scaling, causal=True, block_table=table)
+    if meta.token_index is not None:
+        full = out.new_zeros(b * q, h, out.shape[-1])
+        full[meta.token_index] = out
+        out = full
+    return out.reshape(b, q, h, out.shape[-1])
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function of the ``paged`` backend.
+
+    Args:
+        module: the attention module (``num_key_value_groups`` and ``layer_idx`` are read by the fallback).
+        query: ``[B, H, q, D]``.
+        key, value: the layer's block pools ``[num_blocks, block_size, H_kv, D]`` when a paged cache bound
+            them; otherwise ordinary ``[B, H_kv, kv, D]`` states, served by SDPA.
+        attention_mask: unused on the paged path (the block layout defines what each query sees).
+        scaling: softmax scale.
+
+    Returns:
+        ``(attn_output [B, q, H, D], None)``.
+
+    Raises:
+        IncompatibleModelError: the layer uses a sliding window or logit soft-capping, which the paged
+            kernels do not implement.
+    """
+    meta = _take(key)
+    if meta is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise IncompatibleModelError(
+            f"{type(module).__name__} uses sliding-window attention or logit soft-capping, which the paged "
+            "attention backend does not implement; use kvcache static or the default cache for this model"
+        )
+    if _flash_ok(query, meta):
+        return _flash(query, key, value, meta, scaling), None
+    return _reference(query, key, value, meta, scaling), None
+
+
+_REGISTERED = False
+
+
+def register_paged_attention() -> str:
+    """Register the backend with transformers (idempotent) and return its name, :data:`PAGED_IMPL`.
+
+    Registers the attention function in ``AttentionInterface`` and SDPA's mask builder in
+    ``AttentionMaskInterface`` under the same name (so calls the paged cache does not serve get
+    the padding-aware masks SDPA needs). The registration is global and stays after
+    :func:`infopt.undo`; it changes nothing for models not set to this backend.
+
+    Example:
+        >>> register_paged_attention()
+        'infopt_paged'
+    """
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(PAGED_IMPL, paged_attention_forward)
+        AttentionMaskInterface.register(PAGED_IMPL, sdpa_mask)
+        _REGISTERED = True
+    return PAGED_IMPL

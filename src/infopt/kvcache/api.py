@@ -1,0 +1,166 @@
+"""One verb for every KV cache kind, ``use_(model, config)``, plus the checks and accounting the kinds share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import IncompatibleModelError, RecipeError
+from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported
+from ..core.step import StepConfig
+
+__all__ = ["use_", "register_use", "USE_FUNCTIONS", "CacheBytes", "cache_bytes", "generate_input_ids",
+           "require_full_attention"]
+
+# config class -> use_(model, config, *, step=None); filled by @register_use beside each kind
+USE_FUNCTIONS: dict[type[StepConfig], Callable[..., nn.Module]] = {}
+
+
+def register_use(config_cls: type[StepConfig]):
+    """Decorator registering ``fn(model, config, *, step=None)`` as the :func:`use_` of ``config_cls``."""
+
+    def deco(fn):
+        USE_FUNCTIONS[config_cls] = fn
+        return fn
+
+    return deco
+
+
+def use_(model: nn.Module, config: StepConfig, *, step: str | None = None) -> nn.Module:
+    """Make ``model.generate`` (and pipelines) decode with the KV cache ``config`` describes, in place.
+
+    Dispatches on the config type: :class:`~infopt.kvcache.Static`, :class:`~infopt.kvcache.Quantized`,
+    :class:`~infopt.kvcache.Sinks`, :class:`~infopt.kvcache.HeavyHitter`. Calls a cache cannot serve
+    (beam search, say) go to the original ``generate``; :func:`infopt.core.generation.routing_stats`
+    counts them and gives the reasons. :func:`infopt.undo` restores the original ``generate``.
+
+    Args:
+        model: a transformers causal LM.
+        config: a kvcache step config.
+        step: recipe step key for the report (default: ``config.key``).
+
+    Returns:
+        The same model.
+
+    Raises:
+        RecipeError: ``config`` is not a kvcache config.
+        IncompatibleModelError: the model does not support this cache (see each config's ``check``).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> from infopt.kvcache import Quantized
+        >>> m = use_(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1), Quantized(bits=4))
+        >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape
+        torch.Size([1, 7])
+    """
+    fn = USE_FUNCTIONS.get(type(config))
+    if fn is None:
+        kinds = ", ".join(sorted(c.__name__ for c in USE_FUNCTIONS))
+        raise RecipeError(f"kvcache.use_ takes a kvcache config ({kinds}); got {type(config).__name__}: {config!r}")
+    return fn(model, config, step=step)
+
+
+def generate_input_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, padding: bool = True) -> torch.Tensor:
+    """The ``input_ids`` of a ``generate`` call a cache kind can serve, or :class:`Unsupported` with the reason.
+
+    Refused: no ``input_ids`` tensor, a caller-supplied ``past_key_values`` or ``cache_implementation``,
+    ``use_cache=False``, beam search and the other strategies of
+    :data:`~infopt.core.generation.SAMPLING_ONLY_KWARGS`, and (with ``padding=False``) an
+    ``attention_mask`` holding zeros.
+    """
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or not torch.is_tensor(input_ids):
+        raise Unsupported("no input_ids tensor")
+    if kwargs.get("past_key_values") is not None:
+        raise Unsupported("caller supplied past_key_values")
+    for k in SAMPLING_ONLY_KWARGS:
+        v = kwargs.get(k)
+        if v not in (None, 1, False, 0):
+            raise Unsupported(f"{k}={v}")
+    gc = kwargs.get("generation_config") or model.generation_config
+    if getattr(gc, "num_beams", 1) not in (None, 1):
+        raise Unsupported("beam search")
+    impl = kwargs.get("cache_implementation", getattr(gc, "cache_implementation", None))
+    if impl is not None:
+        raise Unsupported(f"cache_implementation={impl!r}")
+    if kwargs.get("use_cache", getattr(gc, "use_cache", True)) is False:
+        raise Unsupported("use_cache=False")
+    if not padding:
+        mask = kwargs.get("attention_mask")
+        if torch.is_tensor(mask) and not bool(mask.bool().all()):
+            raise Unsupported("padded batch (attention_mask holds zeros); an evicting cache keeps no padding map")
+    return input_ids
+
+
+def require_full_attention(model: nn.Module, what: str) -> None:
+    """Raise :class:`IncompatibleModelError` unless every layer of ``model`` is full (global) attention.
+
+    The infopt caches replace whole layers of transformers' cache; a model with sliding-window or
+    chunked layers (Gemma 3, Mistral with ``sliding_window``) needs per-layer-type caches they do not build.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    types, _ = get_layer_types_and_kwargs(tc)  # how transformers' own caches read the layer structure
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise IncompatibleModelError(
+            f"{what} supports models whose layers are all full attention; {type(model).__name__} has "
+            f"{', '.join(other)} layers. Use kvcache.Static (or no kvcache step) for this model"
+        )
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """Bytes a KV cache holds, against a dense cache of the same tokens.
+
+    Attributes:
+        tokens: tokens held per sequence (the quantized and full-precision parts together; for an
+            evicting cache, what it keeps, not what it has seen).
+        allocated: bytes of every tensor the cache owns, spare capacity included.
+        used: bytes holding live tokens (and their scales and zero-points).
+        dense: bytes a plain cache of the model's dtype would use for ``tokens``.
+        dense_fp32: the same in float32; ``dense_fp16``: in float16.
+    """
+
+    tokens: int
+    allocated: int
+    used: int
+    dense: int
+    dense_fp32: int
+    dense_fp16: int
+
+    @property
+    def ratio_fp32(self) -> float:
+        """``used / dense_fp32`` (0.0 for an empty cache)."""
+        return self.used / self.dense_fp32 if self.dense_fp32 else 0.0
+
+    @property
+    def saved(self) -> int:
+        """Bytes saved against a dense cache of the model's dtype (``dense - used``)."""
+        return self.dense - self.used
+
+
+def cache_bytes(layers, dtype: torch.dtype | None) -> CacheBytes:
+    """Sum :class:`CacheBytes` over cache layers that define ``allocated_bytes``, ``used_bytes``,
+    ``num_tokens`` and ``kv_elements`` (elements one token costs in K and V together)."""
+    tokens = allocated = used = elems = 0
+    for layer in layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        allocated += layer.allocated_bytes()
+        used += layer.used_bytes()
+        elems += layer.kv_elements() * layer.num_tokens()
+        tokens = max(tokens, layer.num_tokens())
+    size = torch.finfo(dtype).bits // 8 if dtype is not None and dtype.is_floating_point else 4
+    return CacheBytes(tokens=tokens, allocated=allocated, used=used, dense=elems * size, dense_fp32=elems * 4,
+                      dense_fp16=elems * 2)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the given tensors' elements (None counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

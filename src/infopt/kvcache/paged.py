@@ -1,0 +1,248 @@
+"""Paged KV cache with prefix caching for ``model.generate`` (recipe ``{kvcache: {kind: paged}}``).
+
+K/V live in fixed-size blocks of a pool that persists across ``generate`` calls
+(:mod:`infopt.kvcache.paged_cache`); full blocks are indexed by a hash of their prefix
+(:mod:`infopt.kvcache.blocks`). A call whose prompt starts like an earlier one (a shared system
+prompt) finds those blocks and runs the model only on the rest: the handler builds a cache already
+holding the prefix and passes it to the original ``generate`` with the full ``input_ids``;
+``generate`` slices off the columns ``cache.get_seq_length()`` reports as cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..attention.paged import FLASH_PAGE_MULTIPLE, PAGED_IMPL
+from ..core.availability import is_available
+from ..core.errors import IncompatibleModelError
+from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
+from ..core.introspect import ModelInfo, _text_config, inspect_model
+from ..core.patch import record_custom
+from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .api import register_use, require_full_attention
+from .blocks import OutOfBlocks
+from .paged_cache import PagedCache
+from .pool import KVBlockPool
+from .static import generation_lengths
+
+__all__ = ["Paged", "use_paged_", "paged_pool"]
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+@register_step
+@dataclass(frozen=True)
+class Paged(StepConfig):
+    """A paged KV cache: K/V in fixed-size blocks handed out from a pool, with prefix caching across calls.
+
+    ``generate`` calls run on the paged attention backend (``attention: {backend: paged}``); applying
+    this step alone switches the backend itself (recorded, so :func:`infopt.undo` switches it back).
+    Greedy output is token-identical to plain ``generate``.
+
+    Args:
+        block_size: tokens per block. Small blocks waste less of a sequence's last block and share
+            prefixes at a finer grain; large ones mean shorter block tables. flash-attn's paged kernel
+            (CUDA, fp16/bf16) needs a multiple of 256; other sizes use the torch reference kernel.
+        num_blocks: blocks in the pool. None (default): sized from the calls' needs. The pool starts
+            empty and grows (at least doubling) when a call needs more blocks than are free or
+            evictable, so it ends at about the largest call's size; cached prefixes live in what is
+            left and are evicted least recently used first. An int fixes the pool
+            (``num_blocks * block_size`` tokens; see
+            :func:`~infopt.kvcache.pool.num_blocks_for_budget` for a memory budget); calls that
+            do not fit go to the original ``generate``.
+        prefix_caching: keep full blocks after a call so later prompts sharing a prefix reuse them.
+
+    Raises:
+        RecipeError: a non-positive or non-integer size, a non-bool ``prefix_caching``.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), [Paged(block_size=16)])
+        >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape
+        torch.Size([1, 7])
+    """
+
+    stage: ClassVar[str] = "kvcache"
+    kind: ClassVar[str] = "paged"
+    discriminator: ClassVar[str] = "kind"
+    lossless: ClassVar[bool] = True
+    block_size: int = 16
+    num_blocks: int | None = None
+    prefix_caching: bool = True
+
+    def __post_init__(self):
+        if not _positive_int(self.block_size):
+            raise bad_field(self, "block_size", self.block_size, "a positive integer (tokens per block, e.g. 16)")
+        if self.num_blocks is not None and not _positive_int(self.num_blocks):
+            raise bad_field(self, "num_blocks", self.num_blocks, "a positive integer, or null to size the pool per call")
+        if not isinstance(self.prefix_caching, bool):
+            raise bad_field(self, "prefix_caching", self.prefix_caching, "true or false")
+
+    def check(self, model: nn.Module, info: ModelInfo, steps) -> list[str]:
+        can = getattr(model, "_can_set_attn_implementation", None)
+        if callable(can) and not can():
+            raise IncompatibleModelError(
+                f"{type(model).__name__} does not route attention through transformers' attention interface, "
+                "so the paged attention backend cannot read its cache; use kvcache static"
+            )
+        require_full_attention(model, "kvcache paged")
+        if getattr(_text_config(model.config), "attn_logit_softcapping", None) is not None:
+            raise IncompatibleModelError(
+                f"{type(model).__name__} soft-caps attention logits, which the paged attention kernels do not "
+                "implement; use kvcache static"
+            )
+        if info.device.type == "cuda" and (self.block_size % FLASH_PAGE_MULTIPLE or not is_available("flash_attn")):
+            return [f"paged attention uses the torch reference kernel (gather + SDPA): flash-attn's paged kernel needs "
+                    f"flash-attn installed and block_size a multiple of {FLASH_PAGE_MULTIPLE}"]
+        return []
+
+
+class _PagedGenerate:
+    """The pool one model's ``generate`` calls share (and so the prefix cache), and the per-call handler."""
+
+    def __init__(self, model: nn.Module, config: Paged):
+        self.model = model
+        self.config = config
+        self.pool = KVBlockPool(inspect_model(model).num_layers, config.num_blocks or 0, config.block_size,
+                                prefix_caching=config.prefix_caching, growable=config.num_blocks is None)
+        self.last_cache: PagedCache | None = None
+
+    def __call__(self, original, *args, **kwargs):
+        model = self.model
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or not torch.is_tensor(input_ids) or input_ids.ndim != 2:
+            raise Unsupported("no 2-D input_ids tensor")
+        if kwargs.get("past_key_values") is not None:
+            raise Unsupported("caller supplied past_key_values")
+        if kwargs.get("inputs_embeds") is not None:
+            raise Unsupported("inputs_embeds")
+        for k in SAMPLING_ONLY_KWARGS:
+            v = kwargs.get(k)
+            if v not in (None, 1, False, 0):
+                raise Unsupported(f"{k}={v}")
+        gc = kwargs.get("generation_config") or model.generation_config
+        for k in ("num_beams", "num_return_sequences"):
+            if (kwargs.get(k) or getattr(gc, k, 1) or 1) != 1:
+                raise Unsupported(f"{k} > 1")
+        for k in ("assistant_model", "prompt_lookup_num_tokens", "cache_implementation"):
+            if kwargs.get(k) is not None or getattr(gc, k, None) is not None:
+                raise Unsupported(k)
+        if kwargs.get("use_cache", getattr(gc, "use_cache", True)) is False:
+            raise Unsupported("use_cache=False")
+        if model.config._attn_implementation != PAGED_IMPL:
+            raise Unsupported(f"attention backend is {model.config._attn_implementation}, not paged")
+        pads = _left_padding(model, input_ids, kwargs, gc)
+        prompt, total = generation_lengths(model, input_ids, kwargs)
+        rows = [input_ids[b, p:].tolist() for b, p in enumerate(pads)]
+        cache = PagedCache(self.pool, config=model.config)
+        try:
+            cache.start_padded(rows, pads, max(0, total - prompt))
+        except OutOfBlocks as e:
+            raise Unsupported(f"pool too small: {e}") from None
+        self.last_cache = cache
+        try:
+            out = original(*args, past_key_values=cache, **kwargs)
+        except BaseException:
+            cache.finish_padded(None)
+            raise
+        cache.finish_padded(out if torch.is_tensor(out) else getattr(out, "sequences", None))
+        return out
+
+
+def _left_padding(model: nn.Module, input_ids: torch.Tensor, kwargs: dict, gc) -> list[int]:
+    """Padding columns per row, from ``attention_mask`` (which must be left padding)."""
+    mask = kwargs.get("attention_mask")
+    batch, width = input_ids.shape
+    if mask is None:
+        # generate infers a mask from pad tokens when pad != eos; rather than guess the same way, decline
+        pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
+        eos = kwargs.get("eos_token_id", getattr(gc, "eos_token_id", None))
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            raise Unsupported("pad tokens without an attention_mask")
+        return [0] * batch
+    if not torch.is_tensor(mask) or tuple(mask.shape) != (batch, width):
+        raise Unsupported("attention_mask is not [batch, prompt]")
+    m = mask.detach().to("cpu").bool()
+    real = m.sum(1)
+    if bool((real == 0).any()):
+        raise Unsupported("a row is all padding")
+    pads = width - real
+    if not torch.equal(m, torch.arange(width)[None, :] >= pads[:, None]):
+        raise Unsupported("attention_mask is not left padding")
+    return pads.tolist()
+
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, _PagedGenerate] = weakref.WeakKeyDictionary()
+
+
+def paged_pool(model: nn.Module) -> KVBlockPool | None:
+    """The :class:`~infopt.kvcache.pool.KVBlockPool` a model's ``generate`` calls use, or None.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = use_paged_(tiny_model(), Paged())
+        >>> _ = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+        >>> paged_pool(m).allocator.num_used  # every block released when the call ended
+        0
+    """
+    state = _STATES.get(model)
+    return state.pool if state is not None else None
+
+
+@register_use(Paged)
+def use_paged_(model: nn.Module, config: Paged | None = None, *, step: str | None = None) -> nn.Module:
+    """Make ``model.generate`` (and pipelines) decode with a paged KV cache and prefix caching, in place.
+
+    Switches the attention backend to ``paged`` when it is not already (recorded for undo). Calls the
+    paged cache cannot serve (beam search, several return sequences, assisted decoding, a
+    caller-supplied cache, right padding, a fixed pool too small) go to the original ``generate``;
+    :func:`infopt.core.generation.routing_stats` counts them.
+
+    Args:
+        model: a transformers causal LM with full causal attention.
+        config: the :class:`Paged` settings (default ``Paged()``).
+
+    Returns:
+        The same model.
+
+    Raises:
+        IncompatibleModelError: see :meth:`Paged.check`.
+    """
+    config = config or Paged()
+    info = inspect_model(model)
+    config.check(model, info, (config,))
+    key = step or config.key
+    if model.config._attn_implementation != PAGED_IMPL:
+        from ..attention.backends import set_backend_
+
+        set_backend_(model, "paged", step=key)
+    state = _PagedGenerate(model, config)
+    route_generate(model, state, step=key)
+    _STATES[model] = state
+    record_custom(model, "paged KV pool", lambda: _STATES.pop(model, None), step=key)
+    return model
+
+
+@register_transform(Paged)
+def _apply(model: nn.Module, config: Paged, ctx: ApplyContext) -> None:
+    before = model.config._attn_implementation
+    use_paged_(model, config)
+    info = ctx.info or inspect_model(model)
+    block_mib = info.kv_bytes_per_token * config.block_size / 2**20
+    size = (f"{config.num_blocks} blocks ({config.num_blocks * block_mib:.1f} MiB)" if config.num_blocks
+            else "a pool sized by the largest call")
+    ctx.notes.append(
+        f"paged KV cache: {config.block_size}-token blocks ({block_mib:.2f} MiB each), {size}, prefix caching "
+        f"{'on' if config.prefix_caching else 'off'}"
+    )
+    if before != PAGED_IMPL:
+        ctx.notes.append(f"attention backend switched {before} -> paged (kvcache paged needs it; undo restores it)")

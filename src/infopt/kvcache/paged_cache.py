@@ -1,0 +1,548 @@
+"""A transformers ``Cache`` over a paged KV pool: per-sequence block tables, step layouts, prefix reuse.
+
+The K/V tensors live in a :class:`~infopt.kvcache.pool.KVBlockPool`; this module keeps the sequences.
+
+Two ways to drive a :class:`PagedCache`:
+
+- **packed steps** (for a batching engine): :meth:`PagedCache.add_sequence`, then per forward
+  :meth:`PagedCache.begin_step` with each sequence's new tokens (a prefill chunk or one decode
+  token). The returned :class:`PagedBatch` holds ``input_ids``/``position_ids`` of shape ``[1, N]``
+  (all sequences flattened into one row) for one ``model(...)`` call; :meth:`PagedCache.end_step`
+  after it. :meth:`PagedCache.step` does all three.
+- **padded generate**: :func:`infopt.kvcache.use_` with :class:`~infopt.kvcache.Paged` hands a
+  cache to ``model.generate``; each row of the left-padded batch is one sequence, padding is never
+  stored, and the step layout is derived from the columns each forward receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, bind
+from ..core.errors import IncompatibleModelError
+from .blocks import BlockAllocator, BlockStateError, OutOfBlocks, hash_block
+from .pool import KVBlockPool
+
+__all__ = ["PagedCache", "PagedBatch"]
+
+
+@dataclass
+class PagedBatch:
+    """The inputs of one packed forward, returned by :meth:`PagedCache.begin_step`.
+
+    Attributes:
+        seq_ids: the sequences in the step, in order.
+        input_ids: ``[1, N]`` every sequence's new tokens, concatenated in ``seq_ids`` order.
+        position_ids: ``[1, N]`` each token's position in its own sequence.
+        logits_indices: ``[S]`` index in ``N`` of each sequence's last new token; pass it as
+            ``logits_to_keep`` so the model computes only the logits the sampler needs.
+        new_tokens: ``[S]`` tokens each sequence contributes.
+    """
+
+    seq_ids: tuple[Hashable, ...]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logits_indices: torch.Tensor
+    new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # slots written, the in-flight step included
+    done: int = 0  # slots written by completed forwards (safe to share)
+    tokens: list[int] = field(default_factory=list)  # known token ids by position
+    hashes: list[bytes] = field(default_factory=list)  # prefix hashes of blocks[:len(hashes)], all in the prefix cache
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Placeholder layer so transformers' ``Cache`` bookkeeping (``len``, ``is_sliding``) works; storage is the pool."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, owner: PagedCache):
+        super().__init__()
+        self._owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise BlockStateError("PagedCache layers are updated through PagedCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        pass
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` storing K/V in the blocks of a :class:`KVBlockPool`, one block table per sequence.
+
+    Its ``update`` writes new K/V into the blocks and hands the layer's pools to the ``paged``
+    attention backend (:mod:`infopt.attention.paged`), which the model must use.
+
+    Args:
+        pool: the block pool (shared with other caches, and across calls, for prefix reuse).
+        config: the model's config; checked to use the paged attention backend before each step.
+        device: where packed-step inputs and metadata go (the model's device; default CPU).
+
+    Example (packed steps, as a batching engine drives it):
+        >>> import torch, infopt
+        >>> from infopt.models import tiny_model
+        >>> model = infopt.attention.set_backend_(tiny_model(), "paged")
+        >>> cache = PagedCache.for_model(model, num_blocks=32)
+        >>> cache.add_sequence("a", [1, 2, 3, 4, 5]), cache.add_sequence("b", [7, 8])
+        (0, 0)
+        >>> with torch.no_grad():
+        ...     logits = cache.step(model, [("a", [1, 2, 3, 4, 5]), ("b", [7, 8])])  # both prefills, one forward
+        ...     logits = cache.step(model, [("a", [9]), ("b", [9])])  # one decode token each
+        >>> logits.shape[0], cache.seq_len("a"), cache.seq_len("b")
+        (2, 6, 3)
+    """
+
+    def __init__(self, pool: KVBlockPool, *, config: Any = None, device: torch.device | str | None = None):
+        super().__init__(layers=[_PagedLayer(self) for _ in range(pool.num_layers)])
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._config = config
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._meta: PagedAttentionMetadata | None = None
+        self._slots: torch.Tensor | None = None
+        self._step_ids: tuple[Hashable, ...] = ()
+        self._layers_done: set[int] = set()
+        self._n_tokens = 0
+        self._pads: list[int] | None = None  # padded-generate mode: left padding per row
+        self._columns = 0
+        self.device = torch.device(device) if device is not None else None
+        self.tokens_computed = 0  # tokens run through the model (prefix hits excluded)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_blocks: int, block_size: int = 16, *,
+                  prefix_caching: bool = True) -> PagedCache:
+        """A cache with its own pool of ``num_blocks`` blocks sized for ``model`` (see :func:`num_blocks_for_budget`)."""
+        from ..core.introspect import inspect_model
+
+        info = inspect_model(model)
+        pool = KVBlockPool(info.num_layers, num_blocks, block_size, prefix_caching=prefix_caching)
+        return cls(pool, config=model.config, device=info.device)
+
+    # -- sequences --------------------------------------------------------------------------
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.pool.allocator
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Tokens stored for ``seq_id``."""
+        return self._seq(seq_id).length
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._seq(seq_id).blocks)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def _seq(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"no sequence {seq_id!r} in this PagedCache (add it with add_sequence)") from None
+
+    def add_sequence(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> int:
+        """Start a sequence; with its prompt ``tokens`` known, reuse the longest cached prefix of full blocks.
+
+        At least one prompt token is always left uncached, so the caller has a token to compute logits from.
+
+        Returns:
+            How many leading tokens are already in the cache: feed ``tokens[returned:]`` next.
+
+        Raises:
+            ValueError: ``seq_id`` already exists.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists in this PagedCache")
+        seq = _Seq(tokens=[int(t) for t in tokens] if tokens is not None else [])
+        alloc, bs = self.allocator, self.block_size
+        parent = None
+        for i in range(max(0, len(seq.tokens) - 1) // bs if alloc.prefix_caching else 0):
+            h = hash_block(parent, seq.tokens[i * bs:(i + 1) * bs])
+            block = alloc.lookup(h)
+            if block is None:
+                break
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+            parent = h
+        seq.length = seq.done = len(seq.blocks) * bs
+        self._seqs[seq_id] = seq
+        return seq.length
+
+    def fork_sequence(self, src: Hashable, dst: Hashable) -> None:
+        """Start ``dst`` as a copy of ``src`` sharing all its blocks (copy-on-write: the first write into the shared
+        last block gives the writer its own copy). For parallel sampling or beam-style branching."""
+        if dst in self._seqs:
+            raise ValueError(f"sequence {dst!r} already exists in this PagedCache")
+        s = self._seq(src)
+        self._seqs[dst] = _Seq([self.allocator.fork(b) for b in s.blocks], s.length, s.done, list(s.tokens),
+                               list(s.hashes))
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        """Keep the first ``length`` tokens of a sequence, freeing the blocks past them (speculative rollback)."""
+        self._truncate(self._seq(seq_id), length, keep_tokens=False)
+
+    def _truncate(self, seq: _Seq, length: int, *, keep_tokens: bool) -> None:
+        length = max(0, min(length, seq.length))
+        keep = -(-length // self.block_size)
+        self.allocator.free_many(seq.blocks[keep:])
+        del seq.blocks[keep:]
+        del seq.hashes[length // self.block_size:]
+        seq.length = length
+        seq.done = min(seq.done, length)
+        if not keep_tokens:
+            del seq.tokens[length:]
+
+    def release(self, seq_id: Hashable) -> None:
+        """End a sequence: its full blocks are already in the prefix cache; every block loses this reference."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"no sequence {seq_id!r} in this PagedCache")
+        self.allocator.free_many(seq.blocks)
+        seq.blocks.clear()
+
+    def release_all(self) -> None:
+        for seq_id in list(self._seqs):
+            self.release(seq_id)
+        self._meta = None
+
+    def _commit(self, seq: _Seq) -> None:
+        """Enter the sequence's newly completed full blocks whose tokens are known into the prefix cache."""
+        alloc, bs = self.allocator, self.block_size
+        if not alloc.prefix_caching:
+            return
+        parent = seq.hashes[-1] if seq.hashes else None
+        for i in range(len(seq.hashes), min(seq.done, len(seq.tokens)) // bs):
+            parent = hash_block(parent, seq.tokens[i * bs:(i + 1) * bs])
+            seq.blocks[i] = alloc.insert(parent, seq.blocks[i])
+            seq.hashes.append(parent)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _needed(self, seq: _Seq, start: int, n: int) -> int:
+        bs = self.block_size
+        cow = 1 if start % bs and start // bs < len(seq.blocks) and not self.allocator.writable(
+            seq.blocks[start // bs]) else 0
+        return cow + max(0, -(-(start + n) // bs) - len(seq.blocks))
+
+    def _reserve(self, seq: _Seq, start: int, n: int) -> None:
+        bs = self.block_size
+        if start % bs and start // bs < len(seq.blocks):
+            i = start // bs
+            seq.blocks[i] = self.allocator.copy_on_write(seq.blocks[i], self.pool.copy_block)
+        more = -(-(start + n) // bs) - len(seq.blocks)
+        if more > 0:
+            seq.blocks.extend(self.allocator.allocate_many(more))
+        seq.length = start + n
+
+    def _check_backend(self) -> None:
+        impl = getattr(self._config, "_attn_implementation", PAGED_IMPL)
+        if impl != PAGED_IMPL:
+            raise IncompatibleModelError(
+                f"the model's attention backend is {impl!r}; a PagedCache is read by the paged backend only. "
+                "Fix: infopt.attention.set_backend_(model, 'paged')"
+            )
+
+    def begin_step(self, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]]) -> PagedBatch:
+        """Lay out one packed forward: each ``(seq_id, new_token_ids)`` continues its sequence.
+
+        Allocates the blocks the step needs (copy-on-write where a sequence writes into a shared
+        block) and records the metadata the attention backend reads. Call ``model(input_ids=...,
+        position_ids=..., past_key_values=cache)`` with the returned batch next, then :meth:`end_step`.
+
+        Returns:
+            :class:`PagedBatch`.
+
+        Raises:
+            OutOfBlocks: the step needs more blocks than are available; nothing was changed, so the caller
+                can drop or preempt a sequence and try again.
+            KeyError: unknown ``seq_id``; ValueError: a sequence twice or with no tokens.
+            BlockStateError: the previous step's forward did not finish (call :meth:`abort_step`).
+        """
+        if self._pads is not None:
+            raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
+        self._check_backend()
+        self._finish_pending()
+        entries = [(sid, [int(t) for t in (toks.tolist() if torch.is_tensor(toks) else toks)]) for sid, toks in entries]
+        if not entries:
+            raise ValueError("begin_step needs at least one (seq_id, tokens) entry")
+        ids = [sid for sid, _ in entries]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a sequence appears twice in one step: {ids}")
+        seqs = [self._seq(sid) for sid in ids]
+        if any(not toks for _, toks in entries):
+            raise ValueError("every sequence in a step needs at least one new token")
+        starts = [s.length for s in seqs]
+        news = [len(toks) for _, toks in entries]
+        self.pool.ensure_available(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True)))
+        for seq, st, (_, toks) in zip(seqs, starts, entries, strict=True):
+            self._reserve(seq, st, len(toks))
+            seq.tokens[st:st + len(toks)] = toks
+        device = self.device or torch.device("cpu")
+        # flattened tokens: sequence s owns N-range [off_s, off_s + n_s), positions start_s + i
+        n = torch.tensor(news, dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        total, s_count, q = int(n.sum()), len(seqs), int(n.max())
+        seq_of = torch.repeat_interleave(torch.arange(s_count), n)  # [N]
+        off = n.cumsum(0) - n
+        idx = torch.arange(total) - off[seq_of]  # [N] index inside its sequence's new tokens
+        pos = start[seq_of] + idx  # [N]
+        grid_i = torch.arange(q)[None, :]  # [1, Q]
+        inside = grid_i < n[:, None]  # [S, Q]
+        gather = off[:, None] + torch.minimum(grid_i, n[:, None] - 1)  # [S, Q]
+        query_pos = torch.where(inside, start[:, None] + grid_i, 0)
+        table = self._table(seqs)
+        slots = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        self._set_meta(table, start + n, query_pos, n, gather=gather, scatter=seq_of * q + idx, token_index=None,
+                       slots=slots, device=device)
+        self._step_ids = tuple(ids)
+        self._n_tokens = total
+        tokens = torch.tensor([t for _, toks in entries for t in toks], dtype=torch.long, device=device)
+        return PagedBatch(tuple(ids), tokens[None], pos[None].to(device), (off + n - 1).to(device), news)
+
+    def end_step(self) -> None:
+        """Mark the last forward finished: its tokens become shareable and full blocks enter the prefix cache."""
+        self._complete_step()
+
+    def abort_step(self) -> None:
+        """Undo the bookkeeping of a forward that failed: sequences go back to their length before it."""
+        for sid in self._step_ids:
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                self._truncate(seq, seq.done, keep_tokens=True)
+        self._meta = None
+        self._step_ids = ()
+
+    def step(self, model: nn.Module, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]],
+             **forward_kwargs) -> torch.Tensor:
+        """:meth:`begin_step`, one forward of ``model``, :meth:`end_step`; returns each sequence's next-token
+        logits ``[S, vocab]`` (from its last new token). A failed forward is rolled back with :meth:`abort_step`."""
+        batch = self.begin_step(entries)
+        try:
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, past_key_values=self,
+                        use_cache=True, logits_to_keep=batch.logits_indices, **forward_kwargs)
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+        return out.logits[0]
+
+    def _table(self, seqs: list[_Seq]) -> torch.Tensor:
+        nb = max(1, max(len(s.blocks) for s in seqs))
+        return torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], dtype=torch.long)
+
+    def _set_meta(self, table, kv_lens, query_pos, new_lens, *, gather, scatter, token_index, slots, device):
+        length = table.shape[1] * self.block_size
+        mask = torch.arange(length)[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]: slot j <= query position
+
+        def to(t):
+            return None if t is None else t.to(device)
+
+        self._meta = PagedAttentionMetadata(
+            block_size=self.block_size, block_table=to(table), kv_lens=to(kv_lens), query_pos=to(query_pos),
+            mask=to(mask[:, None]), gather=to(gather), scatter=to(scatter), token_index=to(token_index),
+            new_lens=to(new_lens),
+            single=(int(new_lens[0]), int(kv_lens[0])) if len(new_lens) == 1 and token_index is None else None,
+        )
+        self._slots = to(slots)
+        self._layers_done = set()
+        self.tokens_computed += int(new_lens.sum())
+
+    def _finish_pending(self) -> None:
+        if self._meta is None:
+            return
+        if len(self._layers_done) < len(self.layers):
+            raise BlockStateError(
+                "the previous step's forward did not run through every layer; call abort_step() before the next step"
+            )
+        self._complete_step()
+
+    def _complete_step(self) -> None:
+        if self._meta is None:
+            return
+        for sid in self._step_ids:
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                seq.done = seq.length
+                self._commit(seq)
+        self._meta = None
+        self._step_ids = ()
+
+    # -- padded generate mode -------------------------------------------------------------------
+    def start_padded(self, rows: Sequence[Sequence[int]], pads: Sequence[int], max_new_tokens: int) -> int:
+        """Serve one left-padded ``generate`` batch: row ``b`` holds ``pads[b]`` padding columns then ``rows[b]``.
+
+        Looks each row's prompt up in the prefix cache and makes sure the pool can hold the whole call.
+
+        Returns:
+            The number of leading columns already cached for every row (``generate`` then runs the model on
+            the remaining columns only).
+
+        Raises:
+            OutOfBlocks: the call does not fit a fixed-size pool (the cache is left empty).
+        """
+        self._check_backend()
+        self._pads = [int(p) for p in pads]
+        hits = [self.add_sequence(b, row) for b, row in enumerate(rows)]
+        columns = min(p + h for p, h in zip(self._pads, hits, strict=True))
+        need = 0
+        for b, p in enumerate(self._pads):
+            seq = self._seqs[b]
+            self._truncate(seq, max(0, columns - p), keep_tokens=True)
+            need += self._needed(seq, seq.length, len(rows[b]) - seq.length + max_new_tokens)
+        try:
+            self.pool.ensure_available(need)
+        except OutOfBlocks:
+            self.release_all()
+            raise
+        self._columns = columns
+        return columns
+
+    def _begin_padded_step(self, q: int, device: torch.device) -> None:
+        self._complete_step()
+        c0, bs = self._columns, self.block_size
+        pads = torch.tensor(self._pads, dtype=torch.long)
+        pos = torch.arange(c0, c0 + q)[None, :] - pads[:, None]  # [B, q] position in the row's sequence
+        valid = pos >= 0
+        seqs = [self._seqs[b] for b in range(len(self._pads))]
+        starts = [max(0, c0 - p) for p in self._pads]
+        news = [c0 + q - max(c0, p) for p in self._pads]
+        for seq, st in zip(seqs, starts, strict=True):
+            if seq.length != st:
+                raise BlockStateError(f"padded step out of sync: a row holds {seq.length} tokens, expected {st}")
+        self.pool.ensure_available(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True)))
+        for seq, st, n in zip(seqs, starts, news, strict=True):
+            self._reserve(seq, st, n)
+        self._columns = c0 + q
+        table = self._table(seqs)
+        query_pos = pos.clamp(min=0)
+        slots = torch.gather(table, 1, query_pos // bs) * bs + query_pos % bs  # [B, q]
+        token_index = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1)
+        slots = slots.flatten() if token_index is None else slots.flatten()[token_index]
+        self._set_meta(table, torch.tensor([s.length for s in seqs]), query_pos, torch.tensor(news), gather=None,
+                       scatter=None, token_index=token_index, slots=slots, device=device)
+        self._step_ids = tuple(range(len(seqs)))
+        self._n_tokens = valid.numel()
+
+    def finish_padded(self, sequences: torch.Tensor | None) -> None:
+        """End a padded ``generate`` call and release its rows.
+
+        Args:
+            sequences: ``generate``'s output ``[B, prompt + new]`` when it succeeded: the generated tokens
+                are recorded so full blocks of prompt + answer enter the prefix cache (a follow-up turn
+                reuses them). None after a failure: only steps that completed are kept.
+        """
+        if sequences is not None and self._meta is not None and len(self._layers_done) == len(self.layers):
+            for b, p in enumerate(self._pads or []):
+                self._seqs[b].tokens = sequences[b, p:].tolist()
+            self._complete_step()
+        self.release_all()
+        self._pads = None
+        self._columns = 0
+
+    # -- transformers Cache API -----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V ``[B, H_kv, q, D]`` into the blocks; return the layer's pools for the paged backend."""
+        if self._meta is None or layer_idx in self._layers_done:
+            if self._pads is None:
+                raise BlockStateError("call PagedCache.begin_step(...) before each forward (or use PagedCache.step)")
+            self._begin_padded_step(key_states.shape[2], key_states.device)
+        b, h_kv, q, d = key_states.shape
+        if b * q != self._n_tokens:
+            raise BlockStateError(f"the forward has {b * q} tokens but the step was laid out for {self._n_tokens}")
+        self._layers_done.add(layer_idx)
+        k_pool, v_pool = self.pool.storage(layer_idx, key_states, value_states)
+        k_new = key_states.transpose(1, 2).reshape(b * q, h_kv, d)
+        v_new = value_states.transpose(1, 2).reshape(b * q, h_kv, value_states.shape[-1])
+        if self._meta.token_index is not None:
+            k_new, v_new = k_new[self._meta.token_index], v_new[self._meta.token_index]
+        # pools viewed as [num_blocks * block_size, H_kv, D]: one row per token slot
+        k_pool.view(-1, h_kv, d).index_copy_(0, self._slots, k_new.to(k_pool.dtype))
+        v_pool.view(-1, h_kv, v_pool.shape[-1]).index_copy_(0, self._slots, v_new.to(v_pool.dtype))
+        bind(k_pool, v_pool, self._meta)
+        return k_pool, v_pool
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns already processed in padded-generate mode (what ``generate`` slices its inputs by); 0 otherwise."""
+        return self._columns if self._pads is not None else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # the paged backend ignores the mask transformers builds; keep it [.., q, q] small
+        return query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``tokens_to_remove`` columns of a padded batch (assisted decoding's rollback).
+        Negative values keep that many columns, as in transformers."""
+        if self._pads is None:
+            raise NotImplementedError("in packed mode, roll a sequence back with PagedCache.truncate(seq_id, length)")
+        self._finish_pending()
+        keep = self._columns - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
+        self._columns = max(0, min(self._columns, keep))
+        for b, p in enumerate(self._pads):
+            self._truncate(self._seqs[b], max(0, self._columns - p), keep_tokens=False)
+
+    def reset(self) -> None:
+        """Release every sequence (the pool and its prefix cache stay)."""
+        self.release_all()
+        self._pads = None
+        self._columns = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedCache does not serve beam search; infopt routes it to the original generate")
+
+    # -- memory ---------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        """Bytes allocated (the whole pool) and used (blocks held x bytes per block), cached prefix blocks,
+        and block utilization: the fraction of slots in the held blocks that hold a token.
+
+        Example:
+            >>> from infopt.models import tiny_model
+            >>> PagedCache.for_model(tiny_model(), num_blocks=8).memory_stats()["blocks_free"]
+            8
+        """
+        alloc, bs, bb = self.allocator, self.block_size, self.pool.block_bytes
+        fill: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for i, blk in enumerate(seq.blocks):
+                fill[blk] = max(fill.get(blk, 0), min(bs, seq.length - i * bs))
+        return {
+            "num_blocks": alloc.num_blocks, "block_size": bs, "block_bytes": bb,
+            "blocks_used": alloc.num_used, "blocks_cached": alloc.num_evictable, "blocks_free": alloc.num_free,
+            "bytes_allocated": self.pool.bytes_allocated, "bytes_used": alloc.num_used * bb,
+            "bytes_cached": alloc.num_evictable * bb,
+            "utilization": sum(fill.values()) / (len(fill) * bs) if fill else 0.0,
+            "sequences": len(self._seqs), "tokens": sum(s.length for s in self._seqs.values()),
+        }
+

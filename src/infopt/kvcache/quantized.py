@@ -1,0 +1,283 @@
+"""KIVI-style quantized KV cache (int8/int4, native torch): keys per channel, values per token, recent tokens exact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..core.errors import IncompatibleModelError
+from ..core.generation import route_generate
+from ..core.introspect import ModelInfo, context_length, inspect_model
+from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .api import generate_input_ids, register_use, require_full_attention
+
+__all__ = [
+    "Quantized",
+    "use_",
+    "quantize_groups",
+    "dequantize_groups",
+    "pack_int4",
+    "unpack_int4",
+    "bytes_per_token",
+]
+
+AXES = ("channel", "token")
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+@register_step
+@dataclass(frozen=True)
+class Quantized(StepConfig):
+    """A KV cache stored as int8 or int4 with a group-wise scale and zero-point (KIVI), most recent tokens exact.
+
+    Keys are quantized per channel (each channel's scale and zero-point span ``group_size`` tokens),
+    values per token (each token's span ``group_size`` channels of ``head_dim``), asymmetric min/max.
+    The newest tokens stay in full precision in a residual window; when it holds ``residual_length``
+    tokens it is quantized and appended to the quantized store. Attention reads dequantized K/V
+    (quantized part + residual), so any attention backend that takes K/V tensors can read it (eager and
+    sdpa are tested); the price, without a fused kernel, is rebuilding one layer's K/V at each step.
+    int4 values are packed two per byte.
+
+    Args:
+        bits: 8 or 4.
+        group_size: tokens per key group (channel axis) / channels per value group (token axis);
+            along the channel it must divide the model's ``head_dim``.
+        residual_length: full-precision window, a multiple of ``group_size``. Greedy output is
+            token-identical to plain ``generate`` while prompt + new tokens <= ``residual_length``.
+        axis_key: ``channel`` (KIVI: per-channel key outliers) or ``token``.
+        axis_value: ``token`` (KIVI) or ``channel``.
+
+    Raises:
+        RecipeError: a field out of range (bits not 8/4, non-positive sizes, ``residual_length`` not a
+            multiple of ``group_size``, an unknown axis).
+        IncompatibleModelError (at validation): ``group_size`` does not divide ``head_dim`` on a
+            per-token axis; a model with sliding-window layers.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1), [Quantized(bits=4)])
+        >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape
+        torch.Size([1, 7])
+    """
+
+    stage: ClassVar[str] = "kvcache"
+    kind: ClassVar[str] = "quantized"
+    discriminator: ClassVar[str] = "kind"
+    lossless: ClassVar[bool] = False
+    bits: int = 8
+    group_size: int = 64
+    residual_length: int = 128
+    axis_key: str = "channel"
+    axis_value: str = "token"
+
+    def __post_init__(self):
+        if self.bits not in (8, 4) or isinstance(self.bits, bool):
+            raise bad_field(self, "bits", self.bits, "8 or 4")
+        if not _positive_int(self.group_size):
+            raise bad_field(self, "group_size", self.group_size, "a positive integer (tokens or channels per group)")
+        if not _positive_int(self.residual_length) or self.residual_length % self.group_size:
+            raise bad_field(self, "residual_length", self.residual_length,
+                            f"a positive multiple of group_size={self.group_size} (whole key groups are quantized)")
+        if self.axis_key not in AXES:
+            raise bad_field(self, "axis_key", self.axis_key, ", ".join(AXES))
+        if self.axis_value not in AXES:
+            raise bad_field(self, "axis_value", self.axis_value, ", ".join(AXES))
+
+    def check(self, model, info: ModelInfo, steps) -> list[str]:
+        require_full_attention(model, f"kvcache.{type(self).__name__}")
+        token_axes = [n for n, a in (("axis_key", self.axis_key), ("axis_value", self.axis_value)) if a == "token"]
+        if token_axes and info.head_dim % self.group_size:
+            divisors = [d for d in range(1, info.head_dim + 1) if info.head_dim % d == 0 and d >= 8]
+            raise IncompatibleModelError(
+                f"kvcache.Quantized(group_size={self.group_size}) groups {' and '.join(token_axes)} along head_dim, "
+                f"but this model's head_dim is {info.head_dim}; use a group_size dividing it "
+                f"({', '.join(map(str, divisors)) or info.head_dim})"
+            )
+        if self.bits == 4 and info.head_dim % 2:
+            raise IncompatibleModelError(
+                f"kvcache.Quantized(bits=4) packs two values per byte along head_dim, which is odd ({info.head_dim}) "
+                "here; use bits=8"
+            )
+        return []
+
+    def new_cache(self, model: nn.Module):
+        """A fresh :class:`~infopt.kvcache.quantized_cache.QuantizedKVCache` for ``model`` (for ``generate(past_key_values=...)``
+        or a hand-written loop)."""
+        from .quantized_cache import QuantizedKVCache
+
+        return QuantizedKVCache(model.config, self)
+
+
+# -- quantization primitives -------------------------------------------------------------------------
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 values in ``[0, 15]`` two per byte along the last dim (even index in the low nibble).
+
+    Example:
+        >>> pack_int4(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8))
+        tensor([[33, 15]], dtype=torch.uint8)
+    """
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even last dimension, got shape {tuple(q.shape)}")
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[..., n]`` bytes to ``[..., 2n]`` values in ``[0, 15]``."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    # x: [..., T, D] -> channel: [..., T/G, G, D] (groups of tokens per channel); token: [..., T, D/G, G]
+    *lead, t, d = x.shape
+    if axis == "channel":
+        return x.reshape(*lead, t // group_size, group_size, d)
+    return x.reshape(*lead, t, d // group_size, group_size)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str,
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of ``x: [..., T, D]`` in groups.
+
+    Args:
+        x: the tensor; ``T`` a multiple of ``group_size`` for ``axis="channel"``, ``D`` for ``"token"``.
+        bits: 8 or 4 (4-bit codes are packed two per byte along ``D``).
+        group_size: elements sharing one scale and zero-point.
+        axis: ``"channel"``: a scale per channel per group of tokens, shape ``[..., T/G, D]``;
+            ``"token"``: a scale per token per group of channels, ``[..., T, D/G]``.
+        scale_dtype: dtype scales and zero-points are stored in.
+
+    Returns:
+        ``(codes, scale, zero)``: ``codes`` uint8 ``[..., T, D]`` (``[..., T, D/2]`` for 4 bits);
+        ``x ~= codes * scale + zero`` with an error of at most ``scale / 2`` per element.
+
+    Raises:
+        ValueError: a dimension not divisible by ``group_size``.
+
+    Example:
+        >>> x = torch.randn(1, 2, 64, 16)
+        >>> codes, scale, zero = quantize_groups(x, 8, 16, "token")
+        >>> codes.shape, scale.shape
+        (torch.Size([1, 2, 64, 16]), torch.Size([1, 2, 64, 1]))
+        >>> bool(((dequantize_groups(codes, scale, zero, 8, 16, "token") - x).abs() <= scale.repeat_interleave(16, -1) / 2 + 1e-6).all())
+        True
+    """
+    t, d = x.shape[-2], x.shape[-1]
+    if (axis == "channel" and t % group_size) or (axis == "token" and d % group_size):
+        raise ValueError(f"quantize_groups: shape {tuple(x.shape)} does not split into groups of {group_size} "
+                         f"along the {'token' if axis == 'channel' else 'channel'} dimension")
+    qmax = (1 << bits) - 1
+    g = _grouped(x.float(), group_size, axis)
+    red = -2 if axis == "channel" else -1  # the dimension a group spans
+    lo = g.amin(dim=red, keepdim=True)
+    hi = g.amax(dim=red, keepdim=True)
+    # quantize with the stored (rounded) scale and zero so dequantization matches what was encoded
+    scale = ((hi - lo) / qmax).to(scale_dtype)
+    zero = lo.to(scale_dtype)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code 0, value = zero exactly
+    codes = ((g - zero.float()) / s).round_().clamp_(0, qmax).to(torch.uint8).reshape(x.shape)
+    if bits == 4:
+        codes = pack_int4(codes)
+    return codes, scale.squeeze(red), zero.squeeze(red)
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+                      axis: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_groups`: ``codes * scale + zero`` as ``dtype``, shape ``[..., T, D]``."""
+    q = unpack_int4(codes) if bits == 4 else codes
+    red = -2 if axis == "channel" else -1
+    g = _grouped(q, group_size, axis).float()
+    out = g * scale.unsqueeze(red).float() + zero.unsqueeze(red).float()
+    return out.reshape(q.shape).to(dtype)
+
+
+def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Scales and zero-points: float16 for a float16 cache, float32 otherwise (bfloat16 is too coarse for a zero-point)."""
+    return torch.float16 if dtype == torch.float16 else torch.float32
+
+
+def bytes_per_token(info: ModelInfo, config: Quantized) -> tuple[float, int]:
+    """``(quantized, dense)`` KV bytes one token costs across all layers, once past the residual window.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> q, d = bytes_per_token(inspect_model(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1)), Quantized())
+        >>> round(q / d, 3)
+        0.281
+    """
+    d = info.head_dim
+    sb = torch.finfo(scale_dtype_for(info.dtype)).bits // 8
+    dense = info.kv_bytes_per_token
+    # K and V: codes, plus a (scale, zero) pair per group of `group_size` elements whichever the axis
+    per_head = 2 * (d * config.bits / 8 + 2 * sb * d / config.group_size)
+    return per_head * info.num_layers * info.num_kv_heads, dense
+
+
+# -- installation --------------------------------------------------------------------------------------
+
+
+@register_use(Quantized)
+def use_(model: nn.Module, config: Quantized, *, step: str | None = None) -> nn.Module:
+    """Make ``model.generate`` decode with a fresh :class:`Quantized` cache per call, in place.
+
+    Calls it cannot serve (beam search and the strategies of
+    :data:`~infopt.core.generation.SAMPLING_ONLY_KWARGS`, a caller-supplied ``past_key_values`` or
+    ``cache_implementation``, ``use_cache=False``) go to the original ``generate``. Left-padded batches are served.
+
+    Args:
+        model: a transformers causal LM.
+        config: the :class:`Quantized` config.
+        step: recipe step key for the report.
+
+    Returns:
+        The same model.
+
+    Raises:
+        IncompatibleModelError: see :meth:`Quantized.check`.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = use_(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1), Quantized(bits=8))
+        >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape
+        torch.Size([1, 5])
+    """
+    info = inspect_model(model)
+    config.check(model, info, (config,))
+
+    def handler(original, *args, **kwargs):
+        generate_input_ids(model, args, kwargs, padding=True)
+        return original(*args, past_key_values=config.new_cache(model), **kwargs)
+
+    route_generate(model, handler, step=step or config.key)
+    return model
+
+
+@register_transform(Quantized)
+def _apply(model: nn.Module, config: Quantized, ctx: ApplyContext) -> None:
+    use_(model, config)
+    info = ctx.info or inspect_model(model)
+    q, dense = bytes_per_token(info, config)
+    fp32 = 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4
+    tokens = min(int(context_length(model) or 4096), 4096)
+    ctx.stats.update({
+        "kv_bytes_per_token": round(q, 1),
+        "kv_bytes_per_token_dense": dense,
+        "kv_ratio_vs_fp32": round(q / fp32, 4),
+        f"kv_bytes_saved_at_{tokens}_tokens": int((dense - q) * tokens),
+    })
+    ctx.notes.append(
+        f"int{config.bits} KV cache (keys per {config.axis_key}, values per {config.axis_value}, groups of "
+        f"{config.group_size}, last {config.residual_length} tokens exact): {q / fp32:.2f}x of fp32 KV bytes, "
+        f"{(dense - q) * tokens / 2**20:.1f} MiB saved per sequence at {tokens} tokens"
+    )

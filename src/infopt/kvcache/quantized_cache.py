@@ -1,0 +1,247 @@
+"""The transformers ``Cache`` behind :class:`~infopt.kvcache.Quantized` (imported on first use: it needs transformers)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .api import CacheBytes, cache_bytes, tensor_bytes
+from .quantized import Quantized, dequantize_groups, quantize_groups, scale_dtype_for
+
+__all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
+
+
+class _Growing:
+    """A tensor that grows along dim 2 (tokens or token groups) with doubling spare capacity, so appending a
+    chunk copies the store only O(log n) times."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        t = x.shape[2]
+        if self.buf is None:
+            self.buf = torch.empty_like(x, memory_format=torch.contiguous_format)
+        elif self.n + t > self.buf.shape[2]:
+            cap = max(self.n + t, 2 * self.buf.shape[2])
+            grown = self.buf.new_empty((*self.buf.shape[:2], cap, *self.buf.shape[3:]))
+            grown[:, :, : self.n] = self.buf[:, :, : self.n]
+            self.buf = grown
+        self.buf[:, :, self.n : self.n + t] = x
+        self.n += t
+
+    def view(self) -> torch.Tensor:
+        return self.buf[:, :, : self.n]
+
+    def tail(self, t: int) -> torch.Tensor:
+        return self.buf[:, :, self.n - t : self.n]
+
+    def truncate(self, t: int) -> None:
+        self.n -= t
+
+    def map_batch(self, fn) -> None:
+        if self.buf is not None:
+            self.buf = fn(self.buf)
+
+    def allocated(self) -> int:
+        return tensor_bytes(self.buf)
+
+    def used(self) -> int:
+        return 0 if self.buf is None else self.buf[:, :, : self.n].numel() * self.buf.element_size()
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One layer of a :class:`QuantizedKVCache`.
+
+    State: a full-precision residual buffer ``[B, H_kv, R, D]`` for keys and for values (``self.keys`` /
+    ``self.values``, ``n_res`` tokens live), and quantized stores of ``n_quant`` tokens (codes, scales
+    and zero-points), always whole multiples of ``R = residual_length``.
+    """
+
+    is_compileable = False
+    is_croppable = False  # crop into the quantized part brings tokens back dequantized, not as they were
+    is_sliding = False
+
+    def __init__(self, bits: int, group_size: int, residual_length: int, axis_key: str, axis_value: str):
+        super().__init__()
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.axis_key, self.axis_value = axis_key, axis_value
+        self.n_res = 0
+        self.n_quant = 0
+        self._stores: dict[str, _Growing] = {}
+
+    # -- state -------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        # residual: [B, H_kv, R, D] in the model's dtype, allocated once
+        self.keys = key_states.new_empty((b, h, self.residual_length, d))
+        self.values = value_states.new_empty((b, h, self.residual_length, value_states.shape[-1]))
+        self.scale_dtype = scale_dtype_for(self.dtype)
+        self._stores = {name: _Growing() for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")}
+        self.n_res = self.n_quant = 0
+        self.is_initialized = True
+
+    def _append_quantized(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [B, H_kv, m*R, D] full precision
+        for prefix, x, axis in (("k", k, self.axis_key), ("v", v, self.axis_value)):
+            codes, scale, zero = quantize_groups(x, self.bits, self.group_size, axis, self.scale_dtype)
+            self._stores[prefix].append(codes)
+            self._stores[f"{prefix}_scale"].append(scale)
+            self._stores[f"{prefix}_zero"].append(zero)
+        self.n_quant += k.shape[-2]
+
+    def _dequantized(self, prefix: str, axis: str) -> torch.Tensor:
+        s = self._stores
+        return dequantize_groups(s[prefix].view(), s[f"{prefix}_scale"].view(), s[f"{prefix}_zero"].view(),
+                                 self.bits, self.group_size, axis, self.dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new K/V (``[B, H_kv, q, D]``); return every token's K/V, the quantized part dequantized.
+
+        The residual absorbs the new tokens; each time it reaches ``residual_length`` tokens, whole
+        chunks of that size are quantized into the store (after this call's attention, which still
+        sees them exact).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        r, q = self.residual_length, key_states.shape[-2]
+        if self.n_res:
+            recent_k = torch.cat([self.keys[:, :, : self.n_res], key_states], dim=-2)
+            recent_v = torch.cat([self.values[:, :, : self.n_res], value_states], dim=-2)
+        else:
+            recent_k, recent_v = key_states, value_states
+        if self.n_quant:
+            out_k = torch.cat([self._dequantized("k", self.axis_key), recent_k], dim=-2)
+            out_v = torch.cat([self._dequantized("v", self.axis_value), recent_v], dim=-2)
+        else:
+            out_k, out_v = recent_k, recent_v
+        total = self.n_res + q
+        flush = (total // r) * r
+        if flush:
+            self._append_quantized(recent_k[:, :, :flush], recent_v[:, :, :flush])
+            tail = total - flush
+            self.keys[:, :, :tail] = recent_k[:, :, flush:]
+            self.values[:, :, :tail] = recent_v[:, :, flush:]
+            self.n_res = tail
+        else:
+            self.keys[:, :, self.n_res : total] = key_states
+            self.values[:, :, self.n_res : total] = value_states
+            self.n_res = total
+        return out_k, out_v
+
+    def get_seq_length(self) -> int:
+        return self.n_quant + self.n_res
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self._stores = {}
+        self.n_res = self.n_quant = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (a negative count, as transformers' ``DynamicLayer``).
+
+        Cropping into the quantized part moves the last whole chunks back to the residual, dequantized.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        k = -tokens_to_remove
+        if k == 0 or not self.is_initialized:
+            return
+        if k > self.get_seq_length():
+            raise ValueError(f"crop({tokens_to_remove}): the layer holds only {self.get_seq_length()} tokens")
+        if k <= self.n_res:
+            self.n_res -= k
+            return
+        k -= self.n_res
+        r = self.residual_length
+        m = -(-k // r) * r  # whole chunks to bring back
+        back_k = self._tail_dequantized("k", self.axis_key, m)
+        back_v = self._tail_dequantized("v", self.axis_value, m)
+        for prefix, axis in (("k", self.axis_key), ("v", self.axis_value)):
+            groups = m // self.group_size if axis == "channel" else m
+            self._stores[prefix].truncate(m)
+            self._stores[f"{prefix}_scale"].truncate(groups)
+            self._stores[f"{prefix}_zero"].truncate(groups)
+        self.n_quant -= m
+        self.n_res = m - k
+        self.keys[:, :, : self.n_res] = back_k[:, :, : self.n_res]
+        self.values[:, :, : self.n_res] = back_v[:, :, : self.n_res]
+
+    def _tail_dequantized(self, prefix: str, axis: str, m: int) -> torch.Tensor:
+        groups = m // self.group_size if axis == "channel" else m
+        s = self._stores
+        return dequantize_groups(s[prefix].tail(m), s[f"{prefix}_scale"].tail(groups), s[f"{prefix}_zero"].tail(groups),
+                                 self.bits, self.group_size, axis, self.dtype)
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        for store in self._stores.values():
+            store.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    # -- accounting ------------------------------------------------------------------------------
+    def num_tokens(self) -> int:
+        return self.get_seq_length()
+
+    def kv_elements(self) -> int:
+        b, h, _, d = self.keys.shape
+        return b * h * (d + self.values.shape[-1])
+
+    def allocated_bytes(self) -> int:
+        return tensor_bytes(self.keys, self.values) + sum(s.allocated() for s in self._stores.values())
+
+    def used_bytes(self) -> int:
+        live = tensor_bytes(self.keys[:, :, : self.n_res], self.values[:, :, : self.n_res])
+        return live + sum(s.used() for s in self._stores.values())
+
+
+class QuantizedKVCache(Cache):
+    """A transformers ``Cache`` holding K/V as int8/int4 codes plus a full-precision residual window (KIVI).
+
+    Pass it to ``model.generate(past_key_values=...)`` or a model's forward; :func:`infopt.kvcache.use_`
+    with a :class:`~infopt.kvcache.Quantized` config makes ``generate`` build one per call.
+
+    Args:
+        config: the model's config (``num_hidden_layers`` is read from its text config).
+        quantized: the :class:`~infopt.kvcache.Quantized` settings.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1)
+        >>> cache = QuantizedKVCache(m.config, Quantized(bits=4, residual_length=64))
+        >>> _ = m(torch.randint(0, 100, (1, 200)), past_key_values=cache)
+        >>> cache.get_seq_length(), cache.layers[0].n_quant, cache.layers[0].n_res
+        (200, 192, 8)
+    """
+
+    def __init__(self, config, quantized: Quantized):
+        tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        q = quantized
+        layers = [QuantizedKVLayer(q.bits, q.group_size, q.residual_length, q.axis_key, q.axis_value)
+                  for _ in range(tc.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.quantized = quantized
+
+    def memory_bytes(self) -> CacheBytes:
+        """Bytes allocated and used, against a dense cache of the same tokens (see :class:`~infopt.kvcache.api.CacheBytes`)."""
+        dtype = next((layer.dtype for layer in self.layers if layer.is_initialized), None)
+        return cache_bytes(self.layers, dtype)

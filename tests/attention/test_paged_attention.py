@@ -1,0 +1,114 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import infopt
+from infopt.attention import PAGED_IMPL, Attention, PagedAttentionMetadata, set_backend_
+from infopt.attention.paged import bind, paged_attention_forward
+from infopt.core.errors import RecipeError
+from infopt.kvcache import Paged, PagedCache
+from infopt.models import tiny_model
+
+
+def test_paged_is_a_valid_backend():
+    assert Attention("paged").to_dict() == {"attention": {"backend": "paged"}}
+    with pytest.raises(RecipeError, match="allowed: eager, sdpa, flash_attention_2, flex, paged"):
+        Attention("pagd")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2"])
+def test_backend_without_paged_cache_is_sdpa(arch):
+    """Calls no paged cache serves (a plain forward, a DynamicCache generate, left padding) run SDPA."""
+    m = tiny_model(arch)
+    ids = torch.tensor([[0, 0, 5, 9, 300, 7], [4, 4, 8, 15, 16, 23]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        ref_logits = m(ids, attention_mask=mask).logits
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    set_backend_(m, "paged")
+    assert m.config._attn_implementation == PAGED_IMPL
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids, attention_mask=mask).logits, ref_logits, atol=1e-6, rtol=0)
+    assert torch.equal(m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0), ref)
+    infopt.undo(m)
+    assert m.config._attn_implementation == "sdpa"
+
+
+def test_attention_step_then_kvcache_through_optimize():
+    m = tiny_model("llama")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
+    ref = m.generate(prompt, max_new_tokens=10, do_sample=False)
+    infopt.optimize(m, [Attention("paged"), Paged(block_size=4)])
+    assert torch.equal(m.generate(prompt, max_new_tokens=10, do_sample=False), ref)
+    assert infopt.undo(m) > 0 and m.config._attn_implementation == "sdpa"
+
+
+def _naive(q, keys, values, scale):
+    """Per-sequence causal attention over dense K/V: q [H, n, D] at the last n positions of keys [L, H_kv, D]."""
+    h, n, d = q.shape
+    rep = h // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(rep, 0)  # [H, L, D]
+    v = values.transpose(0, 1).repeat_interleave(rep, 0)
+    length = k.shape[1]
+    allowed = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # [H, n, D]
+
+
+def test_reference_kernel_matches_dense_attention():
+    """Scattered blocks, GQA, three sequences with different history and new-token counts, packed in one row."""
+    torch.manual_seed(0)
+    bs, heads, kv_heads, d, num_blocks = 4, 4, 2, 8, 20
+    k_pool, v_pool = torch.randn(num_blocks, bs, kv_heads, d), torch.randn(num_blocks, bs, kv_heads, d)
+    tables = [[7, 2, 15], [4], [11, 0, 19, 3]]
+    kv_lens = torch.tensor([10, 3, 16])
+    new = torch.tensor([4, 1, 6])
+    s, q = 3, int(new.max())
+    table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+    seq_of = torch.repeat_interleave(torch.arange(s), new)
+    off = new.cumsum(0) - new
+    idx = torch.arange(int(new.sum())) - off[seq_of]
+    grid = torch.arange(q)[None, :]
+    inside = grid < new[:, None]
+    query_pos = torch.where(inside, (kv_lens - new)[:, None] + grid, 0)
+    meta = PagedAttentionMetadata(
+        block_size=bs, block_table=table, kv_lens=kv_lens, query_pos=query_pos,
+        mask=(torch.arange(4 * bs)[None, None, :] <= query_pos[:, :, None])[:, None],
+        gather=off[:, None] + torch.minimum(grid, new[:, None] - 1), scatter=seq_of * q + idx, token_index=None,
+        new_lens=new,
+    )
+    query = torch.randn(1, heads, int(new.sum()), d)
+    module = torch.nn.Module()
+    bind(k_pool, v_pool, meta)
+    out, weights = paged_attention_forward(module, query, k_pool, v_pool, None, scaling=0.3)
+    assert weights is None and out.shape == (1, int(new.sum()), heads, d)
+    for i, t in enumerate(tables):
+        slots = torch.tensor([b * bs + j for b in t for j in range(bs)])[: kv_lens[i]]
+        keys = k_pool.reshape(-1, kv_heads, d)[slots]
+        values = v_pool.reshape(-1, kv_heads, d)[slots]
+        mine = out[0, off[i]:off[i] + new[i]].transpose(0, 1)  # [H, n, D]
+        want = _naive(query[0, :, off[i]:off[i] + new[i]], keys, values, 0.3)
+        torch.testing.assert_close(mine, want, atol=1e-5, rtol=0)
+
+
+def test_binding_is_consumed_once():
+    """A stale binding never leaks into a later, unrelated attention call."""
+    m = set_backend_(tiny_model("llama"), "paged")
+    cache = PagedCache.for_model(m, num_blocks=8, block_size=4)
+    cache.add_sequence(0)
+    with torch.no_grad():
+        cache.step(m, [(0, [1, 2, 3])])
+        plain = m(torch.tensor([[1, 2, 3]])).logits  # no paged cache: the SDPA path
+    infopt.undo(m)
+    with torch.no_grad():
+        torch.testing.assert_close(m(torch.tensor([[1, 2, 3]])).logits, plain, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+def test_paged_generate_on_cuda():
+    m = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    prompt = torch.tensor([[1, 17, 400, 23, 9, 1200, 5]], device="cuda")
+    ref = m.generate(prompt, max_new_tokens=16, do_sample=False)
+    infopt.optimize(m, [Paged(block_size=256)])  # flash-attn's paged kernel when installed, else the reference
+    out = m.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert out.shape == ref.shape
+    assert (out == ref).float().mean() > 0.9  # bf16: kernels may round differently
