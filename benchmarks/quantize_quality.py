@@ -52,10 +52,16 @@ gs = args.group_size
 cal = {"samples": args.samples} if args.samples else {}
 methods = {
     "fp32": None,
-    f"int4-rtn-g{gs}": Int4WeightOnly(group_size=gs),
+    # integer zero points: the format GPTQ and AWQ produce, so the comparison is like for like
+    f"int4-rtn-g{gs}": Int4WeightOnly(group_size=gs, zero_point="int"),
     f"gptq-g{gs}": GPTQ(group_size=gs, seq_len=args.seq_len, **cal),
     f"awq-g{gs}": AWQ(group_size=gs, seq_len=args.seq_len, **cal),
+    # float zero points (the Int4WeightOnly default); at g32 they land on the embedded model's Q4_1 grid
+    f"int4-rtn-float-g{gs}": Int4WeightOnly(group_size=gs),
+    "int4-rtn-float-g32": Int4WeightOnly(group_size=32),
+    "int4-g32+int8-head": Int4WeightOnly(group_size=32, include_lm_head=True),
     "int8": Int8WeightOnly(),
+    "int8+head": Int8WeightOnly(include_lm_head=True),
 }
 ref = make_reference(base, tokenizer=tok, max_tokens=args.max_tokens, dtype="float32")
 n_cal = max(getattr(c, "samples", 0) for c in methods.values() if c is not None)

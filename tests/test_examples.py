@@ -9,7 +9,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "recipe_file.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "recipe_file.py", "quantize_int4.py", "kvcache_prefix.py"])
 def test_example_runs(script):
     out = subprocess.run([sys.executable, str(EXAMPLES / script), "--tiny"], capture_output=True, text=True,
                          timeout=300)

@@ -63,3 +63,10 @@ def test_export_reads_back_to_the_same_logits(tmp_path, prompt):
     out = dense(prompt).logits
     # the int4 model computes with bf16 activations; the dense read-back in fp32
     assert torch.nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0) > 0.999
+
+
+def test_int8_head_is_refused(tmp_path):
+    m = tiny_model("llama")
+    infopt.optimize(m, [Int4WeightOnly(group_size=32, zero_point="int", include_lm_head=True)])
+    with pytest.raises(IncompatibleModelError, match="lm_head is an Int8Linear"):
+        export_gptq(m, tmp_path / "x")

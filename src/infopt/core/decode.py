@@ -77,7 +77,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
 
     Raises:
         Unsupported: the call needs something the loop does not do (sampling, beams, logits
-            processors, streamers, scores, ...); the message says what.
+            processors, a streamer with batch > 1, scores, ...); the message says what.
     """
     if len(args) > 1:
         raise Unsupported("positional arguments after input_ids")

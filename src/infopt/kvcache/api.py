@@ -34,8 +34,8 @@ def use_(model: nn.Module, config: StepConfig, *, step: str | None = None) -> nn
     """Make ``model.generate`` (and pipelines) decode with the KV cache ``config`` describes, in place.
 
     Dispatches on the config type: :class:`~infopt.kvcache.Static`, :class:`~infopt.kvcache.Quantized`,
-    :class:`~infopt.kvcache.Sinks`, :class:`~infopt.kvcache.HeavyHitter`. Calls a cache cannot serve
-    (beam search, say) go to the original ``generate``; :func:`infopt.core.generation.routing_stats`
+    :class:`~infopt.kvcache.Sinks`, :class:`~infopt.kvcache.HeavyHitter`, :class:`~infopt.kvcache.Paged`.
+    Calls a cache cannot serve (beam search, say) go to the original ``generate``; :func:`infopt.core.generation.routing_stats`
     counts them and gives the reasons. :func:`infopt.undo` restores the original ``generate``.
 
     Args:

@@ -98,7 +98,7 @@ class BnbNF4(StepConfig):
         >>> from infopt.quantize import quantize_
         >>> m = quantize_(tiny_model(), BnbNF4())  # doctest: +SKIP
         >>> type(m.model.layers[0].mlp.up_proj).__name__  # doctest: +SKIP
-        'Linear4bit'
+        'NF4Linear'
     """
 
     stage: ClassVar[str] = "quantize"

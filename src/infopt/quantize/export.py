@@ -124,6 +124,14 @@ def export_gptq(model: nn.Module, directory: str | Path, tokenizer=None) -> Path
     layers = {n: mod for n, mod in model.named_modules() if isinstance(mod, Int4Linear)}
     if not layers:
         raise IncompatibleModelError("export_gptq found no Int4Linear layer; quantize with int4, gptq or awq first")
+    from .int8 import Int8Linear
+
+    other = [n for n, mod in model.named_modules() if isinstance(mod, Int8Linear)]
+    if other:
+        raise IncompatibleModelError(
+            f"export_gptq writes int4 layers only; {other[0]} is an Int8Linear (e.g. a head quantized by "
+            "include_lm_head=True), which GPTQ loaders would not read. Quantize without include_lm_head to export"
+        )
     groups = {mod.group_size for mod in layers.values()}
     if len(groups) != 1:
         raise IncompatibleModelError(f"export_gptq needs one group size for all layers; found {sorted(groups)}")

@@ -35,7 +35,7 @@ class Int8WeightOnly(StepConfig):
             head is read whole every token while the embedding gives one row per token.
 
     Raises:
-        RecipeError: unknown compute_dtype.
+        RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
 
     Example:
         >>> from infopt.models import tiny_model
