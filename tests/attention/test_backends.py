@@ -18,6 +18,17 @@ def test_eager_and_sdpa_same_greedy_tokens(arch, prompt):
     assert m.config._attn_implementation == "sdpa"
 
 
+def test_flex_same_greedy_tokens_on_cpu(prompt):
+    # flex attention compiles its kernel (about 15 s on 2 cores): one architecture is enough here
+    m = tiny_model("llama")
+    ref = m.generate(prompt, max_new_tokens=12, do_sample=False)
+    infopt.optimize(m, [Attention("flex")])
+    assert m.config._attn_implementation == "flex_attention"
+    assert torch.equal(m.generate(prompt, max_new_tokens=12, do_sample=False), ref)
+    infopt.undo(m)
+    assert m.config._attn_implementation == "sdpa"
+
+
 def test_unknown_backend():
     with pytest.raises(RecipeError, match="allowed: eager, sdpa, flash_attention_2, flex"):
         Attention("fast")
