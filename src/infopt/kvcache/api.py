@@ -161,6 +161,28 @@ def cache_bytes(layers, dtype: torch.dtype | None) -> CacheBytes:
                       dense_fp16=elems * 2)
 
 
+class BatchMappedLayer:
+    """Mixin for cache layers: beam reordering and batch selection/repetition, expressed once through the
+    layer's ``_map_batch(fn)`` (which applies ``fn`` to every per-batch tensor it holds), and the KV
+    elements per token of its ``keys``/``values``."""
+
+    def _map_batch(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def kv_elements(self) -> int:
+        b, h, _, d = self.keys.shape
+        return b * h * (d + self.values.shape[-1])
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the given tensors' elements (None counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -11,7 +11,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.generation import Unsupported, route_generate
 from ..core.introspect import FAMILIES, ModelInfo, inspect_model
-from ..core.patch import record_custom, register_hook
+from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .api import generate_input_ids, register_use, require_full_attention
 
@@ -128,10 +128,10 @@ def use_(model: nn.Module, config: HeavyHitter, *, step: str | None = None) -> n
     info = inspect_model(model)
     config.check(model, info, (config,))
     key = step or config.key
-    old = model.config._attn_implementation
-    if old != "eager":
-        model.set_attn_implementation("eager")
-        record_custom(model, f"attn_implementation {old} -> eager", lambda: model.set_attn_implementation(old), step=key)
+    if model.config._attn_implementation != "eager":
+        from ..attention.backends import set_backend_
+
+        set_backend_(model, "eager", step=key)
     for module in _attention_modules(model, info):
         register_hook(model, module, attention_weights_hook, kind="forward", step=key, with_kwargs=True)
 

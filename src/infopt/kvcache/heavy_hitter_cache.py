@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .api import CacheBytes, cache_bytes, tensor_bytes
+from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["HeavyHitterCache", "HeavyHitterLayer", "attention_weights_hook"]
 
 
-class HeavyHitterLayer(CacheLayerMixin):
+class HeavyHitterLayer(BatchMappedLayer, CacheLayerMixin):
     """One layer of a :class:`HeavyHitterCache`.
 
     Each (sequence, KV head) keeps its own tokens: the ``recent`` newest plus the ``budget - recent``
@@ -102,19 +102,6 @@ class HeavyHitterLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if self.is_initialized:
             self.keys, self.values, self.scores = fn(self.keys), fn(self.values), fn(self.scores)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def kv_elements(self) -> int:
-        b, h, _, d = self.keys.shape
-        return b * h * (d + self.values.shape[-1])
 
     def allocated_bytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.scores)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .api import CacheBytes, cache_bytes, tensor_bytes
+from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 from .quantized import Quantized, dequantize_groups, quantize_groups, scale_dtype_for
 
 __all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
@@ -51,7 +51,7 @@ class _Growing:
         return 0 if self.buf is None else self.buf[:, :, : self.n].numel() * self.buf.element_size()
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
     """One layer of a :class:`QuantizedKVCache`.
 
     State: a full-precision residual buffer ``[B, H_kv, R, D]`` for keys and for values (``self.keys`` /
@@ -189,22 +189,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         for store in self._stores.values():
             store.map_batch(fn)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
     # -- accounting ------------------------------------------------------------------------------
     def num_tokens(self) -> int:
         return self.get_seq_length()
-
-    def kv_elements(self) -> int:
-        b, h, _, d = self.keys.shape
-        return b * h * (d + self.values.shape[-1])
 
     def allocated_bytes(self) -> int:
         return tensor_bytes(self.keys, self.values) + sum(s.allocated() for s in self._stores.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .api import CacheBytes, cache_bytes, tensor_bytes
+from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["SinkCache", "SinkLayer", "rerotate", "rope_inv_freq", "position_hook"]
 
@@ -61,7 +61,7 @@ def rope_inv_freq(model) -> tuple[torch.Tensor, str]:
     return first, str(getattr(found[0], "rope_type", "default"))
 
 
-class SinkLayer(CacheLayerMixin):
+class SinkLayer(BatchMappedLayer, CacheLayerMixin):
     """One layer of a :class:`SinkCache`: ``num_sink_tokens`` first tokens + the most recent ones, at most ``window``.
 
     Keys are stored as the model rotated them (at the in-cache slot they were written to), with that
@@ -175,19 +175,6 @@ class SinkLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def kv_elements(self) -> int:
-        b, h, _, d = self.keys.shape
-        return b * h * (d + self.values.shape[-1])
 
     def allocated_bytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.rot_pos)

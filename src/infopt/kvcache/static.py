@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from ..core.decode import greedy_decode, plan_greedy
-from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
+from ..core.generation import Unsupported, route_generate
 from ..core.introspect import context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import register_use
+from .api import generate_input_ids, register_use
 
 __all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
 
@@ -150,18 +150,7 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
     holder = _StaticCacheHolder(model, config)
 
     def handler(original, *args, **kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None or not torch.is_tensor(input_ids):
-            raise Unsupported("no input_ids tensor")
-        if kwargs.get("past_key_values") is not None:
-            raise Unsupported("caller supplied past_key_values")
-        for k in SAMPLING_ONLY_KWARGS:
-            v = kwargs.get(k)
-            if v not in (None, 1, False, 0):
-                raise Unsupported(f"{k}={v}")
-        gc = kwargs.get("generation_config") or model.generation_config
-        if getattr(gc, "num_beams", 1) not in (None, 1):
-            raise Unsupported("beam search")
+        input_ids = generate_input_ids(model, args, kwargs)
         _, total = generation_lengths(model, input_ids, kwargs)
         if total > holder.max_length:
             raise Unsupported(f"length {total} > max_length {holder.max_length}")
