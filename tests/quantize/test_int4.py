@@ -126,7 +126,7 @@ def test_model_quality_and_undo(arch, prompt):
 def test_group_size_not_dividing_is_refused_before_mutation(llama):
     snap = state_snapshot(llama)
     # the tiny llama has 64 hidden channels: 128 does not divide them
-    with pytest.raises(IncompatibleModelError, match=r"in_features=64; use group_size 32 or 64"):
+    with pytest.raises(IncompatibleModelError, match=r"in_features=64; use group_size 64 or 32"):
         infopt.optimize(llama, [Int4WeightOnly(group_size=128)])
     assert_state_equal(llama, snap)
 

@@ -28,7 +28,10 @@ from ..core.patch import swap_module
 from ..core.step import ApplyContext, StepConfig, register_transform
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
-           "quantize_targets"]
+           "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES"]
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+"""Group sizes the fused int4 kernels accept (and the ones grouped configs suggest)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,27 @@ def quantize_targets(model: nn.Module, config: StepConfig, filter_fn=None, inclu
     return out
 
 
+def check_group_size(model: nn.Module, config: StepConfig, group_size: int, *, alternative: str | None = None,
+                     skip: tuple[str, ...] = ()) -> None:
+    """Raise :class:`IncompatibleModelError` naming the first target layer whose ``in_features`` ``group_size``
+    does not divide, with the kernel group sizes that would (largest first) and ``alternative`` if given.
+
+    Args:
+        skip: dotted names of targets quantized some other way (not checked).
+    """
+    for t in quantize_targets(model, config):
+        in_f = t.weight.shape[1]
+        if t.fqn in skip or in_f % group_size == 0:
+            continue
+        ok = [g for g in sorted(KERNEL_GROUP_SIZES, reverse=True) if in_f % g == 0]
+        fix = f"use group_size {' or '.join(map(str, ok))}" if ok else "exclude it with exclude=[...]"
+        if alternative:
+            fix += f" (or {alternative})"
+        raise IncompatibleModelError(
+            f"{type(config).__name__}(group_size={group_size}) does not divide {t.fqn}.in_features={in_f}; {fix}"
+        )
+
+
 def quantize_(
     model: nn.Module,
     config: StepConfig,
@@ -165,7 +189,7 @@ def quantize_(
         )
     # build every replacement first, so a failure leaves the model untouched
     if type(config) in QUANTIZERS:
-        head_fqn = inspect_model(model).lm_head_fqn
+        head_fqn = info.lm_head_fqn
         head_config = getattr(config, "head_config", lambda: None)() or config
         replacements = {}
         for t in targets:

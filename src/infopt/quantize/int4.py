@@ -25,12 +25,10 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
-from .api import quantize_targets, register_quantizer
+from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES"]
 
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-"""Group sizes the fused int4 kernels accept."""
 
 
 @register_step
@@ -85,7 +83,7 @@ class Int4WeightOnly(StepConfig):
                 raise bad_field(self, name, getattr(self, name), "true or false")
 
     def check(self, model, info, steps):
-        check_group_size(model, self, self.group_size)
+        check_int4_shapes(model, self, self.group_size)
         return []
 
     def head_config(self) -> StepConfig | None:
@@ -97,20 +95,15 @@ class Int4WeightOnly(StepConfig):
         return None
 
 
-def check_group_size(model: nn.Module, config: StepConfig, group_size: int) -> None:
-    """Raise :class:`IncompatibleModelError` naming the first layer whose ``in_features`` ``group_size`` does not divide."""
+def check_int4_shapes(model: nn.Module, config: StepConfig, group_size: int) -> None:
+    """Raise :class:`IncompatibleModelError` for a layer the int4 kernels cannot take: ``group_size`` not dividing
+    its ``in_features`` (see :func:`infopt.quantize.api.check_group_size`), or output features not a multiple of 16."""
     head = inspect_model(model).lm_head_fqn
+    # the head is quantized with another config when head_config() gives one
+    skip = (head,) if getattr(config, "head_config", lambda: None)() is not None else ()
+    check_group_size(model, config, group_size, skip=skip)
     for t in quantize_targets(model, config):
-        if t.fqn == head and getattr(config, "head_config", lambda: None)() is not None:
-            continue  # the head is quantized with another config
-        in_f = t.weight.shape[1]
-        if in_f % group_size:
-            ok = [g for g in KERNEL_GROUP_SIZES if in_f % g == 0]
-            fix = f"use group_size {' or '.join(map(str, ok))}" if ok else "exclude it with exclude=[...]"
-            raise IncompatibleModelError(
-                f"{type(config).__name__}(group_size={group_size}) does not divide {t.fqn}.in_features={in_f}; {fix}"
-            )
-        if t.weight.shape[0] % 16:
+        if t.fqn not in skip and t.weight.shape[0] % 16:
             raise IncompatibleModelError(
                 f"{type(config).__name__}: {t.fqn} has {t.weight.shape[0]} output features; the int4 kernels need a "
                 "multiple of 16. Exclude it with exclude=[...]"

@@ -64,16 +64,9 @@ class Int8WeightOnly(StepConfig):
 
     def check(self, model, info, steps):
         if self.group_size is not None:
-            from ..core.errors import IncompatibleModelError
-            from .api import quantize_targets
+            from .api import check_group_size
 
-            for t in quantize_targets(model, self):
-                in_f = t.weight.shape[1]
-                if in_f % self.group_size:
-                    raise IncompatibleModelError(
-                        f"Int8WeightOnly(group_size={self.group_size}) does not divide {t.fqn}.in_features={in_f}; "
-                        "use a divisor of it, or group_size=None (per channel)"
-                    )
+            check_group_size(model, self, self.group_size, alternative="group_size=None for one scale per channel")
         return []
 
 

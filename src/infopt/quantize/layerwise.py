@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import StepConfig, bad_field
-from .api import Target, quantize_targets
+from .api import KERNEL_GROUP_SIZES, Target, check_group_size
 
 __all__ = [
     "GROUP_SIZES",
@@ -40,7 +40,7 @@ __all__ = [
     "group_size_for",
 ]
 
-GROUP_SIZES = (32, 64, 128, 256)
+GROUP_SIZES = KERNEL_GROUP_SIZES
 """Group sizes the calibrated quantizers take (the fused int4 kernels' sizes); ``-1`` (one group per
 output row) is also accepted for ``bits=8``."""
 
@@ -352,18 +352,9 @@ def check_calibrated_model(cfg: StepConfig, model: nn.Module) -> None:
             f"{type(cfg).__name__}(seq_len={cfg.seq_len}) is longer than the model's context ({ctx} tokens); "
             f"use seq_len <= {ctx}"
         )
-    if cfg.group_size == -1:
-        return
-    for t in quantize_targets(model, cfg):
-        in_f = t.weight.shape[1]
-        if in_f % cfg.group_size:
-            ok = [g for g in sorted(GROUP_SIZES, reverse=True) if in_f % g == 0]
-            fix = f"use group_size {' or '.join(map(str, ok))}" if ok else "exclude it with exclude=[...]"
-            if cfg.bits == 8:
-                fix += " (or -1 for one scale per output row)"
-            raise IncompatibleModelError(
-                f"{type(cfg).__name__}(group_size={cfg.group_size}) does not divide {t.fqn}.in_features={in_f}; {fix}"
-            )
+    if cfg.group_size != -1:
+        check_group_size(model, cfg, cfg.group_size,
+                         alternative="-1 for one scale per output row" if cfg.bits == 8 else None)
 
 
 def group_size_for(cfg: StepConfig, in_features: int) -> int:
