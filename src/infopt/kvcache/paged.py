@@ -20,11 +20,11 @@ from torch import nn
 from ..attention.paged import FLASH_PAGE_MULTIPLE, PAGED_IMPL
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
-from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported, route_generate
+from ..core.generation import Unsupported, route_generate
 from ..core.introspect import ModelInfo, _text_config, inspect_model
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import register_use, require_full_attention
+from .api import generate_input_ids, register_use, require_full_attention
 from .blocks import OutOfBlocks
 from .paged_cache import PagedCache
 from .pool import KVBlockPool
@@ -117,26 +117,17 @@ class _PagedGenerate:
 
     def __call__(self, original, *args, **kwargs):
         model = self.model
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None or not torch.is_tensor(input_ids) or input_ids.ndim != 2:
+        input_ids = generate_input_ids(model, args, kwargs)  # the checks every cache kind shares
+        if input_ids.ndim != 2:
             raise Unsupported("no 2-D input_ids tensor")
-        if kwargs.get("past_key_values") is not None:
-            raise Unsupported("caller supplied past_key_values")
         if kwargs.get("inputs_embeds") is not None:
             raise Unsupported("inputs_embeds")
-        for k in SAMPLING_ONLY_KWARGS:
-            v = kwargs.get(k)
-            if v not in (None, 1, False, 0):
-                raise Unsupported(f"{k}={v}")
         gc = kwargs.get("generation_config") or model.generation_config
-        for k in ("num_beams", "num_return_sequences"):
-            if (kwargs.get(k) or getattr(gc, k, 1) or 1) != 1:
-                raise Unsupported(f"{k} > 1")
-        for k in ("assistant_model", "prompt_lookup_num_tokens", "cache_implementation"):
+        if (kwargs.get("num_return_sequences") or getattr(gc, "num_return_sequences", 1) or 1) != 1:
+            raise Unsupported("num_return_sequences > 1")
+        for k in ("assistant_model", "prompt_lookup_num_tokens"):
             if kwargs.get(k) is not None or getattr(gc, k, None) is not None:
                 raise Unsupported(k)
-        if kwargs.get("use_cache", getattr(gc, "use_cache", True)) is False:
-            raise Unsupported("use_cache=False")
         if model.config._attn_implementation != PAGED_IMPL:
             raise Unsupported(f"attention backend is {model.config._attn_implementation}, not paged")
         pads = _left_padding(model, input_ids, kwargs, gc)
