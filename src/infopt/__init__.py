@@ -8,7 +8,7 @@ Example:
     True
 """
 
-from . import attention, compile, kvcache, quantize
+from . import attention, batching, compile, kvcache, quantize
 from ._version import __version__
 from .core.errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
 from .io import load, save_optimized
@@ -31,6 +31,7 @@ __all__ = [
     "MissingBackendError",
     "QualityGateError",
     "attention",
+    "batching",
     "compile",
     "kvcache",
     "quantize",

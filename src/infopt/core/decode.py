@@ -20,7 +20,7 @@ from torch import nn
 
 from .generation import Unsupported
 
-__all__ = ["GreedyCall", "plan_greedy", "greedy_decode"]
+__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields"]
 
 # generate() kwargs this loop understands; anything else goes to the original generate
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
@@ -40,6 +40,19 @@ _GREEDY_DEFAULTS: dict[str, Any] = {
     "low_memory": None, "watermarking_config": None, "assistant_model": None, "prompt_lookup_num_tokens": None,
     "min_length": 0, "typical_p": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
 }
+
+
+def nondefault_fields(gc, allow: tuple[str, ...] = ()) -> list[str]:
+    """``field=value`` for each generation-config field that asks for more than plain greedy decoding
+    (sampling, beams, penalties, extra outputs, ...), skipping the names in ``allow``."""
+    out = []
+    for field, default in _GREEDY_DEFAULTS.items():
+        if field in allow:
+            continue
+        v = getattr(gc, field, default)
+        if v is not None and v != default and not (default is None and v in ((), [])):
+            out.append(f"{field}={v!r}")
+    return out
 
 
 @dataclass
@@ -94,10 +107,9 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
                                                                   "tokenizer", "use_cache", "streamer")}
     for k, v in updates.items():
         setattr(gc, k, v)
-    for field, default in _GREEDY_DEFAULTS.items():
-        v = getattr(gc, field, default)
-        if v is not None and v != default and not (default is None and v in ((), [])):
-            raise Unsupported(f"{field}={v!r}")
+    bad = nondefault_fields(gc)
+    if bad:
+        raise Unsupported(bad[0])
     if getattr(gc, "use_cache", True) is False or kwargs.get("use_cache") is False:
         raise Unsupported("use_cache=False")
     prompt = input_ids.shape[1]

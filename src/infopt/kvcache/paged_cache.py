@@ -222,6 +222,12 @@ class PagedCache(Cache):
         if not keep_tokens:
             del seq.tokens[length:]
 
+    def blocks_needed(self, seq_id: Hashable, n: int) -> int:
+        """Blocks a step adding ``n`` tokens to ``seq_id`` would allocate (a copy-on-write copy included);
+        a scheduler's admission check."""
+        seq = self._seq(seq_id)
+        return self._needed(seq, seq.length, n)
+
     def release(self, seq_id: Hashable) -> None:
         """End a sequence: its full blocks are already in the prefix cache; every block loses this reference."""
         seq = self._seqs.pop(seq_id, None)
