@@ -23,13 +23,12 @@ from torch import nn
 
 from ..attention.paged import PAGED_IMPL
 from ..core.introspect import inspect_model
-from ..kvcache.blocks import OutOfBlocks
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .sampler import choose_tokens
-from .scheduler import Scheduler, SeqState
+from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
 __all__ = ["Engine", "RequestHandle", "DEFAULT_KV_BUDGET"]
 
@@ -349,9 +348,8 @@ class Engine:
             self._intake()
             try:
                 nxt = self.scheduler.next_step()
-            except OutOfBlocks as e:  # one sequence larger than the pool: fail it, serve the rest
-                victim = self.scheduler.running[-1]
-                self._finish(victim, "error", error=f"out of KV blocks: {e}")
+            except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
+                self._finish(e.seq, "error", error=f"out of KV blocks: {e}")
                 return self.has_work()
             if nxt is None:
                 return self.has_work()

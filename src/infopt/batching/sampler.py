@@ -58,6 +58,10 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
         if not p.do_sample:
             out.append(int(greedy[i]))
             continue
-        probs = filter_logits(scores[i], p).softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        x = filter_logits(scores[i], p)
+        # Gumbel-max: argmax(x - log E), E ~ Exp(1), draws token i with probability softmax(x)_i. It stays in
+        # logit space (tiny probabilities would be denormal floats, which are slow on CPUs) and, unlike
+        # torch.multinomial, takes one pass over the vocabulary
+        race = torch.empty_like(x).exponential_(1.0, generator=generators[i])
+        out.append(int((x - race.log()).argmax().item()))
     return out

@@ -22,7 +22,15 @@ from ..kvcache.blocks import OutOfBlocks
 from ..kvcache.paged_cache import PagedBatch, PagedCache
 from .params import RequestMetrics, SamplingParams
 
-__all__ = ["Scheduler", "SeqState"]
+__all__ = ["Scheduler", "SeqState", "SequenceTooLarge"]
+
+
+class SequenceTooLarge(OutOfBlocks):
+    """One sequence needs more KV blocks than the whole pool holds; ``seq`` is the request to fail."""
+
+    def __init__(self, message: str, seq: SeqState):
+        super().__init__(message)
+        self.seq = seq
 
 
 @dataclass(eq=False)
@@ -105,6 +113,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or max_batch_tokens
         self.max_skips = max_skips
         self.watermark_blocks = watermark_blocks
+        self.lookahead = 8  # waiting requests tried past ones that did not fit, per step
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
         self.preemptions = 0
@@ -164,8 +173,12 @@ class Scheduler:
             budget -= n
         reserved = sum(self.cache.blocks_needed(s.rid, n) for s, n in plan) + self.watermark_blocks
         self._admitted_now = []
+        blocked: SeqState | None = None  # the first waiting request that did not fit
+        misses = 0
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_seqs and budget > 0:
+            if blocked is not None and (blocked.skips >= self.max_skips or misses > self.lookahead):
+                break  # it has been passed often enough (admission waits for it), or the pool is simply full
             seq = self.waiting[i]
             cached = self.cache.add_sequence(seq.rid, seq.all_tokens())
             seq.admitted, seq.computed = True, cached
@@ -173,13 +186,13 @@ class Scheduler:
             need = self.cache.blocks_needed(seq.rid, n) if n > 0 else 0
             if n <= 0 or need + reserved > self.cache.allocator.num_available:
                 self._release(seq)
-                if i == 0:
-                    seq.skips += 1
-                    if seq.skips > self.max_skips:
-                        break  # the head has waited long enough: nobody passes it any more
+                blocked = blocked or seq
+                misses += 1
                 i += 1
                 continue
             del self.waiting[i]
+            if blocked is not None:
+                blocked.skips += 1
             if seq.metrics.preemptions == 0:
                 seq.metrics.cached_tokens = cached
             self.running.append(seq)
@@ -197,17 +210,21 @@ class Scheduler:
             None when nothing can run.
 
         Raises:
-            OutOfBlocks: a single sequence needs more blocks than the whole pool holds (the engine fails it).
+            SequenceTooLarge: a single sequence needs more blocks than the whole pool holds (the engine fails it).
         """
         for _ in range(len(self.running) + len(self.waiting) + 2):
             plan = self._plan()
             if not plan:
+                if self.waiting and not self.running:  # the whole pool is free and the head still does not fit
+                    head = self.waiting[0]
+                    raise SequenceTooLarge(f"request {head.rid} needs more KV blocks than the pool's "
+                                           f"{self.cache.allocator.num_blocks}", head)
                 return None
             try:
                 batch = self.cache.begin_step([(s.rid, s.tokens(s.computed, n)) for s, n in plan])
-            except OutOfBlocks:
+            except OutOfBlocks as e:
                 if len(self.running) <= 1:
-                    raise
+                    raise SequenceTooLarge(str(e), self.running[0]) from e
                 victim = self.running[-1]  # the newest sequence gives its blocks back
                 if victim in self._admitted_now:  # admitted by this plan: back to the queue, not a preemption
                     self.running.remove(victim)
