@@ -158,7 +158,8 @@ class Engine:
         max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
         max_seqs: requests decoding at once at most.
         kv: the paged cache settings (:class:`~infopt.kvcache.Paged`); ``num_blocks=None`` sizes the pool
-            to :data:`DEFAULT_KV_BUDGET` bytes.
+            to :data:`DEFAULT_KV_BUDGET` bytes, or to ``max_seqs`` sequences of the model's full length when
+            that is less.
         chunked_prefill: split long prompts across steps, interleaved with decoding.
         prefill_chunk: prompt tokens one sequence gets per step at most (None: ``max_batch_tokens // 2``), so
             a long prompt leaves room in every step for newcomers.
@@ -196,15 +197,20 @@ class Engine:
             set_backend_(model, "paged", step="batching")
         self.model = model
         self.tokenizer = tokenizer
-        num_blocks = kv.num_blocks or max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))
+        max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
+                                "max_position_embeddings", None)
+        num_blocks = kv.num_blocks
+        if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
+            num_blocks = max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))
+            if max_positions:
+                num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
         self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
         self.scheduler = Scheduler(self.cache, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                    chunked_prefill=chunked_prefill,
                                    prefill_chunk=prefill_chunk or max(1, max_batch_tokens // 2), max_skips=max_skips)
         self.default_sampling = default_sampling or SamplingParams()
         self.capacity_tokens = num_blocks * kv.block_size
-        self.max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
-                                     "max_position_embeddings", None)
+        self.max_positions = max_positions
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) \
             if model.get_output_embeddings() is not None else None
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -24,7 +24,8 @@ def _run(args) -> int:
         raise FileNotFoundError(f"{args.model} has no tokenizer; the benchmark workloads need one")
     result = run_bench(model, tok, args.recipe, args.workload, repeats=args.repeats, seed=args.seed,
                        num_requests=args.requests, progress=not args.quiet,
-                       model_name="SmolLM2-135M-Instruct" if args.model == "default" else str(args.model))
+                       model_name="SmolLM2-135M-Instruct" if args.model == "default" else str(args.model),
+                       baselines=args.baselines.split(",") if args.baselines else None)
     print(format_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -47,6 +48,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=None, help="override the workload's request count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baselines", help="comma-separated plain-transformers modes: sequential, padded, hf_continuous "
+                                       "(default: by workload and recipe)")
     p.add_argument("--json", help="write the result JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here (needs infopt[bench])")
     p.add_argument("--csv", help="append a row to this history CSV")

@@ -112,23 +112,90 @@ class _FirstToken:
         pass
 
 
-@torch.inference_mode()
+RUN_MODES = ("sequential", "padded", "hf_continuous", "engine")
+
+
+def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
+    """Every request submitted at time 0 to the model's batching engine (:func:`infopt.batching.enable_`)."""
+    from ..batching import SamplingParams, batching_engine
+
+    engine = batching_engine(model)
+    if engine is None:
+        raise ValueError("mode 'engine' needs a model with the batching step applied (recipe stage 'batching')")
+    t_start = time.perf_counter()
+    handles = [engine.submit(r.input_ids[0], SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True))
+               for r in requests]
+    outs = [h.result() for h in handles]
+    wall = time.perf_counter() - t_start
+    rows = []
+    for o in outs:
+        m = o.metrics
+        rows.append({"ttft": m.first_token - t_start, "total": m.finished - t_start,
+                     "service": m.finished - m.first_scheduled, "first_service": m.first_token - m.first_scheduled,
+                     "n_out": len(o.token_ids), "tokens": o.token_ids})
+    return {"wall": wall, "requests": rows}
+
+
+def _run_hf_continuous(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
+    """transformers' own continuous batching (``generate_batch``'s manager), every request submitted at time 0
+    with its own ``max_new_tokens`` and end-of-sequence disabled, for the same fixed work as the other modes."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=-1,
+                          pad_token_id=model.generation_config.pad_token_id)
+    before = model.config._attn_implementation
+    t_start = time.perf_counter()
+    results: dict[str, Any] = {}
+    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+        t_start = time.perf_counter()
+        ids = [manager.add_request(r.input_ids[0].tolist(), request_id=f"r{i}", max_new_tokens=r.max_new_tokens,
+                                   record_timestamps=True, eos_token_id=-1) for i, r in enumerate(requests)]
+        while len(results) < len(ids):
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                results[res.request_id] = res
+            elif res is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped before finishing the requests")
+    wall = time.perf_counter() - t_start
+    if model.config._attn_implementation != before:  # the manager may switch backends; leave the model as found
+        model.set_attn_implementation(before)
+    rows = []
+    for i in range(len(requests)):
+        res = results[f"r{i}"]
+        ts = res.timestamps or [t_start + wall]
+        rows.append({"ttft": ts[0] - t_start, "total": ts[-1] - t_start, "service": ts[-1] - t_start,
+                     "first_service": ts[0] - t_start, "n_out": len(res.generated_tokens),
+                     "tokens": list(res.generated_tokens)})
+    return {"wall": wall, "requests": rows}
+
+
 def run_requests(model: nn.Module, requests: list[Request], *, mode: str = "sequential", batch_size: int = 8,
                  pad_token_id: int = 0, progress: bool = False, desc: str = "") -> dict[str, Any]:
     """Serve every request with ``model.generate`` (greedy, fixed output length), timing each.
 
     Args:
-        mode: ``sequential`` (one request at a time) or ``padded`` (naive static batching: left-padded
-            batches of ``batch_size`` in arrival order, each batch runs until its longest request ends).
+        mode: ``sequential`` (one request at a time), ``padded`` (naive static batching: left-padded
+            batches of ``batch_size`` in arrival order, each batch runs until its longest request ends),
+            ``hf_continuous`` (transformers' continuous batching) or ``engine`` (the model's infopt
+            batching engine); the last two get every request at time 0.
 
     Returns:
         ``{"wall": s, "requests": [{"ttft": s, "total": s, "n_out": n, "tokens": [...]}, ...]}``; all requests
         arrive at time 0, so ``ttft`` includes queueing.
     """
+    if mode == "engine":
+        return _run_engine(model, requests)
+    if mode == "hf_continuous":
+        return _run_hf_continuous(model, requests)
+    if mode not in ("sequential", "padded"):
+        raise ValueError(f"mode={mode!r}; allowed: {', '.join(RUN_MODES)}")
+    return _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc)
+
+
+@torch.inference_mode()
+def _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc):
     from tqdm.auto import tqdm
 
-    if mode not in ("sequential", "padded"):
-        raise ValueError(f"mode={mode!r}; allowed: sequential, padded")
     device = next(model.parameters()).device
     out: list[dict[str, Any] | None] = [None] * len(requests)
     size = 1 if mode == "sequential" else batch_size
@@ -208,7 +275,7 @@ def _timed(model, requests, mode, pad, progress, desc):
 
 def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeats: int = 3, seed: int = 0,
               num_requests: int | None = None, progress: bool = True, quality: bool = True,
-              model_name: str = "model") -> dict[str, Any]:
+              model_name: str = "model", baselines: list[str] | None = None) -> dict[str, Any]:
     """Run ``workload`` through the plain model and through ``recipe``, interleaved, in this process.
 
     Each repeat runs the baseline, applies the recipe, runs the optimized model, and undoes the
@@ -220,6 +287,10 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         recipe: anything :func:`infopt.optimize` accepts, or None / ``"none"`` for the baseline only.
         workload: one of :data:`~infopt.bench.workloads.WORKLOADS`.
         repeats: timed repeats per side.
+        baselines: plain-transformers modes to run (:data:`RUN_MODES` but ``engine``); default ``sequential``,
+            plus ``padded`` on the batch workload, plus transformers' own continuous batching
+            (``hf_continuous``) when the recipe has a batching step (which then runs as ``engine``: every
+            request submitted at once). Ratios are against ``sequential`` for batching recipes.
 
     Returns:
         The result dict (see docs/bench.md): machine, model, workload, recipe, baseline, optimized, ratios,
@@ -238,8 +309,18 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     machine = machine_info()
     machine["bandwidth_gbs"] = measure_bandwidth()
 
-    base_modes = ["sequential", "padded"] if workload == "batch" else ["sequential"]
-    opt_mode = "padded" if workload == "batch" else "sequential"
+    batching = r is not None and any(st.stage == "batching" for st in r.steps)
+    if baselines is None:
+        baselines = ["sequential", "padded", "hf_continuous"] if batching else \
+            (["sequential", "padded"] if workload == "batch" else ["sequential"])
+    bad = [m for m in baselines if m not in RUN_MODES or m == "engine"]
+    if bad or not baselines:
+        raise ValueError(f"baselines={baselines!r}; allowed: {', '.join(m for m in RUN_MODES if m != 'engine')}")
+    base_modes = list(baselines)
+    opt_mode = "engine" if batching else ("padded" if workload == "batch" else "sequential")
+    ratio_base = "sequential" if batching else opt_mode
+    if ratio_base not in base_modes:
+        ratio_base = base_modes[0]
     warm = requests[0].input_ids[:, :16]
 
     reference = None
@@ -274,14 +355,16 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
             undo(model)
 
     baseline = {mode: _median_metrics(rows) for mode, rows in base_rows.items()}
-    main_base = baseline[opt_mode]
+    main_base = baseline[ratio_base]
     optimized = _median_metrics(opt_rows) if opt_rows else None
-    ratios = None
+    ratios = ratios_by_mode = None
     if optimized is not None:
-        ratios = {k: (optimized[k] / main_base[k] if main_base[k] else float("nan")) for k in optimized}
+        ratios_by_mode = {mode: {k: (optimized[k] / b[k] if b[k] else float("nan")) for k in optimized}
+                          for mode, b in baseline.items()}
+        ratios = ratios_by_mode[ratio_base]
     exact = None
     if opt_tokens is not None:
-        exact = opt_tokens == base_tokens[opt_mode]
+        exact = opt_tokens == base_tokens[ratio_base]
     return {
         "machine": machine,
         "model": model_name,
@@ -295,6 +378,8 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         "baseline_modes": baseline,
         "optimized": optimized,
         "ratios": ratios,
+        "ratio_baseline": ratio_base,
+        "ratios_by_mode": ratios_by_mode,
         "quality": quality_figs,
         "exact_greedy": exact,
         "higher_is_better": sorted(k for k, (_, higher) in METRICS.items() if higher),

@@ -50,8 +50,10 @@ def format_table(result: dict[str, Any]) -> str:
         "",
     ]
     modes = result["baseline_modes"]
+    by_mode = result.get("ratios_by_mode") or {}
+    extra = [m for m in by_mode if m != result.get("ratio_baseline")] if len(modes) > 1 else []
     cols = [f"HF {m}" for m in modes] + (["infopt"] if result["optimized"] else []) + \
-        (["ratio"] if result["ratios"] else [])
+        (["ratio"] if result["ratios"] else []) + [f"x {m}"[:13] for m in extra]
     w = max(len(v[0]) for v in METRICS.values())
     lines.append(f"{'':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
     for key, (label, _) in METRICS.items():
@@ -60,9 +62,11 @@ def format_table(result: dict[str, Any]) -> str:
             row.append(result["optimized"].get(key))
         if result["ratios"]:
             row.append(result["ratios"].get(key))
+        row.extend(by_mode[m].get(key) for m in extra)
         cells = [_fmt(v) for v in row]
         if result["ratios"]:
-            cells[-1] = cells[-1] + "x" if cells[-1] != "-" else "-"
+            for i in range(len(cells) - len(extra) - 1, len(cells)):
+                cells[i] = cells[i] + "x" if cells[i] != "-" else "-"
         lines.append(f"{label:<{w}}  " + "  ".join(f"{c:>13}" for c in cells))
     bw = mach.get("bandwidth_gbs")
     if bw:
