@@ -47,7 +47,8 @@ class PagedAttentionMetadata:
         block_table: ``[S, max_blocks]`` block ids of each sequence (rows padded with any valid id).
         kv_lens: ``[S]`` tokens each sequence holds after this step's writes.
         query_pos: ``[S, Q]`` position of each grid query in its sequence (0 on grid padding).
-        mask: ``[S, 1, Q, max_blocks * block_size]`` bool, True where query may attend: slot ``j <= query_pos``.
+        mask: ``[S, 1, Q, max_blocks * block_size]`` bool, True where query may attend: slot ``j <= query_pos``;
+            None for packed steps of several sequences (their kernel builds exact per-sequence masks).
         gather: ``[S, Q]`` index of each grid query in the forward's flattened tokens (``B * q``), or None
             when the grid is the forward's own ``[B, q]`` layout (a padded ``generate`` batch).
         scatter: ``[N]`` index into the flattened grid ``S * Q`` of each of the forward's tokens, or None
@@ -65,13 +66,34 @@ class PagedAttentionMetadata:
     block_table: torch.Tensor
     kv_lens: torch.Tensor
     query_pos: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     gather: torch.Tensor | None
     scatter: torch.Tensor | None
     token_index: torch.Tensor | None
     new_lens: torch.Tensor
     single: tuple[int, int] | None = None
     _flash: tuple | None = None
+    _split: tuple | None = None
+
+    def packed_split(self):
+        """For packed steps: ``(decode_rows, decode_tokens, decode_blocks, prefills)`` built once per step.
+
+        Decoding sequences (one new token) attend in one batched call over just the blocks they use;
+        each sequence with several new tokens (a prefill chunk) attends alone over exactly its keys, so no
+        query is padded to the longest chunk of the step.
+        """
+        if self._split is None:
+            new = self.new_lens.tolist()
+            kv = self.kv_lens.tolist()
+            first = self.gather[:, 0].tolist()  # offset of each sequence's first new token
+            dec = [i for i, n in enumerate(new) if n == 1]
+            dev = self.kv_lens.device
+            dec_rows = torch.tensor(dec, dtype=torch.long, device=dev)
+            dec_tokens = torch.tensor([first[i] for i in dec], dtype=torch.long, device=dev)
+            dec_blocks = -(-max((kv[i] for i in dec), default=0) // self.block_size)
+            prefills = [(i, first[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
+            self._split = (dec_rows, dec_tokens, dec_blocks, prefills)
+        return self._split
 
     def flash_args(self):
         """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)`` for flash-attn, built once."""
@@ -108,8 +130,48 @@ def _take(key: torch.Tensor) -> PagedAttentionMetadata | None:
     return meta
 
 
+def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    # pool: [num_blocks, block_size, H_kv, D]; table: [S, nb] -> [S, H_kv, length, D]
+    s, nb = table.shape
+    return pool[table].reshape(s, nb * pool.shape[1], pool.shape[2], pool.shape[3])[:, :length].transpose(1, 2)
+
+
+def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+    # query: [1, H, N, D], the step's tokens flattened; each sequence's new tokens are contiguous
+    _, h, n_tok, d = query.shape
+    h_kv, dv = key_pool.shape[2], value_pool.shape[-1]
+    flat = query[0].transpose(0, 1)  # [N, H, D]
+    out = query.new_empty(n_tok, h, dv)
+    dec_rows, dec_tokens, dec_blocks, prefills = meta.packed_split()
+    if dec_rows.numel():
+        table = meta.block_table[dec_rows, :dec_blocks]  # [Sd, nb]: only the blocks decoders use
+        length = dec_blocks * meta.block_size
+        k = _gather_kv(key_pool, table, length)
+        v = _gather_kv(value_pool, table, length)
+        mask = (torch.arange(length, device=query.device)[None, :] < meta.kv_lens[dec_rows][:, None])[:, None, None]
+        o = F.scaled_dot_product_attention(flat[dec_tokens][:, :, None], k, v, attn_mask=mask, scale=scaling,
+                                           enable_gqa=h != h_kv)  # [Sd, H, 1, Dv]
+        out[dec_tokens] = o[:, :, 0]
+    for row, start, n, kv_len in prefills:
+        nb = -(-kv_len // meta.block_size)
+        table = meta.block_table[row:row + 1, :nb]
+        k = _gather_kv(key_pool, table, kv_len)
+        v = _gather_kv(value_pool, table, kv_len)
+        q = flat[start:start + n].transpose(0, 1)[None]  # [1, H, n, D]
+        mask = None
+        if n != kv_len:  # a later chunk: query i sits at position kv_len - n + i
+            pos = torch.arange(kv_len - n, kv_len, device=query.device)
+            mask = (torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None])[None, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                           enable_gqa=h != h_kv)  # [1, H, n, Dv]
+        out[start:start + n] = o[0].transpose(0, 1)
+    return out[None]  # [1, N, H, Dv]
+
+
 def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
     # query: [B, H, q, D]; pools: [num_blocks, block_size, H_kv, D]
+    if meta.gather is not None and meta.single is None and query.shape[0] == 1:
+        return _reference_packed(query, key_pool, value_pool, meta, scaling)
     b, h, q, d = query.shape
     s, nb = meta.block_table.shape
     h_kv = key_pool.shape[2]

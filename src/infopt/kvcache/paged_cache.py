@@ -367,14 +367,16 @@ class PagedCache(Cache):
 
     def _set_meta(self, table, kv_lens, query_pos, new_lens, *, gather, scatter, token_index, slots, device):
         length = table.shape[1] * self.block_size
-        mask = torch.arange(length)[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]: slot j <= query position
+        mask = None
+        if gather is None or len(new_lens) == 1:  # packed steps of several sequences attend without a grid mask
+            mask = (torch.arange(length)[None, None, :] <= query_pos[:, :, None])[:, None]  # [S, 1, Q, L]
 
         def to(t):
             return None if t is None else t.to(device)
 
         self._meta = PagedAttentionMetadata(
             block_size=self.block_size, block_table=to(table), kv_lens=to(kv_lens), query_pos=to(query_pos),
-            mask=to(mask[:, None]), gather=to(gather), scatter=to(scatter), token_index=to(token_index),
+            mask=to(mask), gather=to(gather), scatter=to(scatter), token_index=to(token_index),
             new_lens=to(new_lens),
             single=(int(new_lens[0]), int(kv_lens[0])) if len(new_lens) == 1 and token_index is None else None,
         )
