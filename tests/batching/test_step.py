@@ -170,3 +170,15 @@ def test_static_batcher_matches_generate():
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == ref.generate(torch.tensor([p]), max_new_tokens=5, min_new_tokens=5,
                                            do_sample=False)[0, len(p):].tolist()
+
+
+def test_throughput_preset_is_exact_and_undoes():
+    ref, model = tiny_model(), tiny_model()
+    ids, mask = _batch()
+    infopt.optimize(model, "throughput")
+    assert [s.key for s in model.infopt.steps] == ["kvcache:paged", "batching"]
+    a = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    assert torch.equal(a, ref.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False))
+    assert routing_stats(model).infopt == 1
+    infopt.undo(model)
+    assert "generate" not in model.__dict__ and model.config._attn_implementation == "sdpa"

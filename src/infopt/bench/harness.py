@@ -123,7 +123,8 @@ def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
     if engine is None:
         raise ValueError("mode 'engine' needs a model with the batching step applied (recipe stage 'batching')")
     t_start = time.perf_counter()
-    handles = [engine.submit(r.input_ids[0], SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True))
+    handles = [engine.submit(r.input_ids[0], SamplingParams(max_new_tokens=r.max_new_tokens,
+                                                       min_new_tokens=r.max_new_tokens))
                for r in requests]
     outs = [h.result() for h in handles]
     wall = time.perf_counter() - t_start
