@@ -14,6 +14,7 @@ import yaml
 
 # importing the feature packages fills the step registry
 from . import attention as _attention  # noqa: F401
+from . import batching as _batching  # noqa: F401
 from . import compile as _compile  # noqa: F401
 from . import kvcache as _kvcache  # noqa: F401
 from . import quantize as _quantize  # noqa: F401
@@ -92,6 +93,17 @@ RULES: tuple[Rule, ...] = (
     Rule("speculative", "batching", "conflicts",
          "the batching engine runs its own decode loop, which does not speculate",
          "use speculative decoding for single-stream latency, batching for throughput"),
+    Rule("batching", "kvcache[kind!=paged]", "conflicts",
+         "the batching engine keeps every sequence's K/V in its own paged cache, so another cache kind would "
+         "never see the batched calls",
+         "leave the kvcache step out, or use kvcache paged (its block_size/num_blocks/prefix_caching then size "
+         "the engine's cache)"),
+    Rule("batching", "attention[backend!=paged]", "conflicts",
+         "the batching engine packs every sequence into one row read by the paged attention kernel",
+         "use attention backend 'paged' with batching, or leave the attention step out (batching switches it)"),
+    Rule("batching", "compile", "conflicts",
+         "the engine's packed batches change shape every step, which a compiled forward would recompile for",
+         "drop compile when using batching"),
     Rule("compile", "quantize:bnb_int8", "conflicts",
          "bitsandbytes kernels break the compiled graph",
          "use quantize int8 (native) with compile"),
@@ -143,6 +155,9 @@ PRESETS: dict[str, Preset] = {
                 {"kvcache": {"kind": "static"}})),
         Preset("memory-saver", "int8 weight-only linears with fp32 activations: ~1/4 of the linear weight memory",
                ({"quantize": {"method": "int8", "compute_dtype": "float32"}},)),
+        Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
+               "prefix caching; token-identical greedy output",
+               ({"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
         Preset("gpu-fast", "CUDA: SDPA + static KV cache + torch.compile with CUDA graphs",
                ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},
                 {"compile": {"mode": "reduce-overhead"}})),
