@@ -1,0 +1,291 @@
+"""``enable_(model, config)``: make ``model.generate`` (and pipelines) decode speculatively, in place."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import IncompatibleModelError
+from ..core.generation import Unsupported, route_generate
+from ..core.introspect import inspect_model
+from ..core.patch import get_handle, record_custom
+from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
+from .config import DraftModel, PromptLookup, SelfDraft
+from .drafters import Drafter, LookupDrafter, ModelDrafter, croppable
+from .loop import Controller, SpecStats, plan_call, speculative_decode
+
+__all__ = ["enable_", "stats", "build_self_draft", "load_draft"]
+
+_STATS: weakref.WeakKeyDictionary[nn.Module, SpecStats] = weakref.WeakKeyDictionary()
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Speculative-decoding counts of ``model`` since it was enabled: calls, rounds, drafted and accepted tokens,
+    ``acceptance_rate``, ``mean_accepted_length``, ``target_forwards_per_token`` (empty for a model without it).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> stats(tiny_model())
+        {}
+    """
+    s = _STATS.get(model)
+    return s.as_dict() if s is not None else {}
+
+
+def load_draft(draft: Any) -> nn.Module:
+    """The draft model a :class:`DraftModel` names: the module itself, ``"default"``, or a local folder.
+
+    Raises:
+        RecipeError: a folder that does not hold a causal LM.
+    """
+    if isinstance(draft, nn.Module):
+        return draft
+    if draft == "default":
+        from ..models import load_default
+
+        return load_default()[0]
+    from transformers import AutoModelForCausalLM
+
+    from ..core.errors import RecipeError
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(draft)).eval()
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"DraftModel.draft={draft!r} could not be loaded as a causal LM: {e}") from e
+
+
+def _owned_bytes(draft: nn.Module, target: nn.Module) -> int:
+    """Bytes of the draft's tensors that the target does not share."""
+    shared = {t.data_ptr() for t in list(target.parameters()) + list(target.buffers()) if t.numel()}
+    seen, total = set(), 0
+    for t in list(draft.parameters()) + list(draft.buffers()):
+        p = t.data_ptr()
+        if t.numel() and p not in shared and p not in seen:
+            seen.add(p)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def build_self_draft(model: nn.Module, config: SelfDraft) -> tuple[nn.Module, int]:
+    """A cheaper copy of ``model`` for :class:`SelfDraft`: the module tree copied with every tensor shared,
+    cut to ``num_layers`` and quantized through the registered quantize transform (so this package does not
+    import :mod:`infopt.quantize`). Quantizing replaces the copy's linears only; the target is untouched.
+
+    Returns:
+        ``(draft, extra_bytes)``: the draft and the bytes of tensors it does not share with the target.
+
+    Raises:
+        IncompatibleModelError: no decoder-layer list to truncate.
+        RecipeError: the quantize config does not apply to this model.
+    """
+    # every tensor shared with the target; parameters as new Parameter objects over the same storage, so the
+    # quantize transform, which frees the storage of the parameters it replaces (moving them to disk for undo),
+    # frees only the draft's handles, never the target's weights
+    memo: dict[int, Any] = {id(b): b for b in model.buffers()}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    draft = copy.deepcopy(model, memo)
+    for name in ("generate", "forward", "infopt"):  # instance-level patches of the target stay with it
+        draft.__dict__.pop(name, None)
+    if config.num_layers is not None:
+        info = inspect_model(draft)
+        layers = draft.get_submodule(info.layer_fqns[0].rpartition(".")[0]) if info.layer_fqns else None
+        if not isinstance(layers, nn.ModuleList):
+            raise IncompatibleModelError(f"SelfDraft(num_layers=...) needs a decoder-layer list; {type(model).__name__} "
+                                         "has none it recognises. Use SelfDraft(quantize=...) alone")
+        del layers[config.num_layers:]
+        tc = draft.config.get_text_config(decoder=True) if hasattr(draft.config, "get_text_config") else draft.config
+        for attr in ("num_hidden_layers", "n_layer"):
+            if hasattr(tc, attr):
+                setattr(tc, attr, config.num_layers)
+        if getattr(tc, "layer_types", None):
+            tc.layer_types = tc.layer_types[:config.num_layers]
+    if config.quantize is not None:
+        cfg: StepConfig = config.quantize
+        fn = TRANSFORMS.get(type(cfg))
+        if fn is None:
+            raise IncompatibleModelError(f"SelfDraft.quantize={cfg!r} has no registered transform; import infopt.quantize")
+        fn(draft, cfg, ApplyContext(info=inspect_model(draft)))
+    # the draft's patch records hold the fp32 modules it replaced (shared with the target): drop them, the draft
+    # is never undone, only discarded
+    handle = get_handle(draft)
+    handle.records.clear()
+    handle.undo()  # with no records left, this only deletes the spill files
+    draft.eval()
+    return draft, _owned_bytes(draft, model)
+
+
+VERIFY_COST = 0.06
+"""Extra cost of one more verified token in a target forward, in decode steps (see ``_self_draft_cost``)."""
+
+
+def _self_draft_cost(model: nn.Module, config: SelfDraft) -> float:
+    """A self draft's one-token forward time relative to the target's.
+
+    Measured with ``benchmarks/speculative_profile.py`` on the default model (fp32, 2-core CPU): see
+    docs/speculative.md. Truncation scales the layers' share.
+    """
+    q = config.quantize.kind if config.quantize is not None else None
+    cost = {"int4": 0.35, "int8": 0.5}.get(q, 1.0 if q is None else 0.5)
+    if config.num_layers is not None:  # the layers' share shrinks; the head (~15% of a small model's time) stays
+        cost *= 0.15 + 0.85 * min(1.0, config.num_layers / inspect_model(model).num_layers)
+    return cost
+
+
+def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, Any]]:
+    if isinstance(config, PromptLookup):
+        return LookupDrafter(config.ngram), {}
+    if isinstance(config, DraftModel):
+        draft = load_draft(config.draft)
+        tv, dv = model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
+        if dv < tv:
+            raise IncompatibleModelError(f"the draft model's vocabulary ({dv}) is smaller than the target's ({tv}); "
+                                         "a draft model must share the target's tokenizer")
+        ratio = sum(p.numel() for p in draft.parameters()) / max(1, sum(p.numel() for p in model.parameters()))
+        return ModelDrafter(draft, draft_cost=min(1.0, ratio)), {"draft_parameters": sum(p.numel() for p in
+                                                                                          draft.parameters())}
+    if isinstance(config, SelfDraft):
+        draft, extra = build_self_draft(model, config)
+        # no confidence stop: a copy of the target agrees with it even where both are unsure
+        return ModelDrafter(draft, draft_cost=_self_draft_cost(model, config), confidence=0.0), {
+            "draft_extra_bytes": extra}
+    from ..core.errors import RecipeError
+
+    raise RecipeError(f"speculative.enable_ takes DraftModel, PromptLookup or SelfDraft; got {type(config).__name__}: "
+                      f"{config!r}")
+
+
+class _CacheMaker:
+    """Target caches for each call: dynamic, or static (reused, sized in buckets) when ``static`` is given."""
+
+    def __init__(self, model: nn.Module, static: StepConfig | None):
+        self.model, self.static = model, static
+        self.cache, self.key = None, None
+
+    def get(self, batch: int, needed: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.static is None:
+            return DynamicCache(config=self.model.config), None
+        from ..kvcache.static import bucket_length, resolved_max_length
+
+        limit = resolved_max_length(self.model, self.static)
+        key = (batch, bucket_length(min(needed, limit), limit))
+        if self.cache is None or self.key != key:
+            self.cache = None
+            self.cache = StaticCache(config=self.model.config, max_cache_len=key[1])
+            self.key = key
+        else:
+            self.cache.reset()
+        return self.cache, key[1]
+
+
+def enable_(model: nn.Module, config: StepConfig, *, static: StepConfig | None = None,
+            step: str | None = None) -> dict[str, Any]:
+    """Make ``model.generate`` decode speculatively with ``config``, in place (:func:`infopt.undo` reverts).
+
+    Greedy calls and sampling calls (temperature, top-k, top-p) run in infopt's speculative loop; anything
+    else (beam search, logits processors, repetition penalty, ...) goes to the original ``generate`` and
+    :func:`infopt.core.generation.routing_stats` counts it.
+
+    Args:
+        model: a transformers causal LM.
+        config: :class:`DraftModel`, :class:`PromptLookup` or :class:`SelfDraft`.
+        static: a ``kvcache.Static`` config to verify on a static cache (rolled back by moving its fill point).
+        step: recipe step key for the report (default ``config.key``).
+
+    Returns:
+        A dict of build facts (``draft_extra_bytes`` for a self draft, ...); live counts are in :func:`stats`.
+
+    Raises:
+        RecipeError: ``config`` is not a speculative config.
+        IncompatibleModelError: a draft model with a smaller vocabulary, an unsupported architecture.
+
+    Example:
+        >>> import torch
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model()
+        >>> _ = enable_(m, PromptLookup(num_tokens=4))
+        >>> m.generate(torch.tensor([[1, 2, 3, 1, 2]]), max_new_tokens=4, do_sample=False).shape
+        torch.Size([1, 9])
+    """
+    inspect_model(model)
+    drafter, facts = _drafter(model, config)
+    spec_stats = SpecStats()
+    _STATS[model] = spec_stats
+    caches = _CacheMaker(model, static)
+    cap = config.cap
+
+    def handler(original, *args, **kwargs):
+        from ..kvcache.api import generate_input_ids
+
+        input_ids = generate_input_ids(model, args, kwargs)
+        spec = plan_call(model, args, kwargs)
+        B, T = input_ids.shape
+        needed = T + spec.greedy.max_new_tokens + (0 if B == 1 else spec.greedy.max_new_tokens) + cap + 2
+        cache, capacity = caches.get(B, needed)
+        if capacity is not None and capacity < T + spec.greedy.max_new_tokens:
+            raise Unsupported(f"length {T + spec.greedy.max_new_tokens} > static max_length {capacity}")
+        if cache.layers and not croppable(cache):
+            raise Unsupported("a cache that cannot roll back")
+        controller = Controller(config.fixed_tokens, cap, drafter.draft_cost, VERIFY_COST,
+                                drafter.prior_acceptance, drafter.probe_every)
+        return speculative_decode(model, spec, cache, drafter, controller, spec_stats, capacity=capacity)
+
+    route_generate(model, handler, step=step or config.key)
+    record_custom(model, "speculative drafter and stats",
+                  lambda: (_STATS.pop(model, None), facts.clear()), step=step or config.key)
+    return facts
+
+
+def _static_step(steps) -> StepConfig | None:
+    return next((s for s in steps if s.key == "kvcache:static"), None)
+
+
+def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
+    facts = enable_(model, config, static=_static_step(ctx.steps))
+    live = _STATS[model]
+
+    class _LiveStats(dict):
+        """The report's stats dict, reading the live counts each time it is looked at."""
+
+        def _fresh(self):
+            dict.update(self, facts)
+            dict.update(self, live.as_dict())
+
+        def __getitem__(self, k):
+            self._fresh()
+            return dict.__getitem__(self, k)
+
+        def __iter__(self):
+            self._fresh()
+            return dict.__iter__(self)
+
+        def items(self):
+            self._fresh()
+            return dict.items(self)
+
+        def __repr__(self):
+            self._fresh()
+            return dict.__repr__(self)
+
+    ctx.stats = _LiveStats()
+    ctx.stats._fresh()
+    n = config.fixed_tokens
+    ctx.notes.append(f"{config.kind}: drafts {'adaptive (0..' + str(config.cap) + ')' if n is None else n} tokens "
+                     f"per round, verified in one target forward{' on the static cache' if _static_step(ctx.steps) else ''}")
+    if "draft_extra_bytes" in facts:
+        ctx.notes.append(f"self draft ({config.quantize.kind if config.quantize else 'fp'} weights"
+                         f"{', ' + str(config.num_layers) + ' layers' if config.num_layers else ''}) costs "
+                         f"{facts['draft_extra_bytes'] / 2**20:.1f} MiB beyond the target (embedding and unquantized "
+                         "tensors shared)")
+
+
+for _cls in (DraftModel, PromptLookup, SelfDraft):
+    register_transform(_cls)(_apply)
+
+del torch
