@@ -1,0 +1,257 @@
+"""Functions the parallel tests run on every rank through ``infopt.parallel.launch`` (module level: picklable).
+
+Each returns plain numbers and booleans per rank; the tests assert on them in the parent process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROMPT = [[1, 17, 400, 23, 9, 1200, 5]]
+NEW_TOKENS = 64
+
+
+def rel_err(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|."""
+    return float((x.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def _greedy(model, ids, n=NEW_TOKENS, **kw):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_state(model, snap) -> bool:
+    now = model.state_dict()
+    return set(now) == set(snap) and all(torch.equal(now[k], v) for k, v in snap.items())
+
+
+def tiny(arch: str, **kw):
+    from infopt.models import tiny_model
+
+    if arch == "llama-bias":  # untied head, biases on every projection (o_proj/down_proj bias added once)
+        import transformers as tf
+
+        cfg = tf.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        m = tf.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # random non-zero biases so a bias added N times would show
+            for name, p in m.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+        return m.eval()
+    return tiny_model(arch, **kw)
+
+
+def reference(model, quant=None):
+    """``(logits, greedy tokens)`` of ``model`` (after ``quant``) in this single process."""
+    from infopt.quantize import quantize_
+
+    ids = torch.tensor(PROMPT)
+    if quant is not None:
+        quantize_(model, quant, keep_original="memory")
+    with torch.no_grad():
+        logits = model(ids).logits
+    return logits, _greedy(model, ids)
+
+
+def tp_case(model, quant=None, ref=None, dtensor=False):
+    """Reference (one process) vs tensor parallel on the same model: logits, greedy tokens, bytes, undo.
+
+    ``ref``: ``(logits, tokens)`` computed elsewhere (once, by the parent process), else computed here."""
+    import infopt
+    from infopt.parallel import local_bytes, tensor_parallel_
+    from infopt.quantize import quantize_
+
+    ids = torch.tensor(PROMPT, device=next(model.parameters()).device)
+    snap = _state(model)  # undo reverts the quantization too: it restores this float model
+    with torch.no_grad():
+        float_logits = model(ids).logits
+    if quant is not None:
+        quantize_(model, quant, keep_original="memory")
+    if ref is None:
+        with torch.no_grad():
+            ref_logits = model(ids).logits
+        ref_tokens = _greedy(model, ids)
+    else:
+        ref_logits, ref_tokens = ref
+    before = local_bytes(model)
+    tensor_parallel_(model, dtensor=dtensor)
+    after = local_bytes(model)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = _greedy(model, ids)
+    out = {
+        "rel_err": rel_err(ref_logits, logits),
+        "tokens_equal": bool(torch.equal(tokens, ref_tokens)),
+        "n_tokens": int(tokens.shape[1] - ids.shape[1]),
+        "bytes_ratio": after / before,
+        "vocab_parallel": model._infopt_parallel["vocab_parallel"],
+        "q_proj": type(model.model.layers[0].self_attn.q_proj).__name__,
+        "o_proj": type(model.model.layers[0].self_attn.o_proj).__name__,
+        "q_proj_dtensor": type(getattr(model.model.layers[0].self_attn.q_proj, "weight", None)).__name__ == "DTensor",
+    }
+    infopt.undo(model)
+    with torch.no_grad():
+        out["undo_logits_equal"] = bool(torch.equal(model(ids).logits, float_logits))
+    out["undo_state_equal"] = _same_state(model, snap)
+    return out
+
+
+def tp_tiny_families():
+    from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+
+    res = {arch: tp_case(tiny(arch)) for arch in ("llama", "qwen2", "gemma", "llama-bias")}
+    res["llama-dtensor"] = tp_case(tiny("llama"), dtensor=True)
+    res["llama-bias-dtensor"] = tp_case(tiny("llama-bias"), dtensor=True)
+    res["llama-bf16"] = tp_case(tiny("llama", dtype=torch.bfloat16))
+    res["llama-int8"] = tp_case(tiny("llama"), Int8WeightOnly(compute_dtype="float32"))
+    res["llama-int8-g32"] = tp_case(tiny("llama"), Int8WeightOnly(group_size=32, compute_dtype="float32"))
+    res["llama-int4"] = tp_case(tiny("llama", hidden_size=128), Int4WeightOnly(group_size=32))
+    return res
+
+
+def pipeline_case(arch="llama", micro_batches=4, batch=False):
+    import infopt
+    from infopt.parallel import local_bytes, pipeline_parallel_
+
+    model = tiny(arch, num_layers=4)
+    if batch:  # two prompts, the shorter one left-padded: the 4-D mask is sliced per chunk
+        ids = torch.tensor([[2, 2, 2, 1, 17, 400, 23, 9], [1, 88, 17, 400, 23, 9, 1200, 5]])
+        mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    else:
+        ids, mask = torch.tensor(PROMPT), None
+    snap = _state(model)
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+    ref_tokens = _greedy(model, ids, attention_mask=mask)
+    before = local_bytes(model.model.layers)
+    pipeline_parallel_(model, stages=torch.distributed.get_world_size(), micro_batches=micro_batches)
+    after = local_bytes(model.model.layers)
+    ref_len = ids.shape[1]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    tokens = _greedy(model, ids, attention_mask=mask)
+    out = {"rel_err": rel_err(ref_logits, logits), "tokens_equal": bool(torch.equal(tokens, ref_tokens)),
+           "layer_bytes_ratio": after / before, "layers": list(model._infopt_parallel["layers"]),
+           "prefill_chunks": max(slot.chunks for slot in model.model.layers), "prompt_len": ref_len}
+    infopt.undo(model)
+    out["undo_state_equal"] = _same_state(model, snap)
+    with torch.no_grad():
+        out["undo_logits_equal"] = bool(torch.equal(model(ids, attention_mask=mask).logits, ref_logits))
+    return out
+
+
+def pipeline_recipe(steps):
+    """``{parallel: {pipeline: 2}}`` plus ``steps`` through optimize, against the same steps in one process."""
+    import infopt
+
+    ids = torch.tensor(PROMPT)
+    one = tiny("llama", num_layers=4)
+    infopt.optimize(one, steps)
+    ref = _greedy(one, ids, n=24)
+    m = tiny("llama", num_layers=4)
+    infopt.optimize(m, [{"parallel": {"pipeline": torch.distributed.get_world_size()}}, *steps])
+    return {"tokens_equal": bool(torch.equal(_greedy(m, ids, n=24), ref)), "steps": [s.key for s in m.infopt.steps]}
+
+
+def pipeline_cases():
+    return {"mb4": pipeline_case(), "mb1": pipeline_case(micro_batches=1), "batch": pipeline_case(batch=True),
+            "qwen2": pipeline_case("qwen2"),
+            "recipe-int8-static": pipeline_recipe([{"quantize": {"method": "int8", "compute_dtype": "float32"}},
+                                                   {"kvcache": {"kind": "static", "max_length": 64}}])}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type name and the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def refusals():
+    """Bad input under a live process group: each call must fail with a clear error and leave the model as it was."""
+    import infopt
+    from infopt.parallel import pipeline_parallel_, tensor_parallel_
+    from infopt.quantize import BnbInt8, quantize_
+
+    out = {}
+    m = tiny("llama", hidden_size=72, num_heads=9, num_kv_heads=3)  # 9/3 heads, like the default model
+    snap = _state(m)
+    out["heads"] = _error(lambda: tensor_parallel_(m))
+    out["heads_recipe"] = _error(lambda: infopt.optimize(m, {"parallel": {"tensor": 2}}))
+    out["heads_untouched"] = _same_state(m, snap) and not infopt.core.has_patches(m)
+    m = tiny("llama")
+    quantize_(m, BnbInt8(), include=["*.mlp.*"], keep_original="memory")
+    snap = _state(m)
+    out["bnb"] = _error(lambda: tensor_parallel_(m))
+    out["bnb_untouched"] = _same_state(m, snap)
+    m = tiny("llama")
+    out["size_mismatch"] = _error(lambda: infopt.optimize(m, {"parallel": {"tensor": 3}}))
+    out["stages_mismatch"] = _error(lambda: pipeline_parallel_(m, stages=3))
+    out["gpt2"] = _error(lambda: tensor_parallel_(tiny("gpt2")))
+    twice = tiny("llama")
+    tensor_parallel_(twice)
+    out["twice"] = _error(lambda: pipeline_parallel_(twice))
+    infopt.undo(twice)
+    out["untouched"] = not infopt.core.has_patches(m)
+    return out
+
+
+def recipe_tensor():
+    """``{parallel: {tensor: 2}}`` through optimize, composed with int8 and a static KV cache."""
+    import infopt
+
+    m = tiny("llama")
+    ids = torch.tensor(PROMPT)
+    ref = _greedy(m, ids, n=16)
+    infopt.optimize(m, {"steps": [{"parallel": {"tensor": 2}}, {"kvcache": {"kind": "static", "max_length": 64}}]})
+    tokens = _greedy(m, ids, n=16)
+    report = m.infopt
+    out = {"tokens_equal": bool(torch.equal(tokens, ref)), "steps": [s.key for s in report.steps],
+           "notes": report.steps[0].notes, "stats": report.steps[0].stats}
+    infopt.undo(m)
+    return out
+
+
+def refusals_and_recipe():
+    return {"refusals": refusals(), "recipe": recipe_tensor()}
+
+
+def raise_on_rank1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one broke on purpose")
+    return dist.get_rank()
+
+
+def default_model_tp(refs):
+    """The default model (9 heads, 3 KV heads) over 3 ranks, float and int8 weight-only.
+
+    ``refs``: ``{"fp32": (logits, tokens), "int8": (...)}`` from one process (the parent computes them once).
+    One load serves both cases: ``undo`` after the float case restores the full model, which is then quantized."""
+    from infopt.models import load_default
+
+    model, _ = load_default()
+    return {name: tp_case(model, quant, ref=refs[name]) for name, quant in default_cases().items()}
+
+
+def default_cases():
+    from infopt.quantize import Int8WeightOnly
+
+    return {"fp32": None, "int8": Int8WeightOnly(compute_dtype="float32")}
+
+
+
+def nccl_world():
+    """World size 1 over nccl on one GPU: the init path and a sharded forward on CUDA."""
+    m = tiny("llama").to("cuda")
+    return tp_case(m)
