@@ -9,7 +9,8 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "recipe_file.py", "quantize_int4.py", "kvcache_prefix.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "recipe_file.py", "quantize_int4.py", "kvcache_prefix.py",
+                                    "speculative_decoding.py", "batching_stream.py", "tp_generate.py"])
 def test_example_runs(script):
     out = subprocess.run([sys.executable, str(EXAMPLES / script), "--tiny"], capture_output=True, text=True,
                          timeout=300)

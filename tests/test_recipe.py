@@ -86,12 +86,16 @@ def test_error_messages_name_the_fix():
 
 def test_registry_matches_public_names():
     import infopt.attention
+    import infopt.batching
     import infopt.compile
     import infopt.kvcache
+    import infopt.parallel
     import infopt.quantize
+    import infopt.speculative
 
-    exported = {getattr(mod, n) for mod in (infopt.attention, infopt.compile, infopt.kvcache, infopt.quantize)
-                for n in mod.__all__ if isinstance(getattr(mod, n), type)}
+    mods = (infopt.attention, infopt.compile, infopt.kvcache, infopt.quantize, infopt.parallel, infopt.speculative,
+            infopt.batching)
+    exported = {getattr(mod, n) for mod in mods for n in mod.__all__ if isinstance(getattr(mod, n), type)}
     registered = {cls for kinds in STEP_TYPES.values() for cls in kinds.values()}
     assert registered <= exported
     assert registered == set(TRANSFORMS)

@@ -8,7 +8,7 @@ Example:
     True
 """
 
-from . import attention, batching, compile, kvcache, quantize
+from . import attention, batching, compile, kvcache, parallel, quantize, speculative
 from ._version import __version__
 from .core.errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
 from .io import load, save_optimized
@@ -34,5 +34,7 @@ __all__ = [
     "batching",
     "compile",
     "kvcache",
+    "parallel",
     "quantize",
+    "speculative",
 ]

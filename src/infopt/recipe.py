@@ -17,7 +17,9 @@ from . import attention as _attention  # noqa: F401
 from . import batching as _batching  # noqa: F401
 from . import compile as _compile  # noqa: F401
 from . import kvcache as _kvcache  # noqa: F401
+from . import parallel as _parallel  # noqa: F401
 from . import quantize as _quantize  # noqa: F401
+from . import speculative as _speculative  # noqa: F401
 from .core.errors import RecipeError
 from .core.step import STAGES, STEP_TYPES, StepConfig
 
@@ -82,14 +84,21 @@ RULES: tuple[Rule, ...] = (
          "use attention backend 'eager' with kvcache heavy_hitter"),
     Rule("speculative", "kvcache:sinks", "conflicts",
          "speculative decoding rolls rejected draft tokens back with crop, which a cache that evicted tokens cannot undo",
-         "use kvcache static or quantized with speculative decoding"),
+         "use kvcache static (or no kvcache step) with speculative decoding"),
     Rule("speculative", "kvcache:heavy_hitter", "conflicts",
          "speculative decoding rolls rejected draft tokens back with crop, which a cache that evicted tokens cannot undo",
-         "use kvcache static or quantized with speculative decoding"),
+         "use kvcache static (or no kvcache step) with speculative decoding"),
     Rule("kvcache:paged", "attention[backend!=paged]", "conflicts",
          "the paged cache is read by the paged attention kernel only",
          "use attention backend 'paged' with kvcache paged, or leave the attention step out (kvcache paged then "
          "switches the backend itself)"),
+    Rule("speculative", "kvcache:quantized", "conflicts",
+         "speculative decoding rolls rejected draft tokens back, and a quantized cache cannot un-quantize what it "
+         "already folded into its int blocks",
+         "use kvcache static (or no kvcache step) with speculative decoding"),
+    Rule("speculative", "kvcache:paged", "conflicts",
+         "the speculative loop verifies on its own croppable caches, so the paged cache's blocks would go unused",
+         "use kvcache static (or no kvcache step) with speculative decoding"),
     Rule("speculative", "batching", "conflicts",
          "the batching engine runs its own decode loop, which does not speculate",
          "use speculative decoding for single-stream latency, batching for throughput"),
@@ -110,6 +119,17 @@ RULES: tuple[Rule, ...] = (
     Rule("compile", "quantize:bnb_nf4", "conflicts",
          "bitsandbytes kernels break the compiled graph",
          "use quantize int4 (native) with compile"),
+    Rule("parallel[tensor!=none]", "quantize:bnb_int8", "conflicts",
+         "bitsandbytes keeps int8 weights in its own packed format with whole-tensor quantization state, which "
+         "tensor parallelism cannot split by rows or columns",
+         "use quantize int8 (native) with parallel tensor; its scales are sharded with their rows"),
+    Rule("parallel[tensor!=none]", "quantize:bnb_nf4", "conflicts",
+         "bitsandbytes keeps NF4 weights in its own packed format with whole-tensor quantization state, which "
+         "tensor parallelism cannot split by rows or columns",
+         "use quantize int4 (native) with parallel tensor; its groups are sharded with their columns"),
+    Rule("parallel[tensor!=none]", "quantize:smoothquant", "conflicts",
+         "W8A8 layers quantize each activation row over its full width; a row-parallel shard sees only its slice",
+         "use quantize int8 (weight-only) with parallel tensor, or parallel pipeline with smoothquant"),
 )
 
 
