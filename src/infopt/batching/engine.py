@@ -161,8 +161,9 @@ class Engine:
             to :data:`DEFAULT_KV_BUDGET` bytes, or to ``max_seqs`` sequences of the model's full length when
             that is less.
         chunked_prefill: split long prompts across steps, interleaved with decoding.
-        prefill_chunk: prompt tokens one sequence gets per step at most (None: ``max_batch_tokens // 2``), so
-            a long prompt leaves room in every step for newcomers.
+        prefill_chunk: prompt tokens one sequence gets per step at most (None: ``max_batch_tokens // 8``, at
+            least 16), so a long prompt leaves room in every step for newcomers and keeps steps short: a short
+            request's time to first token behind a long prompt is bounded by a small step, not the long prefill.
         max_skips: the starvation bound: how often later requests may be admitted ahead of a waiting one.
         default_sampling: :class:`SamplingParams` for requests submitted without any.
 
@@ -207,7 +208,8 @@ class Engine:
         self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
         self.scheduler = Scheduler(self.cache, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                    chunked_prefill=chunked_prefill,
-                                   prefill_chunk=prefill_chunk or max(1, max_batch_tokens // 2), max_skips=max_skips)
+                                   prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
+                                   max_skips=max_skips)
         self.default_sampling = default_sampling or SamplingParams()
         self.capacity_tokens = num_blocks * kv.block_size
         self.max_positions = max_positions
