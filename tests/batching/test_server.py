@@ -13,6 +13,7 @@ import pytest
 
 from infopt.batching import Engine, SamplingParams
 from infopt.models import tiny_model
+from tests.batching.helpers import start_queued
 
 _PATH = Path(__file__).resolve().parents[2] / "examples" / "batching_server.py"
 
@@ -90,12 +91,6 @@ def test_concurrent_clients_share_engine_steps(server):
                                                                  "temperature": 0})[1])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-    with engine._step_lock:  # hold the engine until all six requests are queued, so the test does not race it
-        for t in threads:
-            t.start()
-        while len(engine._incoming) < 6 and any(t.is_alive() for t in threads):
-            threading.Event().wait(0.01)
-    for t in threads:
-        t.join(timeout=120)
+    start_queued(engine, threads, 6)
     assert len(results) == 6 and all(r["usage"]["completion_tokens"] == 10 for r in results.values())
     assert engine.metrics()["steps"] <= 11  # six 10-token requests decoded in the same steps

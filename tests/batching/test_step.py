@@ -14,6 +14,7 @@ from infopt.core.errors import RecipeError
 from infopt.core.generation import routing_stats
 from infopt.kvcache import Paged, Static
 from infopt.models import tiny_model
+from tests.batching.helpers import start_queued
 from tests.conftest import assert_state_equal, state_snapshot
 
 
@@ -90,13 +91,7 @@ def test_concurrent_generate_calls_share_engine_steps():
         results[i] = model.generate(prompts[i], max_new_tokens=8, do_sample=False)
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
-    with engine._step_lock:  # hold the engine until all six calls are queued, so the test does not race it
-        for t in threads:
-            t.start()
-        while len(engine._incoming) < 6 and any(t.is_alive() for t in threads):
-            threading.Event().wait(0.01)
-    for t in threads:
-        t.join(timeout=120)
+    start_queued(engine, threads, 6)
     for i, p in enumerate(prompts):
         assert torch.equal(results[i], ref.generate(p, max_new_tokens=8, do_sample=False))
     assert engine.metrics()["steps"] <= 9  # the six calls decoded in the same steps

@@ -10,7 +10,6 @@ no thread running, by whoever waits for a result (so a notebook needs no thread 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import queue
 import threading
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from ..attention.paged import PAGED_IMPL
+from ..core.decode import takes_logits_to_keep
 from ..core.introspect import inspect_model
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
@@ -217,7 +217,7 @@ class Engine:
             if model.get_output_embeddings() is not None else None
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         self._eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        self._logits_to_keep = takes_logits_to_keep(model)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._step_lock = threading.RLock()

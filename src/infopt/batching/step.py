@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.decode import nondefault_fields
+from ..core.decode import call_input_ids, nondefault_fields
 from ..core.generation import Unsupported, route_generate
 from ..core.introspect import ModelInfo
 from ..core.patch import record_custom
@@ -116,14 +116,7 @@ class _EngineGenerate:
         self.engine = engine
 
     def __call__(self, original, *args, **kwargs):
-        if len(args) > 1:
-            raise Unsupported("positional arguments after input_ids")
-        unknown = sorted(set(kwargs) - _KWARGS)
-        if unknown:
-            raise Unsupported(f"argument(s) {', '.join(unknown)}")
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise Unsupported("no 2-D input_ids tensor")
+        input_ids = call_input_ids(args, kwargs, _KWARGS)
         if kwargs.get("use_cache") is False:
             raise Unsupported("use_cache=False")
         gc = copy.deepcopy(kwargs.get("generation_config") or self.model.generation_config)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .generation import Unsupported
 
-__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields"]
+__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "takes_logits_to_keep"]
 
 # generate() kwargs this loop understands; anything else goes to the original generate
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
@@ -40,6 +40,25 @@ _GREEDY_DEFAULTS: dict[str, Any] = {
     "low_memory": None, "watermarking_config": None, "assistant_model": None, "prompt_lookup_num_tokens": None,
     "min_length": 0, "typical_p": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
 }
+
+
+def call_input_ids(args: tuple, kwargs: dict[str, Any], known: set[str]) -> torch.Tensor:
+    """The ``[B, T]`` ``input_ids`` of a ``generate(*args, **kwargs)`` call whose keywords are all in ``known``.
+
+    Raises:
+        Unsupported: extra positional arguments, an unknown keyword, no 2-D ids tensor, an empty prompt.
+    """
+    if len(args) > 1:
+        raise Unsupported("positional arguments after input_ids")
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise Unsupported(f"argument(s) {', '.join(unknown)}")
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        raise Unsupported("no 2-D input_ids tensor")
+    if input_ids.shape[1] == 0:
+        raise Unsupported("empty prompt")
+    return input_ids
 
 
 def nondefault_fields(gc, allow: tuple[str, ...] = ()) -> list[str]:
@@ -92,16 +111,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
         Unsupported: the call needs something the loop does not do (sampling, beams, logits
             processors, a streamer with batch > 1, scores, ...); the message says what.
     """
-    if len(args) > 1:
-        raise Unsupported("positional arguments after input_ids")
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
-    if unknown:
-        raise Unsupported(f"argument(s) {', '.join(unknown)}")
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if input_ids is None or not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-        raise Unsupported("no 2-D input_ids tensor")
-    if input_ids.shape[1] == 0:
-        raise Unsupported("empty prompt")
+    input_ids = call_input_ids(args, kwargs, _KNOWN_KWARGS)
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     updates = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config",
                                                                   "tokenizer", "use_cache", "streamer")}
@@ -161,7 +171,7 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     eos = call.eos_token_ids
     pad = call.pad_token_id
-    logits_to_keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
+    logits_to_keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     streamer = call.streamer
     if streamer is not None:
         streamer.put(ids.cpu())
@@ -199,7 +209,8 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
 _TAKES: dict[type, bool] = {}
 
 
-def _takes_logits_to_keep(model: nn.Module) -> bool:
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """True when ``model.forward`` accepts ``logits_to_keep`` (so only the needed positions reach the head)."""
     import inspect
 
     t = type(model)

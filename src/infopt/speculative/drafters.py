@@ -11,14 +11,13 @@ and hears about each round's outcome through ``rollback`` so it can drop what th
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
+from ..core.decode import takes_logits_to_keep
 from .sampling import warp_logits
 
-__all__ = ["Drafter", "LookupDrafter", "ModelDrafter", "rollback", "croppable", "takes_logits_to_keep"]
+__all__ = ["Drafter", "LookupDrafter", "ModelDrafter", "rollback", "croppable"]
 
 
 def croppable(cache) -> bool:
@@ -48,15 +47,6 @@ def rollback(cache, n: int) -> None:
             layer.crop(-n)
 
 
-_TAKES: dict[type, bool] = {}
-
-
-def takes_logits_to_keep(model: nn.Module) -> bool:
-    """True when ``model.forward`` accepts ``logits_to_keep`` (so only the needed positions reach the head)."""
-    t = type(model)
-    if t not in _TAKES:
-        _TAKES[t] = "logits_to_keep" in inspect.signature(t.forward).parameters
-    return _TAKES[t]
 
 
 class Drafter:

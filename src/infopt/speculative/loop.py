@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.decode import GreedyCall, plan_greedy
+from ..core.decode import GreedyCall, plan_greedy, takes_logits_to_keep
 from ..core.generation import Unsupported
-from .drafters import Drafter, rollback, takes_logits_to_keep
+from .drafters import Drafter, rollback
 from .sampling import Warp, verify_greedy, verify_sample, warp_logits
 
 __all__ = ["SpecCall", "plan_call", "State", "Controller", "SpecStats", "speculative_decode"]
