@@ -365,6 +365,10 @@ class Engine:
             t0 = time.perf_counter()
             due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
             keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
+            if keep.numel() in (2, 3) and keep.device.type == "cpu":
+                # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
+                # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
+                keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
             kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
             try:
                 out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
@@ -374,7 +378,8 @@ class Engine:
                 for seq, _ in plan:
                     self._finish(seq, "error", error=f"forward failed: {type(e).__name__}: {e}")
                 return self.has_work()
-            logits = out.logits[0] if self._logits_to_keep else out.logits[0, batch.logits_indices[due_rows]]
+            logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
+                out.logits[0, batch.logits_indices[due_rows]]
             for seq, n in plan:
                 if seq.metrics.first_scheduled is None:
                     seq.metrics.first_scheduled = t0
