@@ -180,9 +180,8 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
     else:
         qg = query.transpose(1, 2).reshape(b * q, h, d)[meta.gather].permute(0, 2, 1, 3)  # [S, H, Q, D]
     length = nb * meta.block_size
-    # gather each sequence's blocks: [S, nb, block_size, H_kv, D] -> [S, H_kv, L, D]
-    k = key_pool[meta.block_table].reshape(s, length, h_kv, d).transpose(1, 2)
-    v = value_pool[meta.block_table].reshape(s, length, h_kv, value_pool.shape[-1]).transpose(1, 2)
+    k = _gather_kv(key_pool, meta.block_table, length)  # [S, H_kv, L, D]
+    v = _gather_kv(value_pool, meta.block_table, length)
     mask, causal = meta.mask, False
     if meta.single is not None:  # one sequence: attend over exactly its kv_len tokens
         n, kv_len = meta.single

@@ -283,11 +283,17 @@ class Engine:
                 the model's positions, stop strings without a tokenizer. Nothing was queued; the engine
                 keeps serving the other requests.
         """
+        return self._enqueue(*self._checked(prompt, sampling))
+
+    def _checked(self, prompt: Any, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         params = sampling if sampling is not None else self.default_sampling
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling must be an infopt.batching.SamplingParams; got {type(params).__name__}")
         ids = self._encode(prompt)
         self._validate(ids, params)
+        return ids, params
+
+    def _enqueue(self, ids: list[int], params: SamplingParams) -> RequestHandle:
         with self._lock:
             rid = next(self._ids)
         seq = SeqState(rid, ids, params, RequestMetrics(time.perf_counter(), prompt_tokens=len(ids)))
@@ -318,9 +324,8 @@ class Engine:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
-        for p, s in zip(prompts, params, strict=True):  # all checked before anything is queued
-            self._validate(self._encode(p), s if s is not None else self.default_sampling)
-        handles = [self.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+        checked = [self._checked(p, s) for p, s in zip(prompts, params, strict=True)]  # all, before any is queued
+        handles = [self._enqueue(ids, sp) for ids, sp in checked]
         return [h.result() for h in handles]
 
     async def agenerate(self, prompts: Sequence[Any], sampling: SamplingParams | Sequence[SamplingParams] | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -10,12 +9,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.decode import call_input_ids, nondefault_fields
+from ..core.decode import call_generation_config, call_input_ids, nondefault_fields
 from ..core.generation import Unsupported, route_generate
 from ..core.introspect import ModelInfo
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..kvcache.paged import Paged
+from ..kvcache.paged import Paged, left_padding
 from .engine import Engine
 from .params import SamplingParams
 
@@ -92,24 +91,6 @@ def batching_engine(model: nn.Module) -> Engine | None:
     return _ENGINES.get(model)
 
 
-def _rows(input_ids: torch.Tensor, mask) -> list[list[int]]:
-    """Each row's prompt without its left padding."""
-    if mask is None:
-        return input_ids.tolist()
-    if not torch.is_tensor(mask) or mask.shape != input_ids.shape:
-        raise Unsupported("attention_mask is not [batch, prompt]")
-    m = mask.detach().cpu().bool()
-    real = m.sum(1)
-    if bool((real == 0).any()):
-        raise Unsupported("a row is all padding")
-    width = m.shape[1]
-    pads = width - real
-    if not torch.equal(m, torch.arange(width)[None, :] >= pads[:, None]):
-        raise Unsupported("attention_mask is not left padding")
-    ids = input_ids.detach().cpu()
-    return [ids[b, int(p):].tolist() for b, p in enumerate(pads)]
-
-
 class _EngineGenerate:
     def __init__(self, model: nn.Module, engine: Engine):
         self.model = model
@@ -119,16 +100,14 @@ class _EngineGenerate:
         input_ids = call_input_ids(args, kwargs, _KWARGS)
         if kwargs.get("use_cache") is False:
             raise Unsupported("use_cache=False")
-        gc = copy.deepcopy(kwargs.get("generation_config") or self.model.generation_config)
-        for k, v in kwargs.items():
-            if k not in ("input_ids", "attention_mask", "generation_config", "tokenizer", "use_cache"):
-                setattr(gc, k, v)
+        gc = call_generation_config(self.model, kwargs)
         bad = nondefault_fields(gc, allow=_SAMPLING_FIELDS)
         if bad:
             raise Unsupported(bad[0])
         if getattr(gc, "use_cache", True) is False:
             raise Unsupported("use_cache=False")
-        rows = _rows(input_ids, kwargs.get("attention_mask"))
+        ids = input_ids.detach().cpu()
+        rows = [ids[b, p:].tolist() for b, p in enumerate(left_padding(self.model, input_ids, kwargs, gc))]
         width = input_ids.shape[1]
         new = int(gc.max_new_tokens) if gc.max_new_tokens is not None else \
             int(gc.max_length if gc.max_length is not None else 20) - width

@@ -145,7 +145,6 @@ def _run_hf_continuous(model: nn.Module, requests: list[Request]) -> dict[str, A
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=-1,
                           pad_token_id=model.generation_config.pad_token_id)
     before = model.config._attn_implementation
-    t_start = time.perf_counter()
     results: dict[str, Any] = {}
     with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
         t_start = time.perf_counter()

@@ -20,7 +20,7 @@ from torch import nn
 
 from .generation import Unsupported
 
-__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "takes_logits_to_keep"]
+__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "call_generation_config", "takes_logits_to_keep"]
 
 # generate() kwargs this loop understands; anything else goes to the original generate
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
@@ -59,6 +59,18 @@ def call_input_ids(args: tuple, kwargs: dict[str, Any], known: set[str]) -> torc
     if input_ids.shape[1] == 0:
         raise Unsupported("empty prompt")
     return input_ids
+
+
+_NOT_CONFIG = ("input_ids", "attention_mask", "generation_config", "tokenizer", "use_cache", "streamer")
+
+
+def call_generation_config(model: nn.Module, kwargs: dict[str, Any]):
+    """A copy of the call's (or the model's) generation config with the call's generation keywords set on it."""
+    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    for k, v in kwargs.items():
+        if k not in _NOT_CONFIG:
+            setattr(gc, k, v)
+    return gc
 
 
 def nondefault_fields(gc, allow: tuple[str, ...] = ()) -> list[str]:
@@ -112,11 +124,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
             processors, a streamer with batch > 1, scores, ...); the message says what.
     """
     input_ids = call_input_ids(args, kwargs, _KNOWN_KWARGS)
-    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    updates = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "generation_config",
-                                                                  "tokenizer", "use_cache", "streamer")}
-    for k, v in updates.items():
-        setattr(gc, k, v)
+    gc = call_generation_config(model, kwargs)
     bad = nondefault_fields(gc)
     if bad:
         raise Unsupported(bad[0])

@@ -30,7 +30,7 @@ from .paged_cache import PagedCache
 from .pool import KVBlockPool
 from .static import generation_lengths
 
-__all__ = ["Paged", "use_paged_", "paged_pool"]
+__all__ = ["Paged", "use_paged_", "paged_pool", "left_padding"]
 
 
 def _positive_int(v) -> bool:
@@ -130,7 +130,7 @@ class _PagedGenerate:
                 raise Unsupported(k)
         if model.config._attn_implementation != PAGED_IMPL:
             raise Unsupported(f"attention backend is {model.config._attn_implementation}, not paged")
-        pads = _left_padding(model, input_ids, kwargs, gc)
+        pads = left_padding(model, input_ids, kwargs, gc)
         prompt, total = generation_lengths(model, input_ids, kwargs)
         rows = [input_ids[b, p:].tolist() for b, p in enumerate(pads)]
         cache = PagedCache(self.pool, config=model.config)
@@ -148,8 +148,13 @@ class _PagedGenerate:
         return out
 
 
-def _left_padding(model: nn.Module, input_ids: torch.Tensor, kwargs: dict, gc) -> list[int]:
-    """Padding columns per row, from ``attention_mask`` (which must be left padding)."""
+def left_padding(model: nn.Module, input_ids: torch.Tensor, kwargs: dict, gc) -> list[int]:
+    """Padding columns per row of a ``generate`` call, from its ``attention_mask`` (which must be left padding).
+
+    Raises:
+        Unsupported: a mask that is not ``[batch, prompt]`` left padding, a row of padding only, or pad
+            tokens without a mask (``generate`` would infer one).
+    """
     mask = kwargs.get("attention_mask")
     batch, width = input_ids.shape
     if mask is None:
