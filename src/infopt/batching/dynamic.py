@@ -18,13 +18,16 @@ from .params import RequestMetrics, RequestOutput, SamplingParams
 __all__ = ["DynamicBatcher", "StaticBatcher", "pad_collate", "trim_split"]
 
 
-def pad_collate(items: Sequence[Any], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad 1-D token-id items (lists or tensors) into ``{"input_ids", "attention_mask"}`` ``[B, T]``.
+def pad_collate(items: Sequence[Any], pad_token_id: int = 0, *, side: str = "right") -> dict[str, torch.Tensor]:
+    """Pad 1-D token-id items (lists or tensors) into ``{"input_ids", "attention_mask"}`` ``[B, T]``, on the right
+    (forwards that score every position) or on the ``left`` (``generate``).
 
     Example:
         >>> pad_collate([[5, 6, 7], [8]])["attention_mask"].tolist()
         [[1, 1, 1], [1, 0, 0]]
     """
+    if side not in ("right", "left"):
+        raise ValueError(f"pad_collate side={side!r} is invalid; allowed: right, left")
     rows = [torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in items]
     if any(r.numel() == 0 for r in rows):
         raise ValueError("an item has no tokens; every item needs at least one token id")
@@ -32,8 +35,9 @@ def pad_collate(items: Sequence[Any], pad_token_id: int = 0) -> dict[str, torch.
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :r.numel()] = r
-        mask[i, :r.numel()] = 1
+        cols = slice(0, r.numel()) if side == "right" else slice(width - r.numel(), width)
+        ids[i, cols] = r
+        mask[i, cols] = 1
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -200,8 +204,8 @@ class StaticBatcher:
         for start in range(0, len(rows), self.batch_size):
             group = rows[start:start + self.batch_size]
             arrival = time.perf_counter()
-            batch = pad_collate([r[::-1] for r in group], self.pad)  # right-pad reversed rows = left padding
-            ids, mask = batch["input_ids"].flip(1), batch["attention_mask"].flip(1)
+            batch = pad_collate(group, self.pad, side="left")
+            ids, mask = batch["input_ids"], batch["attention_mask"]
             kw = {"do_sample": p.do_sample, "max_new_tokens": p.max_new_tokens, "min_new_tokens": p.min_new_tokens,
                   "pad_token_id": self.pad}
             if p.do_sample:
