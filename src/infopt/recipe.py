@@ -76,6 +76,10 @@ RULES: tuple[Rule, ...] = (
     Rule("compile", "kvcache:static", "requires",
          "a compiled forward over a growing KV cache sees a new shape every token and recompiles each time",
          "add kvcache.Static(max_length=...) to the recipe (it is applied before compile)"),
+    Rule("compile", "speculative", "conflicts",
+         "the compiled graph is the one-token decode step of the static-cache loop, while the speculative loop "
+         "verifies several tokens per round on its own caches, so the graph would never run",
+         "drop compile when using speculative decoding (or drop speculative to decode through the compiled step)"),
     Rule("compile", "attention[backend=flex]", "conflicts",
          "flex attention compiles its own kernels; compiling the whole forward around it is not supported here",
          "use attention backend 'sdpa' with compile, or drop compile"),
@@ -168,17 +172,21 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("cpu-lossless", "token-identical greedy output: SDPA attention and a reused static KV cache",
-               ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}})),
-        Preset("cpu-fast", "int8 weight-only linears (bf16 int8 kernel) + static KV cache; lossy, measured by KL",
-               ({"attention": {"backend": "sdpa"}}, {"quantize": {"method": "int8"}},
-                {"kvcache": {"kind": "static"}})),
-        Preset("memory-saver", "int8 weight-only linears with fp32 activations: ~1/4 of the linear weight memory",
-               ({"quantize": {"method": "int8", "compute_dtype": "float32"}},)),
+        Preset("cpu-lossless", "token-identical greedy output, faster: speculative decoding drafted by an int4 copy of "
+               "the model (int8 head) and verified by the original weights",
+               ({"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}},)),
+        Preset("cpu-fast", "fastest CPU decode within KL < 0.02: int4 weights (group 32, int8 head), static KV cache, "
+               "compiled decode step",
+               ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
+                {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}})),
+        Preset("memory-saver", "smallest weights + KV cache within KL < 0.02: int4 weights (group 32, int8 head) and "
+               "an int4 KV cache",
+               ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
+                {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
                "prefix caching; token-identical greedy output",
                ({"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
-        Preset("gpu-fast", "CUDA: SDPA + static KV cache + torch.compile with CUDA graphs",
+        Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs; token-identical greedy output",
                ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},
                 {"compile": {"mode": "reduce-overhead"}})),
     )

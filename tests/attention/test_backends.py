@@ -30,7 +30,7 @@ def test_flex_same_greedy_tokens_on_cpu(prompt):
 
 
 def test_unknown_backend():
-    with pytest.raises(RecipeError, match="allowed: eager, sdpa, flash_attention_2, flex"):
+    with pytest.raises(RecipeError, match="allowed: eager, sdpa, sdpa_gqa, flash_attention_2, flex"):
         Attention("fast")
 
 

@@ -12,7 +12,7 @@ from infopt.models import tiny_model
 
 def test_paged_is_a_valid_backend():
     assert Attention("paged").to_dict() == {"attention": {"backend": "paged"}}
-    with pytest.raises(RecipeError, match="allowed: eager, sdpa, flash_attention_2, flex, paged"):
+    with pytest.raises(RecipeError, match="allowed: eager, sdpa, sdpa_gqa, flash_attention_2, flex, paged"):
         Attention("pagd")
 
 

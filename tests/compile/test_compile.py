@@ -2,9 +2,12 @@ import pytest
 import torch
 
 import infopt
-from infopt.compile import Compile
+from infopt.compile import Compile, compile_stats, warmup
+from infopt.core.decode import decode_step_for
 from infopt.core.errors import IncompatibleModelError, RecipeError
+from infopt.core.generation import routing_stats
 from infopt.kvcache import Static
+from infopt.models import tiny_model
 
 
 def test_compile_requires_static_cache(llama):
@@ -13,15 +16,126 @@ def test_compile_requires_static_cache(llama):
 
 
 def test_reduce_overhead_needs_cuda(llama):
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
     with pytest.raises(IncompatibleModelError, match="CUDA graphs"):
         infopt.optimize(llama, [Static(max_length=64), Compile(mode="reduce-overhead")])
+    assert decode_step_for(llama) is None and "generate" not in llama.__dict__
+    assert all(torch.equal(v, before[k]) for k, v in llama.state_dict().items())
 
 
-def test_compiled_forward_token_identical_and_undo(llama, prompt):
-    ref = llama.generate(prompt, max_new_tokens=8, do_sample=False)
-    infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])
-    assert "forward" in llama.__dict__
-    out = llama.generate(prompt, max_new_tokens=8, do_sample=False)
-    assert torch.equal(out, ref)
-    infopt.undo(llama)
-    assert "forward" not in llama.__dict__
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"mode": "fast"}, "mode"), ({"backend": "tvm"}, "backend"), ({"fullgraph": "yes"}, "fullgraph"),
+     ({"warmup_lengths": (0,)}, "warmup_lengths"), ({"warmup_batch_sizes": [1]}, "warmup_batch_sizes")],
+)
+def test_bad_fields(kwargs, match):
+    with pytest.raises(RecipeError, match=match):
+        Compile(**kwargs)
+
+
+def test_recipe_spelling_and_lists():
+    r = infopt.Recipe.parse({"steps": [{"kvcache": {"kind": "static"}},
+                                       {"compile": {"mode": "max-autotune", "warmup_lengths": [256, 512]}}]})
+    c = r.steps[-1]
+    assert isinstance(c, Compile) and c.mode == "max-autotune" and c.warmup_lengths == (256, 512)
+
+
+def test_warmup_lengths_capped_at_static_max_length(llama):
+    infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager", warmup_lengths=(40, 512))])
+    assert compile_stats(llama).shapes == ["batch 1, cache 64, unpadded"]  # both calls land in the one 64 bucket
+
+
+def test_warmup_batch_must_match_fixed_batch(llama):
+    with pytest.raises(IncompatibleModelError, match="batch_size=2"):
+        infopt.optimize(llama, [Static(max_length=64, batch_size=2), Compile(backend="eager")])
+    assert decode_step_for(llama) is None
+
+
+def test_warmup_needs_compile_step(llama):
+    with pytest.raises(ValueError, match="no compile step"):
+        warmup(llama)
+
+
+def test_compile_conflicts_with_speculative(llama):
+    from infopt.speculative import PromptLookup
+
+    with pytest.raises(RecipeError, match="speculative"):
+        infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager"), PromptLookup()])
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 1000, (1, n), generator=g) for n in (5, 11, 17)]
+
+
+def test_inductor_decode_token_identical_counts_and_undo():
+    """The real thing: inductor compiles the decode step once at apply time; calls in the warmed bucket
+    never compile again and stay token-identical to plain generate; a new bucket compiles once."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile()])
+    stats = compile_stats(m)
+    assert stats.compiles == 1 and stats.warmed_up and stats.shapes == ["batch 1, cache 256, unpadded"]
+    assert "1 graph(s)" in " ".join(m.infopt.steps[-1].notes)
+    for p in _prompts():
+        assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
+                           ref.generate(p, max_new_tokens=12, do_sample=False))
+    assert stats.compiles_after_warmup == 0 and stats.calls >= 3 * 11
+    assert routing_stats(m).infopt == 4  # the warm-up call and the three above
+
+    long = torch.randint(3, 1000, (1, 250))  # 250 + 12 tokens: the 512 bucket, not warmed
+    assert torch.equal(m.generate(long, max_new_tokens=12, do_sample=False),
+                       ref.generate(long, max_new_tokens=12, do_sample=False))
+    assert stats.compiles_after_warmup == 1 and stats.shapes[-1] == "batch 1, cache 512, unpadded"
+
+    infopt.undo(m)
+    assert decode_step_for(m) is None and compile_stats(m) is None
+    assert torch.equal(m.generate(_prompts()[0], max_new_tokens=5, do_sample=False),
+                       ref.generate(_prompts()[0], max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_padded_batches_token_identical(backend):
+    """Left-padded batches decode through the step with a fixed-width mask, as generate does."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(backend=backend, warmup_batch_sizes=(2,))])
+    ids = torch.tensor([[0, 0, 0, 7, 8, 9], [4, 5, 6, 7, 8, 9]])
+    mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    stats = compile_stats(m)
+    assert stats.shapes == ["batch 2, cache 256, unpadded", "batch 2, cache 256, padded"]
+    assert stats.compiles_after_warmup == 1  # the padded graph was not warmed
+
+
+def test_warmup_function_covers_padded_and_lengths():
+    m = tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", warmup_lengths=())])
+    stats = compile_stats(m)
+    assert stats.compiles == 0 and not stats.warmed_up
+    warmup(m, batch_sizes=(1, 2), lengths=(100, 300), padded=True)
+    assert stats.compiles == 8 and stats.warmed_up
+    assert "batch 2, cache 512, padded" in stats.shapes
+    ids = torch.randint(3, 1000, (2, 280))
+    m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert stats.compiles_after_warmup == 0
+
+
+def test_sampling_calls_stay_on_transformers_loop():
+    m = tiny_model()
+    infopt.optimize(m, [Static(max_length=64), Compile(backend="eager")])
+    calls = compile_stats(m).calls
+    torch.manual_seed(0)
+    out = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=True, top_k=5)
+    assert out.shape == (1, 7) and compile_stats(m).calls == calls
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_cuda_token_identical():
+    ref = tiny_model().cuda()
+    m = tiny_model().cuda()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="reduce-overhead")])
+    for p in _prompts():
+        p = p.cuda()
+        assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
+                           ref.generate(p, max_new_tokens=12, do_sample=False))
+    assert compile_stats(m).compiles_after_warmup == 0

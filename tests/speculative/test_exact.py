@@ -132,17 +132,6 @@ def test_static_cache_composes():
     assert "static cache" in " ".join(m.infopt.steps[-1].notes)
 
 
-def test_compile_composes():
-    from infopt.compile import Compile
-    from infopt.kvcache import Static
-
-    ref, m = tiny_model(), tiny_model()
-    infopt.optimize(m, [Static(max_length=256), Compile(backend="eager"), PromptLookup(num_tokens=2)])
-    p = prompts(1)[0]
-    assert torch.equal(m.generate(p, max_new_tokens=10, do_sample=False),
-                       ref.generate(p, max_new_tokens=10, do_sample=False))
-
-
 def test_quantized_target_composes():
     from infopt.quantize import Int8WeightOnly
 

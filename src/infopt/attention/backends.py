@@ -13,6 +13,7 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, inspect_model
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .gqa import GQA_SDPA_IMPL, register_gqa_sdpa
 from .paged import PAGED_IMPL, register_paged_attention
 
 __all__ = ["Attention", "BACKENDS", "set_backend_"]
@@ -21,6 +22,7 @@ __all__ = ["Attention", "BACKENDS", "set_backend_"]
 BACKENDS: dict[str, str] = {
     "eager": "eager",
     "sdpa": "sdpa",
+    "sdpa_gqa": GQA_SDPA_IMPL,
     "flash_attention_2": "flash_attention_2",
     "flex": "flex_attention",
     "paged": PAGED_IMPL,
@@ -34,7 +36,9 @@ class Attention(StepConfig):
 
     Args:
         backend: ``eager`` (reference, returns attention weights), ``sdpa``
-            (``torch.nn.functional.scaled_dot_product_attention``), ``flash_attention_2`` (CUDA,
+            (``torch.nn.functional.scaled_dot_product_attention``), ``sdpa_gqa`` (SDPA given grouped K/V heads
+            unrepeated on CPU, see :mod:`infopt.attention.gqa`; the compile step switches SDPA models to it),
+            ``flash_attention_2`` (CUDA,
             fp16/bf16, needs ``infopt[flash]``), ``flex`` (``torch.nn.attention.flex_attention``) or
             ``paged`` (reads the block tables of ``kvcache.Paged``; SDPA for calls without a paged cache,
             see :mod:`infopt.attention.paged`).
@@ -114,6 +118,8 @@ def set_backend_(model: nn.Module, config: Attention | str, *, step: str | None 
     old = model.config._attn_implementation
     if config.backend == "paged":
         register_paged_attention()
+    elif config.backend == "sdpa_gqa":
+        register_gqa_sdpa()
     model.set_attn_implementation(BACKENDS[config.backend])
     record_custom(model, f"attn_implementation {old} -> {config.backend}",
                   lambda: model.set_attn_implementation(old), step=step or config.key)

@@ -273,6 +273,14 @@ def _timed(model, requests, mode, pad, progress, desc):
     return m, [r["tokens"] for r in run["requests"]]
 
 
+def _compile_figures(model: nn.Module) -> dict | None:
+    """The compile step's counters for the optimized run (graphs, seconds, compiles after warm-up), or None."""
+    from ..compile import compile_stats
+
+    stats = compile_stats(model)
+    return None if stats is None else stats.as_dict()
+
+
 def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeats: int = 3, seed: int = 0,
               num_requests: int | None = None, progress: bool = True, quality: bool = True,
               model_name: str = "model", baselines: list[str] | None = None) -> dict[str, Any]:
@@ -334,6 +342,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     base_tokens: dict[str, list] = {}
     opt_tokens = None
     quality_figs = None
+    compiled = None
     for rep in range(repeats):
         model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
         for mode in base_modes:
@@ -347,6 +356,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
             model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
             m, opt_tokens = _timed(model, requests, opt_mode, pad, progress, f"optimized {rep + 1}/{repeats}")
             opt_rows.append(m)
+            compiled = _compile_figures(model)
             if reference is not None and quality_figs is None:
                 from ..eval import compare
 
@@ -381,6 +391,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         "ratio_baseline": ratio_base,
         "ratios_by_mode": ratios_by_mode,
         "quality": quality_figs,
+        "compile": compiled,
         "exact_greedy": exact,
         "higher_is_better": sorted(k for k, (_, higher) in METRICS.items() if higher),
     }

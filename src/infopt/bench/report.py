@@ -80,6 +80,10 @@ def format_table(result: dict[str, Any]) -> str:
     if q:
         lines.append(f"quality vs original: KL {q['kl']:.4g} nats/token (max {q['kl_max']:.3g}), top-1 {q['top1']:.3f}, "
                      f"perplexity {q['ppl_ref']:.2f} -> {q['ppl']:.2f}")
+    c = result.get("compile")
+    if c:
+        lines.append(f"compiled decode: {c['compiles']} graph(s) in {c['seconds']:.1f} s (last repeat), "
+                     f"{c['compiles_after_warmup']} compiled by timed calls after the warm-up")
     if result.get("exact_greedy") is not None:
         claim = " (recipe claims lossless)" if result.get("lossless_claimed") else ""
         lines.append(f"greedy outputs identical to baseline: {'yes' if result['exact_greedy'] else 'no'}{claim}")

@@ -17,6 +17,7 @@ WORKLOADS: dict[str, str] = {
     "grounded": "8 edit/summarize prompts whose answers copy from the input (for speculative decoding)",
     "prefix": "a ~1,000-token shared system prompt, then 8 short questions",
     "long": "long-context decode: a 2,048-token prompt, 64 new tokens (KV-cache memory)",
+    "prompt512": "time to first token: one 512-token prompt, 16 new tokens",
 }
 
 
@@ -91,6 +92,10 @@ def make_workload(name: str, tokenizer, *, seed: int = 0, num_requests: int | No
     elif name == "long":
         ids = _corpus_ids(tokenizer, 2048 + 10)
         reqs = [Request(torch.tensor([ids[:2048]]), 64)]
+    elif name == "prompt512":
+        ids = _corpus_ids(tokenizer, 6000)
+        start = rng.randrange(0, len(ids) - 512)
+        reqs = [Request(torch.tensor([ids[start:start + 512]]), 16)]
     elif name == "batch":
         n = num_requests or 64
         ids = _corpus_ids(tokenizer, 20_000)
@@ -120,6 +125,6 @@ def make_workload(name: str, tokenizer, *, seed: int = 0, num_requests: int | No
               "Explain try/except.", "What does lambda create?", "How do imports work?",
               "What is a decorator?", "What are f-strings?"]
         reqs = [Request(_chat(tokenizer, qs[i % len(qs)], system=system), 32) for i in range(num_requests or 8)]
-    if num_requests is not None and name in ("decode", "long"):
+    if num_requests is not None and name in ("decode", "long", "prompt512"):
         reqs = (reqs * num_requests)[:num_requests]
     return reqs

@@ -1,5 +1,6 @@
-"""torch.compile of the model's forward (recipe stage ``compile``), over a static-shape KV cache."""
+"""Compiled decoding (recipe stage ``compile``): the one-token decode step compiled over the static KV cache."""
 
-from .step import Compile, compile_
+from .decoder import CompiledDecoder, CompileStats, compile_stats
+from .step import Compile, compile_, warmup
 
-__all__ = ["Compile", "compile_"]
+__all__ = ["Compile", "compile_", "warmup", "compile_stats", "CompileStats", "CompiledDecoder"]

@@ -1,4 +1,4 @@
-"""Compile the forward pass with ``torch.compile``; the instance's ``forward`` is replaced, the class untouched."""
+"""The ``compile`` recipe stage: ``torch.compile`` of the decode step over the static KV cache, warmed up."""
 
 from __future__ import annotations
 
@@ -8,70 +8,177 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..core.decode import set_decode_step
 from ..core.errors import IncompatibleModelError
-from ..core.patch import wrap_method
+from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from .decoder import CompiledDecoder, CompileStats, compile_stats
 
-__all__ = ["Compile", "compile_"]
+__all__ = ["Compile", "compile_", "warmup"]
 
 _MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def _positive_ints(obj, name: str, value) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                               for x in value):
+        raise bad_field(obj, name, value, "a list of positive integers (empty: no warm-up)")
 
 
 @register_step
 @dataclass(frozen=True)
 class Compile(StepConfig):
-    """``torch.compile`` the model's forward.
+    """Compile the one-token decode step with ``torch.compile`` over the static KV cache.
 
-    Needs a static-shape KV cache (``kvcache.Static``): with a growing cache every decode step has
-    a new shape and would recompile. ``reduce-overhead`` (CUDA graphs) needs a CUDA model.
+    The prompt runs eagerly and every decode token runs one compiled graph: one graph per
+    ``(batch size, cache bucket, padded or not)``. The warm-up compiles the listed shapes while the
+    recipe is applied, so calls that use them never wait for a compile;
+    :func:`infopt.compile.compile_stats` counts the graphs compiled, and those compiled after the
+    warm-up. Needs ``kvcache.Static`` (its 256-token buckets are the cache lengths).
 
     Args:
-        mode: ``default``, ``reduce-overhead`` or ``max-autotune``.
-        fullgraph: fail on graph breaks instead of splitting the graph.
+        mode: ``default``; ``reduce-overhead`` (CUDA graphs, CUDA only); ``max-autotune`` (benchmarks
+            kernel choices while compiling: slow to compile).
+        fullgraph: fail on a graph break instead of splitting the decode step.
         dynamic: let the compiler generalise over shapes.
-        backend: torch.compile backend (``inductor``; ``eager`` for debugging).
+        backend: ``inductor``; ``eager`` or ``aot_eager`` for debugging.
+        cpp_wrapper: inductor's C++ wrapper around the kernels: less Python per token, but each
+            graph takes minutes to compile on a small CPU.
+        warmup_batch_sizes: batch sizes compiled at apply time.
+        warmup_lengths: call lengths (prompt + new tokens) compiled at apply time; each stands for
+            its 256-token cache bucket (capped at the static cache's ``max_length``). Empty: compile
+            lazily on the first call of each shape.
+
+    Raises:
+        RecipeError: an unknown mode or backend, or bad warm-up sizes.
 
     Example:
-        >>> Compile(mode="default").to_dict()
-        {'compile': {'mode': 'default', 'fullgraph': False, 'dynamic': False, 'backend': 'inductor'}}
+        >>> Compile(mode="default").to_dict()["compile"]["mode"]
+        'default'
     """
 
     stage: ClassVar[str] = "compile"
+    lossless: ClassVar[bool] = True  # same arithmetic, fused; greedy output is checked token-identical in tests
     mode: str = "default"
-    fullgraph: bool = False
+    fullgraph: bool = True
     dynamic: bool = False
     backend: str = "inductor"
+    cpp_wrapper: bool = False
+    warmup_batch_sizes: tuple[int, ...] = (1,)
+    warmup_lengths: tuple[int, ...] = (256,)
 
     def __post_init__(self):
         if self.mode not in _MODES:
             raise bad_field(self, "mode", self.mode, ", ".join(_MODES))
         if self.backend not in ("inductor", "eager", "aot_eager"):
             raise bad_field(self, "backend", self.backend, "inductor, eager, aot_eager")
+        for name in ("fullgraph", "dynamic", "cpp_wrapper"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_field(self, name, getattr(self, name), "true or false")
+        _positive_ints(self, "warmup_batch_sizes", self.warmup_batch_sizes)
+        _positive_ints(self, "warmup_lengths", self.warmup_lengths)
 
     def check(self, model, info, steps):
         if self.mode == "reduce-overhead" and info.device.type != "cuda":
             raise IncompatibleModelError(
-                f"compile mode 'reduce-overhead' uses CUDA graphs; the model is on {info.device}. Use mode 'default'"
+                f"compile mode 'reduce-overhead' uses CUDA graphs; the model is on {info.device}. "
+                "Use mode 'default' (or 'max-autotune') on CPU"
+            )
+        static = next((s for s in steps if s.stage == "kvcache" and s.kind == "static"), None)
+        fixed = getattr(static, "batch_size", None)
+        if fixed is not None and any(b != fixed for b in self.warmup_batch_sizes):
+            raise IncompatibleModelError(
+                f"compile warmup_batch_sizes {list(self.warmup_batch_sizes)} differ from kvcache.Static(batch_size="
+                f"{fixed}), the only batch size the static cache serves; use warmup_batch_sizes: [{fixed}]"
             )
         return []
 
 
-def compile_(model: nn.Module, config: Compile, *, step: str | None = None) -> nn.Module:
-    """Replace ``model.forward`` on the instance with its compiled version (undo restores it).
+def compile_(model: nn.Module, config: Compile | None = None, *, step: str | None = None) -> CompiledDecoder:
+    """Route ``model``'s lean-loop decode tokens through a compiled forward (undo restores eager decoding).
+
+    ``model.generate`` must already decode through infopt's static cache (``kvcache.Static``); calls
+    it hands to ``transformers``' own loop (sampling, beams) stay eager. Does not warm up: see
+    :func:`warmup`.
 
     Returns:
-        The same model.
+        The :class:`~infopt.compile.decoder.CompiledDecoder` (its ``stats`` count the compiles).
     """
+    config = config or Compile()
+    dec = CompiledDecoder(model, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic,
+                          backend=config.backend, cpp_wrapper=config.cpp_wrapper)
+    set_decode_step(model, dec, step=step or config.key)
+    record_custom(model, "compiled decode graphs", dec.forget, step=step or config.key)
+    return dec
 
-    def make(original):
-        return torch.compile(original, mode=None if config.mode == "default" else config.mode,
-                             fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
 
-    wrap_method(model, "forward", make, step=step or config.key)
-    return model
+@torch.no_grad()
+def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tuple[int, ...] = (256,),
+           padded: bool = False) -> CompileStats:
+    """Compile the decode graphs that calls of these batch sizes and lengths will use.
+
+    Each length stands for its 256-token static-cache bucket; a call whose prompt + new tokens fall in
+    a warmed bucket, with a warmed batch size, never compiles. ``padded`` also warms the graphs for
+    left-padded batches (an ``attention_mask`` with zeros).
+
+    Returns:
+        The model's :class:`~infopt.compile.decoder.CompileStats` (``warmed_up`` set).
+
+    Raises:
+        ValueError: ``model`` has no ``compile`` step.
+    """
+    from ..kvcache.static import BUCKET, bucket_length, static_max_length
+
+    stats = compile_stats(model)
+    if stats is None:
+        raise ValueError("the model has no compile step; optimize it with a recipe containing compile first")
+    limit = static_max_length(model)
+    if limit is None:
+        raise ValueError("the model has no static KV cache (kvcache.Static), which compiled decoding runs on")
+    device = next(model.parameters()).device
+    token = model.generation_config.bos_token_id
+    token = 0 if token is None or isinstance(token, list) else int(token)
+    new = 3  # two decode steps: the second shows a call of the same shape does not compile again
+    for b in batch_sizes:
+        for length in lengths:
+            cache = bucket_length(min(length, limit), limit)
+            start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
+            prompt = max(1, min(start + 1, cache - new))
+            for pad in (False, True) if padded else (False,):
+                ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
+                mask = torch.ones_like(ids)
+                if pad:
+                    mask[0, 0] = 0
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, pad_token_id=token)
+    stats.warmed_up = True
+    return stats
+
+
+def _grouped_heads(model: nn.Module) -> bool:
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return bool(heads and kv and heads != kv)
 
 
 @register_transform(Compile)
 def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
+    if (model.config._attn_implementation == "sdpa" and next(model.parameters()).device.type == "cpu"
+            and _grouped_heads(model)):
+        from ..attention.backends import set_backend_
+
+        set_backend_(model, "sdpa_gqa", step=config.key)
+        ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
+                         "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
-    ctx.notes.append(f"forward compiled lazily (mode={config.mode}, backend={config.backend}); the first calls compile")
+    if config.warmup_batch_sizes and config.warmup_lengths:
+        stats = warmup(model, batch_sizes=config.warmup_batch_sizes, lengths=config.warmup_lengths)
+        ctx.notes.append(
+            f"decode step compiled (mode={config.mode}, backend={config.backend}): {stats.compiles} graph(s) in "
+            f"{stats.seconds:.1f} s for batch {list(config.warmup_batch_sizes)} x cache "
+            f"{list(config.warmup_lengths)}; other shapes compile on first use"
+        )
+    else:
+        ctx.notes.append(f"decode step compiled lazily (mode={config.mode}, backend={config.backend}); "
+                         "the first call of each shape compiles")

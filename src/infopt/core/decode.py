@@ -12,6 +12,8 @@ the original ``generate``.
 from __future__ import annotations
 
 import copy
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +21,10 @@ import torch
 from torch import nn
 
 from .generation import Unsupported
+from .patch import record_custom
 
-__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "call_generation_config", "takes_logits_to_keep"]
+__all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "call_generation_config",
+           "takes_logits_to_keep", "DecodeStep", "set_decode_step", "decode_step_for"]
 
 # generate() kwargs this loop understands; anything else goes to the original generate
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
@@ -84,6 +88,25 @@ def nondefault_fields(gc, allow: tuple[str, ...] = ()) -> list[str]:
         if v is not None and v != default and not (default is None and v in ((), [])):
             out.append(f"{field}={v!r}")
     return out
+
+
+DecodeStep = Callable[..., torch.Tensor]
+"""``step(input_ids [B,1], position_ids [B,1], cache_position [1], attention_mask [B,L] | None, cache)`` ->
+fp32 logits ``[B, V]`` of one decode token over a static cache of length ``L``: every argument keeps its
+shape from token to token, which is what a compiled step needs."""
+
+_DECODE_STEPS: weakref.WeakKeyDictionary[nn.Module, DecodeStep] = weakref.WeakKeyDictionary()
+
+
+def set_decode_step(model: nn.Module, fn: DecodeStep, *, step: str | None = None) -> None:
+    """Make the lean loop run ``model``'s one-token forwards through ``fn`` (undone with the recipe)."""
+    _DECODE_STEPS[model] = fn
+    record_custom(model, "decode step", lambda: _DECODE_STEPS.pop(model, None), step=step)
+
+
+def decode_step_for(model: nn.Module) -> DecodeStep | None:
+    """The decode step set with :func:`set_decode_step`, or None."""
+    return _DECODE_STEPS.get(model)
 
 
 @dataclass
@@ -153,8 +176,17 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
 
 
 @torch.no_grad()  # not inference_mode: a cache allocated lazily here must stay writable by later calls (reset)
-def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
+def greedy_decode(model: nn.Module, call: GreedyCall, cache, *, step: DecodeStep | None = None,
+                  cache_length: int | None = None) -> torch.Tensor:
     """Run greedy decoding for ``call`` with ``cache`` (a transformers ``Cache``, empty).
+
+    Args:
+        model: the model (its forward runs the prompt, and the decode tokens when ``step`` is None).
+        call: the resolved call.
+        cache: an empty cache; filled in place.
+        step: a :data:`DecodeStep` for the one-token forwards (a compiled one), or None for ``model``.
+        cache_length: the static cache's length; needed with ``step`` (a padded batch's mask is
+            given to the step at that length, so its shape never changes).
 
     Returns:
         ``[B, T + n]`` token ids, ``n <= max_new_tokens`` (shorter when every row hit EOS), as
@@ -173,9 +205,15 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
         positions = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, T)
     full_mask = None
     if mask is not None:
-        full_mask = torch.ones(B, T + call.max_new_tokens, dtype=mask.dtype, device=mask.device)
+        width = T + call.max_new_tokens
+        if step is not None:
+            if cache_length is None or cache_length < width:
+                raise ValueError(f"a decode step needs the static cache's length (>= {width}); got {cache_length}")
+            width = cache_length  # positions past the current token are causally masked anyway
+        full_mask = torch.ones(B, width, dtype=mask.dtype, device=mask.device)
         full_mask[:, :T] = mask
     next_pos = positions[:, -1:] + 1  # [B, 1]
+    cache_position = torch.tensor([T], device=ids.device)  # cache slot of the next decode token
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     eos = call.eos_token_ids
     pad = call.pad_token_id
@@ -184,11 +222,11 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
     if streamer is not None:
         streamer.put(ids.cpu())
 
-    outputs = model(input_ids=ids, attention_mask=full_mask[:, :T] if full_mask is not None else None,
-                    position_ids=positions, past_key_values=cache, use_cache=True, **logits_to_keep)
+    logits = model(input_ids=ids, attention_mask=full_mask[:, :T] if full_mask is not None else None,
+                   position_ids=positions, past_key_values=cache, use_cache=True, **logits_to_keep).logits[:, -1]
     n = 0
     while True:
-        scores = outputs.logits[:, -1].to(dtype=torch.float32)  # [B, V]
+        scores = logits.to(dtype=torch.float32)  # [B, V]
         if eos is not None and n < call.min_new_tokens:
             scores[:, eos] = -float("inf")
         tok = scores.argmax(dim=-1)  # [B]
@@ -204,10 +242,14 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache) -> torch.Tensor:
                 break
         if n == call.max_new_tokens:
             break
-        cur = T + n
-        outputs = model(input_ids=tok[:, None], position_ids=next_pos,
-                        attention_mask=full_mask[:, :cur] if full_mask is not None else None,
-                        past_key_values=cache, use_cache=True, **logits_to_keep)
+        if step is not None:
+            logits = step(tok[:, None], next_pos, cache_position, full_mask, cache)
+            cache_position = cache_position + 1
+        else:
+            cur = T + n
+            logits = model(input_ids=tok[:, None], position_ids=next_pos,
+                           attention_mask=full_mask[:, :cur] if full_mask is not None else None,
+                           past_key_values=cache, use_cache=True, **logits_to_keep).logits[:, -1]
         next_pos = next_pos + 1
     if streamer is not None:
         streamer.end()

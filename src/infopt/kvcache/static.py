@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from ..core.decode import greedy_decode, plan_greedy
+from ..core.decode import decode_step_for, greedy_decode, plan_greedy
 from ..core.generation import Unsupported, route_generate
 from ..core.introspect import context_length, inspect_model
+from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .api import generate_input_ids, register_use
 
-__all__ = ["Static", "use_", "generation_lengths", "bucket_length"]
+__all__ = ["Static", "use_", "generation_lengths", "bucket_length", "static_max_length"]
 
 
 @register_step
@@ -135,6 +137,15 @@ class _StaticCacheHolder:
         return self.cache
 
 
+_HOLDERS: weakref.WeakKeyDictionary[nn.Module, _StaticCacheHolder] = weakref.WeakKeyDictionary()
+
+
+def static_max_length(model: nn.Module) -> int | None:
+    """The longest call (prompt + new tokens) ``model``'s static cache serves, or None without one."""
+    holder = _HOLDERS.get(model)
+    return None if holder is None else holder.max_length
+
+
 @register_use(Static)
 def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Module:
     """Make ``model.generate`` (and pipelines) decode with a static cache, in place.
@@ -148,6 +159,8 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
     """
     inspect_model(model)  # refuses unsupported architectures
     holder = _StaticCacheHolder(model, config)
+    _HOLDERS[model] = holder
+    record_custom(model, "static cache", lambda: _HOLDERS.pop(model, None), step=step or config.key)
 
     def handler(original, *args, **kwargs):
         input_ids = generate_input_ids(model, args, kwargs)
@@ -162,7 +175,7 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
             call = plan_greedy(model, args, kwargs)
         except Unsupported:  # sampling, processors, ...: transformers' loop, still on the static cache
             return original(*args, past_key_values=cache, **kwargs)
-        return greedy_decode(model, call, cache)
+        return greedy_decode(model, call, cache, step=decode_step_for(model), cache_length=holder.key[1])
 
     route_generate(model, handler, step=step or config.key)
     return model

@@ -1,0 +1,163 @@
+"""The compiled one-token decode step: ``torch.compile`` of the model's forward at decode shape over a static cache.
+
+Only the decode step is compiled. The prompt (prefill) runs eagerly: its length changes from call to
+call and a compiled prefill would recompile for each one, while the decode step has the same shapes
+for every token of every call that lands in the same cache bucket. Each distinct shape, ``(batch,
+cache length, padded or not)``, gets its own compiled graph; :class:`CompileStats` counts them, and
+the compiles that happened after :func:`warmup` (which should be none when the warm-up covered the
+shapes the calls use).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.decode import takes_logits_to_keep
+
+__all__ = ["CompileStats", "CompiledDecoder", "compile_stats", "mode_options"]
+
+
+@dataclass
+class CompileStats:
+    """What a model's compiled decode step did since it was set up.
+
+    Attributes:
+        compiles: graphs compiled (one per decode shape).
+        seconds: wall time spent compiling them.
+        shapes: the decode shapes compiled, ``"batch B, cache L, padded|unpadded"``, in order.
+        calls: decode steps run through compiled graphs.
+        warmed_up: True once :func:`infopt.compile.warmup` (or the step's own warm-up) ran.
+        compiles_after_warmup: graphs compiled by calls after the warm-up; each cost ``seconds / compiles``
+            of a user's call. Warm up the shapes your calls use to keep it at 0.
+    """
+
+    compiles: int = 0
+    seconds: float = 0.0
+    shapes: list[str] = field(default_factory=list)
+    calls: int = 0
+    warmed_up: bool = False
+    compiles_after_warmup: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"compiles": self.compiles, "seconds": round(self.seconds, 2), "shapes": list(self.shapes),
+                "calls": self.calls, "warmed_up": self.warmed_up, "compiles_after_warmup": self.compiles_after_warmup}
+
+
+_DECODERS: weakref.WeakKeyDictionary[nn.Module, CompiledDecoder] = weakref.WeakKeyDictionary()
+
+
+def compile_stats(model: nn.Module) -> CompileStats | None:
+    """The :class:`CompileStats` of a model optimized with a ``compile`` step, or None."""
+    dec = _DECODERS.get(model)
+    return None if dec is None else dec.stats
+
+
+def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str, Any]:
+    """Inductor config for a compile ``mode`` on ``device``.
+
+    ``reduce-overhead`` is CUDA graphs; ``max-autotune`` also benchmarks kernel choices (on CPU, C++
+    GEMM templates, including the weight-only int8/int4 ones, against the ATen kernels). CUDA graphs
+    are dropped off CUDA, where they do not apply.
+    """
+    from torch._inductor import list_mode_options
+
+    opts = dict(list_mode_options(mode))
+    if device.type != "cuda":
+        opts.pop("triton.cudagraphs", None)
+    if cpp_wrapper:
+        opts["cpp_wrapper"] = True
+    return opts
+
+
+def _guard_filter(entries):
+    """Keep dynamo's guards on tensors, shapes and global state; drop those on nn.Module attributes.
+
+    Checking every parameter's module attributes on each call costs about 2 ms per decode step on a
+    30-layer model (``benchmarks/compile_guards.py``). The parameters stay graph inputs, so weights
+    changed in place are still seen; what is no longer checked is a module's Python attributes
+    (swapping a submodule after compiling is not noticed: undo the recipe and optimize again).
+    """
+    from torch.compiler import skip_guard_on_all_nn_modules_unsafe
+
+    return skip_guard_on_all_nn_modules_unsafe(entries)
+
+
+class CompiledDecoder:
+    """A :data:`~infopt.core.decode.DecodeStep` that runs the model's one-token forward compiled.
+
+    Args:
+        model: the (already patched) model.
+        mode: ``default``, ``reduce-overhead`` or ``max-autotune``.
+        fullgraph: refuse graph breaks (the whole decode step is one graph).
+        dynamic: let the compiler generalise over shapes (fewer graphs, usually slower ones).
+        backend: ``inductor``, or ``eager``/``aot_eager`` for debugging.
+        cpp_wrapper: inductor's C++ wrapper (less Python per kernel launch; compiles take much longer).
+        guard_nn_modules: keep dynamo's guards on module attributes (safe, about 2 ms slower per token).
+    """
+
+    def __init__(self, model: nn.Module, *, mode: str = "default", fullgraph: bool = True, dynamic: bool = False,
+                 backend: str = "inductor", cpp_wrapper: bool = False, guard_nn_modules: bool = False):
+        self.model = model
+        self.mode = mode
+        self.fullgraph = fullgraph
+        self.dynamic = dynamic
+        self.backend = backend
+        self.cpp_wrapper = cpp_wrapper
+        self.guard_nn_modules = guard_nn_modules
+        self.stats = CompileStats()
+        self._fns: dict[tuple, Any] = {}
+        self._keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
+        self._device = next(model.parameters()).device
+        _DECODERS[model] = self
+
+    def forget(self) -> None:
+        """Drop the compiled graphs (and this decoder's registration)."""
+        self._fns.clear()
+        if _DECODERS.get(self.model) is self:
+            del _DECODERS[self.model]
+
+    # -- the compiled function ---------------------------------------------------------------------------
+    def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
+                         attention_mask=attention_mask, past_key_values=cache, use_cache=True, **self._keep)
+        return out.logits[:, -1].float()
+
+    def _compiler(self, gm: torch.fx.GraphModule, example_inputs):
+        t0 = time.perf_counter()
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            fn = compile_fx(gm, example_inputs,
+                            config_patches=mode_options(self.mode, self._device, self.cpp_wrapper))
+        else:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            fn = lookup_backend(self.backend)(gm, example_inputs)
+        self.stats.compiles += 1
+        self.stats.seconds += time.perf_counter() - t0
+        if self.stats.warmed_up:
+            self.stats.compiles_after_warmup += 1
+        return fn
+
+    def _compiled(self, key: tuple):
+        fn = self._fns.get(key)
+        if fn is None:
+            options = {} if self.guard_nn_modules else {"guard_filter_fn": _guard_filter}
+            fn = torch.compile(self._forward, backend=self._compiler, fullgraph=self.fullgraph, dynamic=self.dynamic,
+                               options=options, isolate_recompiles=True)
+            self._fns[key] = fn
+            b, length, padded = key
+            self.stats.shapes.append(f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}")
+        return fn
+
+    def __call__(self, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
+        key = (int(input_ids.shape[0]), int(cache.get_max_length()), attention_mask is not None)
+        fn = self._compiled(key)
+        self.stats.calls += 1
+        return fn(input_ids, position_ids, cache_position, attention_mask, cache)
