@@ -139,3 +139,16 @@ def test_reduce_overhead_cuda_token_identical():
         assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
                            ref.generate(p, max_new_tokens=12, do_sample=False))
     assert compile_stats(m).compiles_after_warmup == 0
+
+
+def test_inference_mode_calls_reuse_the_warmed_graph():
+    """Dynamo guards on global state: a call under the caller's inference_mode must not need a second graph."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64), Compile(backend="eager")])
+    p = _prompts()[1]
+    with torch.inference_mode():
+        out = m.generate(p, max_new_tokens=8, do_sample=False)
+    assert not out.is_inference()  # the static cache and the output stay ordinary tensors
+    assert torch.equal(out, ref.generate(p, max_new_tokens=8, do_sample=False))
+    assert compile_stats(m).compiles_after_warmup == 0
+    m.generate(p, max_new_tokens=8, do_sample=False)  # and the cache it allocated is reusable outside

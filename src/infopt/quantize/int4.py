@@ -50,6 +50,11 @@ class Int4WeightOnly(StepConfig):
         lm_head_bits: 8 (default) or 4: the head's format when ``include_lm_head``. The head decides
             every token directly, so it is the most sensitive layer: on the default model an int4
             head costs ~18x the KL of an int8 one.
+        dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
+            for calls of :data:`DENSE_MIN_ROWS` rows or more (prompts, batches, speculative
+            verification). The int4 kernel's time grows with the rows while a bf16 GEMM's barely
+            does: on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.70 ms (int4) against 0.33 ms
+            (bf16) at 64 rows, 5.5 against 2.2 ms at 512 (fp32: 4.8 ms). For time to first token.
 
     Raises:
         RecipeError: a group size the kernels do not take, a non-boolean flag.
@@ -70,6 +75,7 @@ class Int4WeightOnly(StepConfig):
     zero_point: str = "float"
     include_lm_head: bool = False
     lm_head_bits: int = 8
+    dense_prefill: bool = False
 
     def __post_init__(self):
         if self.group_size not in KERNEL_GROUP_SIZES or isinstance(self.group_size, bool):
@@ -78,7 +84,7 @@ class Int4WeightOnly(StepConfig):
             raise bad_field(self, "lm_head_bits", self.lm_head_bits, "4, 8")
         if self.zero_point not in ("float", "int"):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
-        for name in ("symmetric", "include_lm_head"):
+        for name in ("symmetric", "include_lm_head", "dense_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
 
@@ -179,6 +185,10 @@ def _layout_for(device: torch.device) -> str:
 
 _PORTABLE = ("qweight", "scales", "zeros")
 
+DENSE_MIN_ROWS = 8
+"""Rows from which an :class:`Int4Linear` with a dense copy multiplies by it (the measured crossover on a
+2-core AVX512-BF16 CPU: at 8 rows a 576x1536 layer takes 0.10 ms in the int4 kernel, 0.09 ms in bf16)."""
+
 
 class Int4Linear(nn.Module):
     """A linear layer with grouped 4-bit weights (see the module docstring for the layouts).
@@ -211,6 +221,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("scale_offset", torch.zeros(n_groups, out_features, 2, dtype=torch.bfloat16,
                                                              device=device))
         self.register_buffer("in_perm", torch.arange(in_features, device=device) if has_perm else None)
+        self.register_buffer("weight_dense", None, persistent=False)  # see enable_dense
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     # -- construction -------------------------------------------------------------------------------
@@ -343,8 +354,15 @@ class Int4Linear(nn.Module):
             w = out
         return w
 
+    def enable_dense(self) -> None:
+        """Keep the dequantized weight in bf16 for calls of :data:`DENSE_MIN_ROWS` rows or more."""
+        self.weight_dense = self.dequantize().to(torch.bfloat16).contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        if self.weight_dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features:
+            y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)  # weight_dense is in input order
+            return y + self.bias if self.bias is not None else y
         if self.in_perm is not None:
             x = x.index_select(-1, self.in_perm)
         if self.layout == "plain":
@@ -367,5 +385,8 @@ class Int4Linear(nn.Module):
 
 @register_quantizer(Int4WeightOnly)
 def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
-    return Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
-                                 zero_point=config.zero_point)
+    layer = Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
+                                  zero_point=config.zero_point)
+    if config.dense_prefill:
+        layer.enable_dense()
+    return layer
