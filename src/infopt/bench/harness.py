@@ -65,8 +65,13 @@ def measure_bandwidth(size_mb: int = 256, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Bytes of weights a decode step reads: all parameters and buffers except an untied input embedding
-    (an embedding lookup reads one row; a tied one is read whole as the output head)."""
+    (an embedding lookup reads one row; a tied one is read whole as the output head) and the bf16 prompt
+    copies of int4 layers (``dense_prefill``)."""
     total = param_bytes(model)
+    for mod in model.modules():  # int4 layers' bf16 copies serve prompts only (dense_prefill)
+        dense = getattr(mod, "weight_dense", None)
+        if isinstance(dense, torch.Tensor):
+            total -= dense.numel() * dense.element_size()
     info = inspect_model(model)
     if not info.tied_embeddings:
         emb = model.get_submodule(info.embed_fqn).weight
@@ -357,9 +362,12 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         optimize(model, r)
         try:
             model.generate(warm, max_new_tokens=warm_new, do_sample=False, pad_token_id=pad)
+            before = _compile_figures(model)
             m, opt_tokens = _timed(model, requests, opt_mode, pad, progress, f"optimized {rep + 1}/{repeats}")
             opt_rows.append(m)
             compiled = _compile_figures(model)
+            if compiled is not None:
+                compiled["compiles_in_timed_run"] = compiled["compiles"] - before["compiles"]
             if reference is not None and quality_figs is None:
                 from ..eval import compare
 

@@ -75,19 +75,6 @@ def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str
     return opts
 
 
-def _guard_filter(entries):
-    """Keep dynamo's guards on tensors, shapes and global state; drop those on nn.Module attributes.
-
-    Checking every parameter's module attributes on each call costs about 2 ms per decode step on a
-    30-layer model (``benchmarks/compile_guards.py``). The parameters stay graph inputs, so weights
-    changed in place are still seen; what is no longer checked is a module's Python attributes
-    (swapping a submodule after compiling is not noticed: undo the recipe and optimize again).
-    """
-    from torch.compiler import skip_guard_on_all_nn_modules_unsafe
-
-    return skip_guard_on_all_nn_modules_unsafe(entries)
-
-
 class CompiledDecoder:
     """A :data:`~infopt.core.decode.DecodeStep` that runs the model's one-token forward compiled.
 
@@ -98,18 +85,16 @@ class CompiledDecoder:
         dynamic: let the compiler generalise over shapes (fewer graphs, usually slower ones).
         backend: ``inductor``, or ``eager``/``aot_eager`` for debugging.
         cpp_wrapper: inductor's C++ wrapper (less Python per kernel launch; compiles take much longer).
-        guard_nn_modules: keep dynamo's guards on module attributes (safe, about 2 ms slower per token).
     """
 
     def __init__(self, model: nn.Module, *, mode: str = "default", fullgraph: bool = True, dynamic: bool = False,
-                 backend: str = "inductor", cpp_wrapper: bool = False, guard_nn_modules: bool = False):
+                 backend: str = "inductor", cpp_wrapper: bool = False):
         self.model = model
         self.mode = mode
         self.fullgraph = fullgraph
         self.dynamic = dynamic
         self.backend = backend
         self.cpp_wrapper = cpp_wrapper
-        self.guard_nn_modules = guard_nn_modules
         self.stats = CompileStats()
         self._fns: dict[tuple, Any] = {}
         self._keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
@@ -148,9 +133,8 @@ class CompiledDecoder:
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
         if fn is None:
-            options = {} if self.guard_nn_modules else {"guard_filter_fn": _guard_filter}
             fn = torch.compile(self._forward, backend=self._compiler, fullgraph=self.fullgraph, dynamic=self.dynamic,
-                               options=options, isolate_recompiles=True)
+                               isolate_recompiles=True)
             self._fns[key] = fn
             b, length, padded = key
             self.stats.shapes.append(f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}")
