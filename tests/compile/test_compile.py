@@ -120,13 +120,16 @@ def test_warmup_function_covers_padded_and_lengths():
     assert stats.compiles_after_warmup == 0
 
 
-def test_sampling_calls_stay_on_transformers_loop():
-    m = tiny_model()
-    infopt.optimize(m, [Static(max_length=64), Compile(backend="eager")])
+def test_sampling_calls_decode_through_the_compiled_step():
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64), Compile(backend="aot_eager")])
     calls = compile_stats(m).calls
+    p, kw = torch.tensor([[1, 2, 3]]), dict(max_new_tokens=6, do_sample=True, top_k=5, temperature=0.8)
     torch.manual_seed(0)
-    out = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=True, top_k=5)
-    assert out.shape == (1, 7) and compile_stats(m).calls == calls
+    out = m.generate(p, **kw)
+    torch.manual_seed(0)
+    assert torch.equal(out, ref.generate(p, **kw))
+    assert compile_stats(m).calls == calls + 5 and compile_stats(m).compiles_after_warmup == 0
 
 
 @pytest.mark.gpu

@@ -1,11 +1,12 @@
-"""A lean greedy decode loop: one forward per token, preallocated output, no per-token logits-processor objects.
+"""A lean decode loop: one forward per token, preallocated output, no per-token logits-processor objects.
 
 ``transformers``' ``generate`` builds logits processors, stopping criteria and model-input dicts every
 token; for a small model on a CPU that bookkeeping is a visible part of each token's time. This loop
 does only what greedy decoding needs, with the same arithmetic as ``generate`` (positions from the
 attention mask, the mask dropped when it has no padding, fp32 argmax of the last position's logits,
-``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Calls it
-does not cover raise :class:`~infopt.core.generation.Unsupported` from :func:`plan_greedy` and go to
+``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Sampling
+calls (temperature, top-k, top-p, min-p) use transformers' own warpers and ``torch.multinomial`` on the
+global generator in ``generate``'s order, so a seeded call draws the same tokens. Calls it does not cover raise :class:`~infopt.core.generation.Unsupported` from :func:`plan_greedy` and go to
 the original ``generate``.
 """
 
@@ -24,7 +25,7 @@ from .generation import Unsupported
 from .patch import record_custom
 
 __all__ = ["GreedyCall", "plan_greedy", "greedy_decode", "nondefault_fields", "call_input_ids", "call_generation_config",
-           "takes_logits_to_keep", "DecodeStep", "set_decode_step", "decode_step_for"]
+           "takes_logits_to_keep", "DecodeStep", "set_decode_step", "decode_step_for", "sampling_field"]
 
 # generate() kwargs this loop understands; anything else goes to the original generate
 _KNOWN_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
@@ -120,6 +121,7 @@ class GreedyCall:
     eos_token_ids: torch.Tensor | None  # [E]
     pad_token_id: int | None
     streamer: Any = None  # gets the prompt, then each step's tokens, then end(), as generate does
+    warpers: Any = None  # a LogitsProcessorList for sampling (torch.multinomial), or None for greedy argmax
 
 
 def _as_ids(v) -> list[int] | None:
@@ -132,12 +134,53 @@ def _as_ids(v) -> list[int] | None:
     return [int(x) for x in v]
 
 
-def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> GreedyCall:
-    """Resolve a ``generate(*args, **kwargs)`` call for the lean greedy loop, or raise :class:`Unsupported`.
+_SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p")
+
+
+def sampling_field(gc, name: str):
+    """``gc.<name>``, or generate's global default when unset (``generate`` fills unset fields, e.g. top_k 50)."""
+    v = getattr(gc, name, None)
+    if v is not None:
+        return v
+    get_defaults = getattr(gc, "_get_default_generation_params", None)
+    defaults = get_defaults() if callable(get_defaults) else {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    return defaults.get(name)
+
+
+def _warpers(gc):
+    """transformers' own sampling warpers for ``gc``, in the order ``generate`` applies them."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    temperature, top_k, top_p = (sampling_field(gc, n) for n in ("temperature", "top_k", "top_p"))
+    out = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if getattr(gc, "top_h", None) is not None:
+        raise Unsupported(f"top_h={gc.top_h}")
+    if top_k is not None and top_k != 0:
+        out.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    if getattr(gc, "min_p", None) is not None:
+        out.append(MinPLogitsWarper(min_p=gc.min_p, min_tokens_to_keep=1))
+    return out
+
+
+def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, sampling: bool = False) -> GreedyCall:
+    """Resolve a ``generate(*args, **kwargs)`` call for the lean loop, or raise :class:`Unsupported`.
 
     Args:
         model: the model whose ``generate`` was called.
         args, kwargs: the call's arguments.
+        sampling: also take ``do_sample`` calls with temperature / top-k / top-p / min-p; they
+            sample with transformers' own warpers and ``torch.multinomial`` on the global generator, as
+            ``generate`` does, so a seeded call draws the same tokens.
 
     Returns:
         The resolved :class:`GreedyCall`.
@@ -146,11 +189,13 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
         Unsupported: the call needs something the loop does not do (sampling, beams, logits
             processors, a streamer with batch > 1, scores, ...); the message says what.
     """
-    input_ids = call_input_ids(args, kwargs, _KNOWN_KWARGS)
+    input_ids = call_input_ids(args, kwargs, _KNOWN_KWARGS | ({"min_p"} if sampling else set()))
     gc = call_generation_config(model, kwargs)
-    bad = nondefault_fields(gc)
+    sample = sampling and bool(getattr(gc, "do_sample", False))
+    bad = nondefault_fields(gc, allow=_SAMPLING_FIELDS if sample else ())
     if bad:
         raise Unsupported(bad[0])
+    warpers = _warpers(gc) if sample else None
     if getattr(gc, "use_cache", True) is False or kwargs.get("use_cache") is False:
         raise Unsupported("use_cache=False")
     prompt = input_ids.shape[1]
@@ -172,7 +217,8 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Greedy
     streamer = kwargs.get("streamer")
     if streamer is not None and input_ids.shape[0] != 1:
         raise Unsupported("a streamer with batch > 1")  # generate refuses it too
-    return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad), streamer)
+    return GreedyCall(input_ids, mask, new, min(min_new, new), eos_t, None if pad is None else int(pad), streamer,
+                      warpers)
 
 
 @torch.inference_mode(False)  # even inside the caller's inference_mode: a cache allocated lazily here must stay
@@ -219,6 +265,7 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache, *, step: DecodeStep
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     eos = call.eos_token_ids
     pad = call.pad_token_id
+    warpers = call.warpers
     logits_to_keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     streamer = call.streamer
     if streamer is not None:
@@ -228,10 +275,14 @@ def greedy_decode(model: nn.Module, call: GreedyCall, cache, *, step: DecodeStep
                    position_ids=positions, past_key_values=cache, use_cache=True, **logits_to_keep).logits[:, -1]
     n = 0
     while True:
-        scores = logits.to(dtype=torch.float32)  # [B, V]
+        scores = logits.to(dtype=torch.float32, copy=True)  # [B, V]; a copy: processors write in place
         if eos is not None and n < call.min_new_tokens:
             scores[:, eos] = -float("inf")
-        tok = scores.argmax(dim=-1)  # [B]
+        if warpers is None:
+            tok = scores.argmax(dim=-1)  # [B]
+        else:
+            scores = warpers(out[:, : T + n], scores)
+            tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         if eos is not None and pad is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
         out[:, T + n] = tok

@@ -172,8 +172,8 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
             raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
         cache = holder.get(batch, total)
         try:
-            call = plan_greedy(model, args, kwargs)
-        except Unsupported:  # sampling, processors, ...: transformers' loop, still on the static cache
+            call = plan_greedy(model, args, kwargs, sampling=True)
+        except Unsupported:  # beams, penalties, processors, ...: transformers' loop, still on the static cache
             return original(*args, past_key_values=cache, **kwargs)
         return greedy_decode(model, call, cache, step=decode_step_for(model), cache_length=holder.key[1])
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.decode import GreedyCall, plan_greedy, takes_logits_to_keep
+from ..core.decode import GreedyCall, plan_greedy, sampling_field, takes_logits_to_keep
 from ..core.generation import Unsupported
 from .drafters import Drafter, rollback
 from .sampling import Warp, verify_greedy, verify_sample, warp_logits
@@ -48,11 +48,12 @@ def plan_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> SpecCall
     if getattr(gc, "do_sample", False):
         if getattr(gc, "min_p", None) is not None:
             raise Unsupported(f"min_p={gc.min_p}")
-        temperature = float(gc.temperature if gc.temperature is not None else 1.0)
+        temperature = float(sampling_field(gc, "temperature"))
         if temperature <= 0:
             raise Unsupported(f"temperature={temperature}")
-        warp = Warp(temperature=temperature, top_k=int(gc.top_k) if gc.top_k else None,
-                    top_p=float(gc.top_p if gc.top_p is not None else 1.0))
+        top_k = sampling_field(gc, "top_k")  # unset: generate's default 50, so the distribution is generate's
+        warp = Warp(temperature=temperature, top_k=int(top_k) if top_k else None,
+                    top_p=float(sampling_field(gc, "top_p")))
         gc.do_sample = False
         kwargs = {k: v for k, v in kwargs.items() if k not in ("do_sample", "temperature", "top_k", "top_p")}
         kwargs["generation_config"] = gc
