@@ -186,7 +186,8 @@ PRESETS: dict[str, Preset] = {
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
                "prefix caching; token-identical greedy output",
                ({"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
-        Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs; token-identical greedy output",
+        Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs (the original weights; fused "
+               "kernels)",
                ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},
                 {"compile": {"mode": "reduce-overhead"}})),
     )

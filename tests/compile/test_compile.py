@@ -155,3 +155,13 @@ def test_inference_mode_calls_reuse_the_warmed_graph():
     assert torch.equal(out, ref.generate(p, max_new_tokens=8, do_sample=False))
     assert compile_stats(m).compiles_after_warmup == 0
     m.generate(p, max_new_tokens=8, do_sample=False)  # and the cache it allocated is reusable outside
+
+
+def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch):
+    import infopt.compile.step as cs
+
+    monkeypatch.setattr(cs, "_cxx_compiler", lambda: None)
+    with pytest.raises(IncompatibleModelError, match="C\\+\\+ compiler"):
+        infopt.optimize(llama, [Static(max_length=64), Compile()])
+    assert decode_step_for(llama) is None and "generate" not in llama.__dict__
+    infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none

@@ -335,6 +335,8 @@ class Int4Linear(nn.Module):
                 return
             dev = self.scale_offset.device if self.layout != "plain" else self.qweight.device
             self._set_portable(q.to(dev), s.to(dev), z.to(dev))
+            if self.weight_dense is not None:  # the prompt copy follows the loaded codes
+                self.enable_dense()
         with torch.no_grad():
             if "in_perm" in got:
                 self.in_perm.copy_(got["in_perm"])
