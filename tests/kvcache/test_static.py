@@ -66,3 +66,20 @@ def test_cache_sized_per_call_in_buckets(llama, prompt):
     finally:
         StaticCache.__init__ = orig_init
     assert holder_calls == [256, 512]
+
+
+def test_first_call_under_inference_mode_then_outside():
+    """The reused cache is allocated outside the caller's inference_mode, so a later plain call can reset it."""
+    import infopt
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    p = torch.tensor([[1, 17, 400, 23, 9]])
+    with torch.inference_mode():
+        a = m.generate(p, max_new_tokens=6, do_sample=False)
+    b = m.generate(p, max_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        c = m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop
+    want = ref.generate(p, max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, want) and torch.equal(b, want) and c.shape == (1, 11)

@@ -170,7 +170,8 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
         batch = input_ids.shape[0]
         if config.batch_size is not None and batch != config.batch_size:
             raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
-        cache = holder.get(batch, total)
+        with torch.inference_mode(False):  # a reused cache must not be inference tensors (a later call resets it)
+            cache = holder.get(batch, total)
         try:
             call = plan_greedy(model, args, kwargs, sampling=True)
         except Unsupported:  # beams, penalties, processors, ...: transformers' loop, still on the static cache
