@@ -50,9 +50,16 @@ def _rank_main(rank: int, fn: Callable[..., Any], nprocs: int, backend: str, por
     except BaseException as e:
         # the parent re-raises this text; the spawn error alone loses the remote traceback for some exceptions
         (Path(out_dir) / f"rank{rank}.err").write_text("".join(traceback.format_exception(e)))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # no rank tears its connections down while a peer may still be finishing a send to it: gloo aborts the
+    # peer's process (SIGABRT, "terminate called without an active exception") when that races. A barrier
+    # that fails means a peer failed; its own error file tells the parent why.
+    try:
+        dist.barrier()
+    except Exception:
+        pass
+    dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], nprocs: int = 2, backend: str = "gloo", *, args: tuple = (),
