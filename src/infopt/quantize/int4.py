@@ -52,9 +52,10 @@ class Int4WeightOnly(StepConfig):
             head costs ~18x the KL of an int8 one.
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (prompts, batches, speculative
-            verification). The int4 kernel's time grows with the rows while a bf16 GEMM's barely
-            does: on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.70 ms (int4) against 0.33 ms
-            (bf16) at 64 rows, 5.5 against 2.2 ms at 512 (fp32: 4.8 ms). For time to first token.
+            verification). The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
+            on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.71 ms (int4) against 0.42 ms (bf16)
+            at 64 rows, 5.6 against 2.6 ms at 512 (fp32: 5.7 ms; ``benchmarks/int4_rows.py``). For
+            time to first token.
 
     Raises:
         RecipeError: a group size the kernels do not take, a non-boolean flag.
@@ -187,7 +188,8 @@ _PORTABLE = ("qweight", "scales", "zeros")
 
 DENSE_MIN_ROWS = 8
 """Rows from which an :class:`Int4Linear` with a dense copy multiplies by it (the measured crossover on a
-2-core AVX512-BF16 CPU: at 8 rows a 576x1536 layer takes 0.10 ms in the int4 kernel, 0.09 ms in bf16)."""
+2-core AVX512-BF16 CPU: at 8 rows a 576x1536 layer takes 0.105 ms in the int4 kernel, 0.095 ms in bf16;
+``benchmarks/int4_rows.py``)."""
 
 
 class Int4Linear(nn.Module):
