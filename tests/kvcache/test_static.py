@@ -83,3 +83,17 @@ def test_first_call_under_inference_mode_then_outside():
         c = m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop
     want = ref.generate(p, max_new_tokens=6, do_sample=False)
     assert torch.equal(a, want) and torch.equal(b, want) and c.shape == (1, 11)
+
+
+def test_transformers_loop_under_inference_mode_leaves_a_reusable_cache():
+    """The fallback loop fills the cache lazily too; its tensors must stay resettable by a later plain call."""
+    import infopt
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    p = torch.tensor([[1, 17, 400, 23, 9]])
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop allocates
+    assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False),
+                       ref.generate(p, max_new_tokens=6, do_sample=False))

@@ -221,9 +221,7 @@ def plan_greedy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, sampli
                       warpers)
 
 
-@torch.inference_mode(False)  # even inside the caller's inference_mode: a cache allocated lazily here must stay
-# writable by later calls (reset), and a compiled step sees the same global state on every call (one graph)
-@torch.no_grad()  # inside: leaving inference mode turns gradients back on
+@torch.no_grad()  # not inference_mode: a cache allocated lazily here must stay writable by later calls (reset)
 def greedy_decode(model: nn.Module, call: GreedyCall, cache, *, step: DecodeStep | None = None,
                   cache_length: int | None = None) -> torch.Tensor:
     """Run greedy decoding for ``call`` with ``cache`` (a transformers ``Cache``, empty).

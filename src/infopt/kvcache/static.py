@@ -170,13 +170,16 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
         batch = input_ids.shape[0]
         if config.batch_size is not None and batch != config.batch_size:
             raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
-        with torch.inference_mode(False):  # a reused cache must not be inference tensors (a later call resets it)
+        # outside the caller's inference_mode, whichever loop runs: the reused cache (allocated here, filled
+        # lazily by the first forward) must not be inference tensors, which a later call could not reset; and a
+        # compiled decode step sees the same global state on every call (one graph)
+        with torch.inference_mode(False):
             cache = holder.get(batch, total)
-        try:
-            call = plan_greedy(model, args, kwargs, sampling=True)
-        except Unsupported:  # beams, penalties, processors, ...: transformers' loop, still on the static cache
-            return original(*args, past_key_values=cache, **kwargs)
-        return greedy_decode(model, call, cache, step=decode_step_for(model), cache_length=holder.key[1])
+            try:
+                call = plan_greedy(model, args, kwargs, sampling=True)
+            except Unsupported:  # beams, penalties, processors, ...: transformers' loop, still on the static cache
+                return original(*args, past_key_values=cache, **kwargs)
+            return greedy_decode(model, call, cache, step=decode_step_for(model), cache_length=holder.key[1])
 
     route_generate(model, handler, step=step or config.key)
     return model
