@@ -11,14 +11,13 @@ shapes the calls use).
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core.decode import takes_logits_to_keep
+from ..core.decode import decode_step_for, takes_logits_to_keep
 
 __all__ = ["CompileStats", "CompiledDecoder", "compile_stats", "mode_options"]
 
@@ -49,13 +48,10 @@ class CompileStats:
                 "calls": self.calls, "warmed_up": self.warmed_up, "compiles_after_warmup": self.compiles_after_warmup}
 
 
-_DECODERS: weakref.WeakKeyDictionary[nn.Module, CompiledDecoder] = weakref.WeakKeyDictionary()
-
-
 def compile_stats(model: nn.Module) -> CompileStats | None:
     """The :class:`CompileStats` of a model optimized with a ``compile`` step, or None."""
-    dec = _DECODERS.get(model)
-    return None if dec is None else dec.stats
+    dec = decode_step_for(model)
+    return dec.stats if isinstance(dec, CompiledDecoder) else None
 
 
 def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str, Any]:
@@ -80,32 +76,17 @@ class CompiledDecoder:
 
     Args:
         model: the (already patched) model.
-        mode: ``default``, ``reduce-overhead`` or ``max-autotune``.
-        fullgraph: refuse graph breaks (the whole decode step is one graph).
-        dynamic: let the compiler generalise over shapes (fewer graphs, usually slower ones).
-        backend: ``inductor``, or ``eager``/``aot_eager`` for debugging.
-        cpp_wrapper: inductor's C++ wrapper (less Python per kernel launch; compiles take much longer).
+        config: the :class:`~infopt.compile.Compile` step: its ``mode``, ``fullgraph``, ``dynamic``,
+            ``backend`` and ``cpp_wrapper``.
     """
 
-    def __init__(self, model: nn.Module, *, mode: str = "default", fullgraph: bool = True, dynamic: bool = False,
-                 backend: str = "inductor", cpp_wrapper: bool = False):
+    def __init__(self, model: nn.Module, config):
         self.model = model
-        self.mode = mode
-        self.fullgraph = fullgraph
-        self.dynamic = dynamic
-        self.backend = backend
-        self.cpp_wrapper = cpp_wrapper
+        self.config = config
         self.stats = CompileStats()
         self._fns: dict[tuple, Any] = {}
         self._keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
         self._device = next(model.parameters()).device
-        _DECODERS[model] = self
-
-    def forget(self) -> None:
-        """Drop the compiled graphs (and this decoder's registration)."""
-        self._fns.clear()
-        if _DECODERS.get(self.model) is self:
-            del _DECODERS[self.model]
 
     # -- the compiled function ---------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
@@ -115,15 +96,15 @@ class CompiledDecoder:
 
     def _compiler(self, gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        if self.backend == "inductor":
+        cfg = self.config
+        if cfg.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            fn = compile_fx(gm, example_inputs,
-                            config_patches=mode_options(self.mode, self._device, self.cpp_wrapper))
+            fn = compile_fx(gm, example_inputs, config_patches=mode_options(cfg.mode, self._device, cfg.cpp_wrapper))
         else:
             from torch._dynamo.backends.registry import lookup_backend
 
-            fn = lookup_backend(self.backend)(gm, example_inputs)
+            fn = lookup_backend(cfg.backend)(gm, example_inputs)
         self.stats.compiles += 1
         self.stats.seconds += time.perf_counter() - t0
         if self.stats.warmed_up:
@@ -133,8 +114,8 @@ class CompiledDecoder:
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
         if fn is None:
-            fn = torch.compile(self._forward, backend=self._compiler, fullgraph=self.fullgraph, dynamic=self.dynamic,
-                               isolate_recompiles=True)
+            fn = torch.compile(self._forward, backend=self._compiler, fullgraph=self.config.fullgraph,
+                               dynamic=self.config.dynamic, isolate_recompiles=True)
             self._fns[key] = fn
             b, length, padded = key
             self.stats.shapes.append(f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}")

@@ -10,7 +10,6 @@ from torch import nn
 
 from ..core.decode import set_decode_step
 from ..core.errors import IncompatibleModelError
-from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .decoder import CompiledDecoder, CompileStats, compile_stats
 
@@ -116,17 +115,15 @@ def compile_(model: nn.Module, config: Compile | None = None, *, step: str | Non
     """Route ``model``'s lean-loop decode tokens through a compiled forward (undo restores eager decoding).
 
     ``model.generate`` must already decode through infopt's static cache (``kvcache.Static``); calls
-    it hands to ``transformers``' own loop (sampling, beams) stay eager. Does not warm up: see
-    :func:`warmup`.
+    it hands to ``transformers``' own loop (beams, penalties, processors) stay eager. Does not warm up:
+    see :func:`warmup`.
 
     Returns:
         The :class:`~infopt.compile.decoder.CompiledDecoder` (its ``stats`` count the compiles).
     """
     config = config or Compile()
-    dec = CompiledDecoder(model, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic,
-                          backend=config.backend, cpp_wrapper=config.cpp_wrapper)
-    set_decode_step(model, dec, step=step or config.key)
-    record_custom(model, "compiled decode graphs", dec.forget, step=step or config.key)
+    dec = CompiledDecoder(model, config)
+    set_decode_step(model, dec, step=step or config.key)  # undo drops it, and its graphs with it
     return dec
 
 
