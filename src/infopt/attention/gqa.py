@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .registry import register_attention
+
 __all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward"]
 
 GQA_SDPA_IMPL = "infopt_sdpa_gqa"
-_REGISTERED = False
 
 
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -57,12 +58,4 @@ def register_gqa_sdpa() -> str:
         >>> register_gqa_sdpa()
         'infopt_sdpa_gqa'
     """
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionInterface.register(GQA_SDPA_IMPL, gqa_sdpa_forward)
-        AttentionMaskInterface.register(GQA_SDPA_IMPL, sdpa_mask)
-        _REGISTERED = True
-    return GQA_SDPA_IMPL
+    return register_attention(GQA_SDPA_IMPL, gqa_sdpa_forward)

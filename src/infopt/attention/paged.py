@@ -26,6 +26,7 @@ from torch import nn
 
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
+from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention"]
 
@@ -262,7 +263,6 @@ def paged_attention_forward(
     return _reference(query, key, value, meta, scaling), None
 
 
-_REGISTERED = False
 
 
 def register_paged_attention() -> str:
@@ -277,12 +277,4 @@ def register_paged_attention() -> str:
         >>> register_paged_attention()
         'infopt_paged'
     """
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionInterface.register(PAGED_IMPL, paged_attention_forward)
-        AttentionMaskInterface.register(PAGED_IMPL, sdpa_mask)
-        _REGISTERED = True
-    return PAGED_IMPL
+    return register_attention(PAGED_IMPL, paged_attention_forward)
