@@ -10,6 +10,7 @@ from torch import nn
 
 from ..core.decode import set_decode_step
 from ..core.errors import IncompatibleModelError
+from ..core.introspect import inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .decoder import CompiledDecoder, CompileStats, compile_stats
 
@@ -24,8 +25,9 @@ def _cxx_compiler() -> str | None:
     import shutil
 
     for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 
@@ -170,17 +172,10 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     return stats
 
 
-def _grouped_heads(model: nn.Module) -> bool:
-    cfg = model.config
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    return bool(heads and kv and heads != kv)
-
-
 @register_transform(Compile)
 def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
-    if (model.config._attn_implementation == "sdpa" and next(model.parameters()).device.type == "cpu"
-            and _grouped_heads(model)):
+    info = ctx.info or inspect_model(model)
+    if model.config._attn_implementation == "sdpa" and info.device.type == "cpu" and info.gqa_groups > 1:
         from ..attention.backends import set_backend_
 
         set_backend_(model, "sdpa_gqa", step=config.key)
