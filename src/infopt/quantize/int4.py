@@ -364,12 +364,12 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        if self.weight_dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features:
-            y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)  # weight_dense is in input order
-            return y + self.bias if self.bias is not None else y
-        if self.in_perm is not None:
+        dense = self.weight_dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features
+        if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
-        if self.layout == "plain":
+        if dense:
+            y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)
+        elif self.layout == "plain":
             q, s, z = self.qweight, self.scales, self.zeros
             g = self.group_size
             w = (unpack_int4(q).to(x.dtype) - z.to(x.dtype).repeat_interleave(g, 1)) * s.to(x.dtype).repeat_interleave(g, 1)
