@@ -165,3 +165,51 @@ def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch
         infopt.optimize(llama, [Static(max_length=64), Compile()])
     assert decode_step_for(llama) is None and "generate" not in llama.__dict__
     infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none
+
+
+def test_torch_without_isolate_recompiles(monkeypatch):
+    """torch < 2.12 has no ``isolate_recompiles``: each shape still gets its own graph cache, and no keyword
+    that version lacks reaches torch.compile (a TypeError there broke every Compile step)."""
+    import infopt.compile.decoder as dec
+
+    real = torch.compile
+
+    def old_compile(fn, **kwargs):
+        if "isolate_recompiles" in kwargs:
+            raise TypeError("compile() got an unexpected keyword argument 'isolate_recompiles'")
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(dec, "_compile_takes", lambda keyword: False)
+    monkeypatch.setattr(torch, "compile", old_compile)
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", warmup_lengths=())])
+    warmup(m, batch_sizes=(1, 2), lengths=(100, 300), padded=True)
+    stats = compile_stats(m)
+    assert stats.compiles == 8  # one graph per shape: the shapes do not share a cache (and its recompile limit)
+    for p in _prompts():
+        assert torch.equal(m.generate(p, max_new_tokens=8, do_sample=False),
+                           ref.generate(p, max_new_tokens=8, do_sample=False))
+    assert stats.compiles_after_warmup == 0
+
+
+def test_isolated_compile_copies_keep_one_cache_per_copy(monkeypatch):
+    import infopt.compile.decoder as dec
+
+    monkeypatch.setattr(dec, "_compile_takes", lambda keyword: False)
+    counts = {"a": 0, "b": 0}
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            counts[name] += 1
+            return gm.forward
+        return backend
+
+    def f(x):
+        return x * 2 + 1
+
+    fa = dec.isolated_compile(f, name="f_a", backend=counting("a"))
+    fb = dec.isolated_compile(f, name="f_b", backend=counting("b"))
+    x = torch.ones(3)
+    assert torch.equal(fa(x), f(x)) and torch.equal(fb(x), f(x))
+    fa(x), fb(x)
+    assert counts == {"a": 1, "b": 1}  # each copy compiled once and reused its own graph

@@ -10,7 +10,10 @@ shapes the calls use).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +22,7 @@ from torch import nn
 
 from ..core.decode import decode_step_for, takes_logits_to_keep
 
-__all__ = ["CompileStats", "CompiledDecoder", "compile_stats", "mode_options"]
+__all__ = ["CompileStats", "CompiledDecoder", "compile_stats", "mode_options", "isolated_compile"]
 
 
 @dataclass
@@ -71,6 +74,34 @@ def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str
     return opts
 
 
+@functools.cache
+def _compile_takes(keyword: str) -> bool:
+    return keyword in inspect.signature(torch.compile).parameters
+
+
+def isolated_compile(fn, *, name: str, **kwargs):
+    """``torch.compile(fn, **kwargs)`` with a guard cache of its own.
+
+    Dynamo keeps compiled graphs on the function's code object, so several ``torch.compile`` wrappers of one
+    function share one cache and its recompile limit. torch versions with ``isolate_recompiles`` separate them;
+    on older ones (torch < 2.12) the function is rebuilt on a fresh copy of its code object named ``name``,
+    which gives it a cache of its own the same way.
+
+    Args:
+        fn: a function or bound method.
+        name: a name for the copy (shows in dynamo's logs).
+        **kwargs: ``torch.compile``'s keywords.
+    """
+    if _compile_takes("isolate_recompiles"):
+        return torch.compile(fn, isolate_recompiles=True, **kwargs)
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    code = func.__code__.replace(co_name=name)
+    copy = types.FunctionType(code, func.__globals__, name, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return torch.compile(types.MethodType(copy, owner) if owner is not None else copy, **kwargs)
+
+
 class CompiledDecoder:
     """A :data:`~infopt.core.decode.DecodeStep` that runs the model's one-token forward compiled.
 
@@ -114,10 +145,10 @@ class CompiledDecoder:
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
         if fn is None:
-            fn = torch.compile(self._forward, backend=self._compiler, fullgraph=self.config.fullgraph,
-                               dynamic=self.config.dynamic, isolate_recompiles=True)
-            self._fns[key] = fn
             b, length, padded = key
+            fn = isolated_compile(self._forward, name=f"decode_b{b}_l{length}_{'padded' if padded else 'unpadded'}",
+                                  backend=self._compiler, fullgraph=self.config.fullgraph, dynamic=self.config.dynamic)
+            self._fns[key] = fn
             self.stats.shapes.append(f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}")
         return fn
 
