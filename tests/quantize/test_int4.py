@@ -203,3 +203,78 @@ def test_save_pretrained_then_infopt_load(tmp_path, prompt):
     infopt.undo(m)
     m.save_pretrained(tmp_path / "plain")
     assert not (tmp_path / "plain" / "infopt_recipe.yaml").exists()
+
+
+@pytest.mark.parametrize("in_features, tiles", [(4096, 8), (1536, 8), (576, 4), (192, 4), (96, 2), (64, 4),
+                                                (48, None), (40, None)])
+def test_cuda_packing_tiles_fit_in_features(in_features, tiles):
+    """torch's CUDA packer takes innerKTiles 2/4/8 and needs in_features % (16 * innerKTiles) == 0: the default
+    model's 576 cannot take 8 (the old fixed choice), and a layer fitting none stays portable on CUDA."""
+    from infopt.quantize.int4 import cuda_inner_k_tiles, layout_for
+
+    assert cuda_inner_k_tiles(in_features) == tiles
+    if tiles is not None:
+        assert in_features % (16 * tiles) == 0
+    want = "cuda_tinygemm" if tiles else "plain"
+    assert layout_for(torch.device("cuda"), in_features, 64, 32 if in_features % 32 == 0 else 16) in (want, "plain")
+    assert layout_for(torch.device("cuda"), in_features, 64, 32) == (want if in_features % 32 == 0 else "plain")
+    assert layout_for(torch.device("cuda"), 4096, 40, 32) == "plain"  # out_features not a multiple of 16
+
+
+def test_to_another_device_repacks_for_its_kernel(monkeypatch):
+    """An automatic layout follows the device: moving a layer leaves the old device's packing through the
+    portable layout and repacks for the new one (on CPU, a stand-in device whose kernel is 'plain')."""
+    import infopt.quantize.int4 as int4
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64, bias=True)
+    layer = Int4Linear.from_float(lin, group_size=32)
+    assert layer.layout == "cpu_int4pack"
+    x = torch.randn(3, 128)
+    y0, w0 = layer(x), layer.dequantize()
+    sd0 = {k: v.clone() for k, v in layer.state_dict().items()}
+
+    monkeypatch.setattr(int4, "layout_for", lambda *a: "plain")
+    layer.to("cpu")
+    assert layer.layout == "plain" and layer.qweight.shape == (64, 64) and not hasattr(layer, "weight_packed")
+    assert torch.equal(layer.dequantize(), w0)
+    assert all(torch.equal(v, sd0[k]) for k, v in layer.state_dict().items())
+    monkeypatch.undo()
+    layer.to("cpu")
+    assert layer.layout == "cpu_int4pack" and not hasattr(layer, "qweight")
+    assert torch.equal(layer.dequantize(), w0) and torch.equal(layer(x), y0)
+
+    forced = Int4Linear(128, 64, 32, bias=True, dtype=torch.float32, layout="plain")
+    forced.load_state_dict(sd0)
+    forced.to("cpu")
+    assert forced.layout == "plain"  # a layout asked for is kept
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["quantized-on-cuda", "quantized-on-cpu-then-moved"])
+def test_int4_cuda_kernel_runs_and_matches(where, monkeypatch):
+    """Int4 on CUDA runs torch's tinygemm kernel (counted), on the default model's 576-wide layers too, whether the
+    model was quantized on the GPU or quantized on CPU and moved; outputs match the dequantized reference."""
+    from infopt.eval.metrics import logit_metrics
+
+    cfg_kw = dict(hidden_size=576, num_heads=9, num_kv_heads=3)
+    ref = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).cuda()
+    m = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw)
+    if where == "quantized-on-cuda":
+        m = m.cuda()
+        quantize_(m, Int4WeightOnly(group_size=32))
+    else:
+        quantize_(m, Int4WeightOnly(group_size=32))
+        m = m.cuda()
+    layers = [mod for mod in m.modules() if isinstance(mod, Int4Linear)]
+    assert layers and all(mod.layout == "cuda_tinygemm" for mod in layers)
+    calls = []
+    real = torch._weight_int4pack_mm
+    monkeypatch.setattr(torch, "_weight_int4pack_mm", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(3, 1000, (1, 24), device="cuda")
+    with torch.no_grad():
+        out = m(ids).logits.float()
+        base = ref(ids).logits.float()
+    assert len(calls) >= len(layers)
+    stats = logit_metrics(out, base, ids)
+    assert stats["top1"] >= 0.9 and stats["kl"] < 0.05, stats

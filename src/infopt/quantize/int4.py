@@ -27,7 +27,8 @@ from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 
-__all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES"]
+__all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
+           "cuda_inner_k_tiles", "layout_for"]
 
 
 
@@ -176,10 +177,36 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
 
 
-def _layout_for(device: torch.device) -> str:
+def cuda_inner_k_tiles(in_features: int) -> int | None:
+    """The ``innerKTiles`` of torch's CUDA int4 packing for a layer with ``in_features`` inputs, or None.
+
+    ``torch._convert_weight_to_int4pack`` tiles the input dimension in blocks of ``16 * innerKTiles``
+    (``innerKTiles`` 2, 4 or 8) and takes no padding, so ``in_features`` must be a multiple of the block:
+    576 (the default model) takes 4, 1536 takes 8, 48 takes none (the layer stays in the portable layout).
+
+    Example:
+        >>> cuda_inner_k_tiles(4096), cuda_inner_k_tiles(576), cuda_inner_k_tiles(96), cuda_inner_k_tiles(48)
+        (8, 4, 2, None)
+    """
+    for tiles in (8, 4, 2):
+        if in_features % (16 * tiles) == 0:
+            return tiles
+    return None
+
+
+def layout_for(device: torch.device, in_features: int, out_features: int, group_size: int) -> str:
+    """The layout an :class:`Int4Linear` takes on ``device`` (see the module docstring): the device's kernel
+    where it exists and takes the shape, else ``"plain"``.
+
+    Example:
+        >>> layout_for(torch.device("cuda"), 576, 1536, 32), layout_for(torch.device("cuda"), 48, 64, 16)
+        ('cuda_tinygemm', 'plain')
+    """
+    if out_features % 16 or group_size not in KERNEL_GROUP_SIZES:
+        return "plain"
     if device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         return "cpu_int4pack"
-    if device.type == "cuda" and hasattr(torch, "_weight_int4pack_mm"):
+    if device.type == "cuda" and hasattr(torch, "_weight_int4pack_mm") and cuda_inner_k_tiles(in_features):
         return "cuda_tinygemm"
     return "plain"
 
@@ -209,19 +236,12 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.out_dtype = dtype
         device = torch.device(device or "cpu")
-        self.layout = layout or _layout_for(device)
+        # an automatic layout follows the device: .to()/.cuda() repack for the new device's kernel
+        self._layout_auto = layout is None
+        self.layout = layout_for(device, in_features, out_features, group_size) if layout is None else layout
         if self.layout != "plain" and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
             self.layout = "plain"
-        n_groups = in_features // group_size
-        if self.layout == "plain":
-            self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-            self.register_buffer("scales", torch.ones(out_features, n_groups, dtype=torch.float32, device=device))
-            self.register_buffer("zeros", torch.full((out_features, n_groups), 8.0, dtype=torch.float32, device=device))
-        else:
-            # kernel layout: packed weight + bf16 [G, out, 2] (scale, offset) with w = (code - 8) * scale + offset
-            self.register_buffer("weight_packed", torch.zeros(0, dtype=torch.uint8, device=device))
-            self.register_buffer("scale_offset", torch.zeros(n_groups, out_features, 2, dtype=torch.bfloat16,
-                                                             device=device))
+        self._empty_buffers(device)
         self.register_buffer("in_perm", torch.arange(in_features, device=device) if has_perm else None)
         self.register_buffer("weight_dense", None, persistent=False)  # see enable_dense
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -266,7 +286,32 @@ class Int4Linear(nn.Module):
         return cls.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, dtype=w.dtype)
 
     # -- layouts ------------------------------------------------------------------------------------
+    def _empty_buffers(self, device: torch.device) -> None:
+        """(Re)register this layout's weight buffers, empty, on ``device``; drop the other layout's."""
+        n_groups = self.in_features // self.group_size
+        for name in ("qweight", "scales", "zeros", "weight_packed", "scale_offset"):
+            self._buffers.pop(name, None)
+        if self.layout == "plain":
+            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
+                                                        device=device))
+            self.register_buffer("scales", torch.ones(self.out_features, n_groups, dtype=torch.float32, device=device))
+            self.register_buffer("zeros", torch.full((self.out_features, n_groups), 8.0, dtype=torch.float32,
+                                                     device=device))
+        else:
+            # kernel layout: packed weight + bf16 [G, out, 2] (scale, offset) with w = (code - 8) * scale + offset
+            self.register_buffer("weight_packed", torch.zeros(0, dtype=torch.uint8, device=device))
+            self.register_buffer("scale_offset", torch.zeros(n_groups, self.out_features, 2, dtype=torch.bfloat16,
+                                                             device=device))
+
+    def _storage_device(self) -> torch.device:
+        return (self.qweight if self.layout == "plain" else self.scale_offset).device
+
     def _set_portable(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        if self._layout_auto:
+            want = layout_for(qweight.device, self.in_features, self.out_features, self.group_size)
+            if want != self.layout:
+                self.layout = want
+                self._empty_buffers(qweight.device)
         if self.layout == "plain":
             self.qweight = qweight.contiguous()
             self.scales = scales.float().contiguous()
@@ -276,14 +321,34 @@ class Int4Linear(nn.Module):
         if self.layout == "cpu_int4pack":
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         else:  # cuda_tinygemm takes nibble pairs with the even column in the high nibble
+            tiles = cuda_inner_k_tiles(self.in_features)
+            if tiles is None:
+                raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of 32, which the "
+                                 "CUDA int4 kernel needs; build the layer with layout='plain'")
             pairs = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-            packed = torch._convert_weight_to_int4pack(pairs.contiguous(), 8)
+            packed = torch._convert_weight_to_int4pack(pairs.contiguous(), tiles)
         # (c - z) * s == (c - 8) * s + (8 - z) * s; the kernel takes bf16, so derive the offset from the bf16
         # scale: then a save (which recovers z from both) and reload repacks the very same values
         s16 = scales.to(torch.bfloat16).float()
         offset = (8.0 - zeros.float()) * s16
         self.weight_packed = packed
         self.scale_offset = torch.stack([s16.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.cpu(): the packed weight of one device's kernel means nothing to another's, so a layer
+        # whose layout follows its device leaves in the portable layout and is repacked for the new device
+        src = self._storage_device()
+        if not self._layout_auto or src.type == "meta":
+            super()._apply(fn, recurse)
+            return self
+        dst = fn(torch.empty(0, device=src)).device
+        if dst.type == "meta" or layout_for(dst, self.in_features, self.out_features, self.group_size) == self.layout:
+            super()._apply(fn, recurse)
+            return self
+        q, s, z = self._portable()
+        super()._apply(fn, recurse)
+        self._set_portable(q.to(dst), s.to(dst), z.to(dst))
+        return self
 
     def _portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(qweight, scales, zeros)`` in the portable layout (recovered exactly from a kernel layout)."""
@@ -335,7 +400,7 @@ class Int4Linear(nn.Module):
             if tuple(q.shape) != want:
                 error_msgs.append(f"{prefix}qweight: shape {tuple(q.shape)} != {want}")
                 return
-            dev = self.scale_offset.device if self.layout != "plain" else self.qweight.device
+            dev = self._storage_device()
             self._set_portable(q.to(dev), s.to(dev), z.to(dev))
             if self.weight_dense is not None:  # the prompt copy follows the loaded codes
                 self.enable_dense()
