@@ -213,3 +213,45 @@ def test_isolated_compile_copies_keep_one_cache_per_copy(monkeypatch):
     assert torch.equal(fa(x), f(x)) and torch.equal(fb(x), f(x))
     fa(x), fb(x)
     assert counts == {"a": 1, "b": 1}  # each copy compiled once and reused its own graph
+
+
+def _graph_launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_preset_replays_cuda_graphs():
+    """gpu-fast decodes through CUDA graphs: each decode token is a graph replay (cudaGraphLaunch in the
+    profiler), no graph compiles after the warm-up, and greedy output equals plain generate (fp32)."""
+    ref, m = tiny_model().cuda(), tiny_model().cuda()
+    infopt.optimize(m, "gpu-fast")
+    p = _prompts()[1].cuda()
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    m.generate(p, **kw)  # cudagraph trees record on the first calls, replay after
+    out = []
+    launches = _graph_launches(lambda: out.append(m.generate(p, **kw)))
+    assert launches >= 20, launches  # 23 decode steps; each one graph replay
+    assert torch.equal(out[0], ref.generate(p, **kw))
+    assert compile_stats(m).compiles_after_warmup == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.real_model
+def test_gpu_fast_default_model_bf16_token_identical():
+    """The acceptance claim: gpu-fast on the default model in bf16 is greedy token-identical to plain bf16 generate."""
+    from infopt.models import load_default
+
+    ref, tok = load_default(dtype=torch.bfloat16, device="cuda")
+    m, _ = load_default(dtype=torch.bfloat16, device="cuda")
+    infopt.optimize(m, "gpu-fast")
+    for q in ("What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child."):
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, return_tensors="pt").input_ids.cuda()
+        kw = dict(max_new_tokens=64, do_sample=False)
+        assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw)), q
+    assert _graph_launches(lambda: m.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)) >= 12

@@ -1,0 +1,193 @@
+"""Batch-1 greedy decode on one CUDA GPU: plain transformers against infopt recipes, in one process.
+
+Usage:
+    python benchmarks/gpu_decode.py --model default --recipes none,gpu-fast,int4,fp8 --json out.json
+    python benchmarks/gpu_decode.py --model llama-1b --recipes none,gpu-fast,gpu-fast+int4 --json out.json
+
+For each recipe the model is loaded afresh in bf16 on the GPU, optimized, and timed: decode tokens/s is
+``(n - 1) / (t(n) - t(1))`` over greedy generates of ``n`` and 1 new tokens (the prompt's cost cancels), the
+median of ``--repeats``, with the GPU synchronized around each generate. Each row also records whether the
+greedy tokens equal plain bf16 ``generate``'s, how many CUDA graph launches one generate made (torch.profiler's
+``cudaGraphLaunch`` runtime calls: CUDA graphs replayed, not just captured), the weight bytes read per token and
+the bandwidth that implies against a device-to-device copy; on the default model, lossy recipes also get KL and
+top-1 agreement against the bf16 model on the evaluation text (``--quality``).
+
+``llama-1b`` is a Llama built from a config with random weights (hidden 2048, 16 layers, 5632 MLP, 32/4 heads,
+32k vocabulary: 0.84B parameters), large enough for decode to be bound by reading the weights; its quality
+figures mean nothing and are not computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import torch
+
+import infopt
+from infopt.bench.harness import machine_info, measure_bandwidth, weight_bytes_per_token
+
+QUANT = {
+    "int8": {"method": "int8"},
+    "int4": {"method": "int4", "group_size": 64},
+    "fp8": {"method": "fp8"},
+}
+FAST = [{"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}}, {"compile": {"mode": "reduce-overhead"}}]
+
+
+def recipe_steps(name: str):
+    """``none``, a preset, a quantizer above, or ``gpu-fast+<quantizer>``."""
+    if name == "none":
+        return None
+    if name in QUANT:
+        return {"steps": [{"quantize": QUANT[name]}]}
+    if name.startswith("gpu-fast+"):
+        return {"steps": [{"quantize": QUANT[name.split("+", 1)[1]]}, *FAST]}
+    return name  # a preset
+
+
+def load(name: str, seed: int = 0):
+    if name == "default":
+        from infopt.models import load_default
+
+        model, tok = load_default(dtype=torch.bfloat16, device="cuda")
+        return model, tok
+    if name == "llama-1b":
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096,
+                          tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.eval()
+        return model, None
+    raise SystemExit(f"--model {name!r}: default or llama-1b")
+
+
+def prompt_ids(tok, model) -> torch.Tensor:
+    if tok is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": "Explain how a transformer language model "
+                                         "generates text, step by step, for a new engineer."}],
+                                       add_generation_prompt=True, tokenize=False)
+        return tok(text, return_tensors="pt").input_ids.cuda()
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, model.config.vocab_size, (1, 48), generator=g).cuda()
+
+
+def timed_generate(model, ids, n: int) -> tuple[float, torch.Tensor]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def decode_rate(model, ids, n: int, repeats: int) -> tuple[float, torch.Tensor]:
+    timed_generate(model, ids, n)  # warm-up (also compiles whatever the warm-up at apply time missed)
+    rates, out = [], None
+    for _ in range(repeats):
+        t1, _ = timed_generate(model, ids, 1)
+        tn, out = timed_generate(model, ids, n)
+        rates.append((n - 1) / (tn - t1))
+    return statistics.median(rates), out
+
+
+def graph_launches(model, ids, n: int) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
+
+
+def quality(model, tok, ref_logits, ids) -> dict:
+    from infopt.eval.metrics import logit_metrics
+
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    m = logit_metrics(logits, ref_logits, ids)
+    return {k: round(m[k], 5) for k in ("kl", "kl_max", "top1", "ppl", "ppl_ref")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="default")
+    p.add_argument("--recipes", default="none,gpu-fast,int8,int4,fp8")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quality", action="store_true", help="KL / top-1 of each recipe against bf16 (default model)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_decode.py needs a CUDA device")
+
+    rows = []
+    plain_out = None
+    eval_ids = ref_logits = None
+    bw = measure_bandwidth(device="cuda") if "device" in measure_bandwidth.__code__.co_varnames else None
+    for name in args.recipes.split(","):
+        row: dict = {"recipe": name}
+        try:
+            model, tok = load(args.model)
+            ids = prompt_ids(tok, model)
+            if args.quality and tok is not None and eval_ids is None:
+                from infopt.eval.metrics import default_text, encode_text
+
+                eval_ids = encode_text(default_text(), tok, max_tokens=512).cuda()
+                with torch.no_grad():
+                    ref_logits = model(eval_ids).logits.float()
+            steps = recipe_steps(name)
+            t0 = time.perf_counter()
+            if steps is not None:
+                infopt.optimize(model, steps)
+            row["apply_s"] = round(time.perf_counter() - t0, 1)
+            rate, out = decode_rate(model, ids, args.tokens, args.repeats)
+            row["decode_tok_s"] = round(rate, 1)
+            row["weight_bytes_per_token"] = weight_bytes_per_token(model)
+            row["weight_gbs"] = round(row["weight_bytes_per_token"] * rate / 1e9, 1)
+            if plain_out is None and name == "none":
+                plain_out = out
+            if plain_out is not None:
+                row["token_identical_to_plain"] = bool(torch.equal(out, plain_out))
+                row["first_difference"] = None if row["token_identical_to_plain"] else int(
+                    (out[0, : plain_out.shape[1]] != plain_out[0, : out.shape[1]]).nonzero()[0, 0] - ids.shape[1])
+            row["cuda_graph_launches"] = graph_launches(model, ids, 16)
+            if name != "none":
+                from infopt.compile import compile_stats
+
+                st = compile_stats(model)
+                row["compile"] = st.as_dict() if st is not None else None
+            if eval_ids is not None and name != "none":
+                row["quality"] = quality(model, tok, ref_logits, eval_ids)
+            del model
+        except Exception as e:  # one recipe failing must not hide the others' figures
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-3000:]
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+
+    base = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "none"), None)
+    for r in rows:
+        if base and r.get("decode_tok_s"):
+            r["ratio_vs_plain"] = round(r["decode_tok_s"] / base, 2)
+    result = {"machine": machine_info(), "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
+              "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "rows": rows}
+    print(f"{'recipe':<16}{'tok/s':>9}{'ratio':>7}{'GB/s':>8}  identical  graphs  quality")
+    for r in rows:
+        print(f"{r['recipe']:<16}{r.get('decode_tok_s', 'error'):>9}{r.get('ratio_vs_plain', ''):>7}"
+              f"{r.get('weight_gbs', ''):>8}  {str(r.get('token_identical_to_plain', '')):>9}"
+              f"  {r.get('cuda_graph_launches', ''):>6}  {r.get('quality', r.get('error', ''))}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
