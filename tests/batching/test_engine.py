@@ -13,6 +13,7 @@ import torch
 from infopt.batching import Engine, SamplingParams, engine, params, sampler, scheduler
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
+from tests.attention.helpers import assert_greedy_close
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
@@ -21,7 +22,7 @@ def _prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]
 
 
 def _solo(model, prompt: list[int], new: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -250,6 +251,94 @@ def test_sampler_filters():
     kept = ~sampler.filter_logits(x, SamplingParams(temperature=1.0, top_p=0.7)).isinf()
     probs = x.softmax(-1)
     assert kept.tolist() == [True, True, False, False] and probs[0] < 0.7 <= probs[:2].sum()
+
+
+def test_sampled_requests_draw_from_a_generator_on_the_engine_device(monkeypatch):
+    eng = Engine(tiny_model(), kv=Paged(num_blocks=32))
+    assert eng.device == torch.device("cpu")
+    h = eng.submit([1, 2, 3], SamplingParams(4, temperature=0.8, seed=5))
+    assert h._seq.generator.device == eng.device
+    assert eng.submit([1, 2, 3], SamplingParams(4))._seq.generator is None  # greedy: no generator
+    # no GPU here: pretend the model is on cuda:1 and record where the engine asks for the generator
+    made = []
+    monkeypatch.setattr(engine, "make_generator",
+                        lambda device, seed: made.append((device, seed)) or torch.Generator().manual_seed(seed))
+    eng.device = torch.device("cuda", 1)
+    eng.submit([1, 2, 3], SamplingParams(4, temperature=0.8, seed=9))
+    assert made == [(torch.device("cuda", 1), 9)]
+
+
+def test_make_generator_builds_the_generator_on_the_device(monkeypatch):
+    class FakeGenerator:  # torch.Generator(device="cuda") needs a CUDA build
+        def __init__(self, device):
+            self.device = device
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    monkeypatch.setattr(sampler.torch, "Generator", FakeGenerator)
+    g = sampler.make_generator("cuda:1", 7)
+    assert (g.device, g.seed) == (torch.device("cuda", 1), 7)
+    monkeypatch.undo()
+    a, b = sampler.make_generator("cpu", 7), sampler.make_generator(torch.device("cpu"), 7)
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def test_choose_tokens_mixes_greedy_and_sampled_rows_and_leaves_the_logits_alone():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.9, top_k=40, top_p=0.9)
+    eos = int(logits[0].argmax())
+    rows = sampler.choose_tokens(logits, [greedy, hot, greedy, hot],
+                                 [None, sampler.make_generator("cpu", 1), None, sampler.make_generator("cpu", 2)],
+                                 [[eos, 3], None, None, [eos]])
+    assert torch.equal(logits, before)  # the eos mask is applied to a copy
+    assert rows[0] == int(logits[0].masked_fill(torch.isin(torch.arange(300), torch.tensor([eos, 3])),
+                                                -float("inf")).argmax())
+    assert rows[2] == int(logits[2].argmax())
+    for i, seed, mask in ((1, 1, []), (3, 2, [eos])):  # each sampled row draws as it would alone
+        alone = sampler.choose_tokens(logits[i:i + 1], [hot], [sampler.make_generator("cpu", seed)], [mask or None])
+        assert rows[i] == alone[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_matches_generate_on_cuda(dtype):
+    ref, model = tiny_model(dtype=dtype).cuda(), tiny_model(dtype=dtype).cuda()
+    rng = random.Random(4)
+    prompts = _prompts(10, seed=6, hi=70)
+    lengths = [rng.randint(1, 16) for _ in prompts]
+    # chunked prefill, decoders and prefills sharing steps, preemption
+    eng = Engine(model, max_batch_tokens=32, max_seqs=6, kv=Paged(block_size=4, num_blocks=60))
+    assert eng.device.type == "cuda" and eng.cache.device.type == "cuda"
+    outs = eng.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    assert eng.metrics()["errors"] == 0 and eng.cache.allocator.num_used == 0
+    for p, n, o in zip(prompts, lengths, outs, strict=True):
+        if dtype == torch.float32:  # fp32: the paged kernel and SDPA round alike enough for identity
+            assert o.token_ids == _solo(ref, p, n), (len(p), n)
+        else:  # bf16: identical up to a near-tie (see assert_greedy_close for the tolerance)
+            assert_greedy_close(ref, p, o.token_ids, n)
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_is_reproducible():
+    eng = Engine(tiny_model().cuda(), kv=Paged(num_blocks=64))
+    sp = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
+    h = eng.submit([1, 2, 3], sp)
+    assert h._seq.generator.device.type == "cuda"
+    alone = h.result().token_ids
+    assert len(alone) == 12 and eng.generate([[1, 2, 3]], sp)[0].token_ids == alone  # same seed, same tokens
+    first = _solo(tiny_model().cuda(), [7, 7, 7, 7], 1)[0]
+    crowd = eng.generate([[7, 7, 7, 7], [1, 2, 3], [5]], [
+        SamplingParams(8, eos_token_ids=(first,), min_new_tokens=4),  # greedy, its EOS masked on the GPU logits
+        sp, SamplingParams(12, temperature=0.5, seed=2)])
+    assert crowd[1].token_ids == alone  # the seed alone decides: not the batch around it
+    assert first not in crowd[0].token_ids[:4] and len(crowd[0].token_ids) >= 5
+    other = eng.generate([[1, 2, 3]], SamplingParams(12, temperature=0.9, top_k=50, top_p=0.95, seed=124,
+                                                     ignore_eos=True))[0]
+    assert other.token_ids != alone
+    assert eng.metrics()["errors"] == 0
 
 
 @pytest.mark.parametrize("module", [engine, params, sampler, scheduler], ids=lambda m: m.__name__.split(".")[-1])

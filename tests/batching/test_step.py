@@ -140,6 +140,18 @@ def test_dynamic_batcher_gathers_threads_into_one_forward():
             torch.testing.assert_close(results[i], alone, rtol=1e-4, atol=1e-5)
 
 
+def test_dynamic_batcher_moves_collated_tensors_to_its_device():
+    seen = []
+
+    def fn(input_ids, attention_mask):
+        seen.append((input_ids.device, attention_mask.device))
+        return torch.zeros(input_ids.shape, device=input_ids.device)
+
+    with DynamicBatcher(fn, max_batch_size=2, timeout_ms=1, device="meta") as run:  # meta stands in for cuda
+        assert run([1, 2, 3]).device.type == "meta"
+    assert seen == [(torch.device("meta"), torch.device("meta"))]
+
+
 def test_dynamic_batcher_timeout_runs_partial_batches_and_propagates_errors():
     def fn(**batch):
         if (batch["input_ids"] == 13).any():
@@ -177,3 +189,34 @@ def test_throughput_preset_is_exact_and_undoes():
     assert routing_stats(model).infopt == 1
     infopt.undo(model)
     assert "generate" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+def test_batching_step_on_cuda_greedy_and_sampled():
+    ref, model = tiny_model().cuda(), tiny_model().cuda()
+    infopt.optimize(model, [Batching(num_blocks=64, max_batch_tokens=8)])
+    ids, mask = (t.cuda() for t in _batch())
+    a = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert a.device.type == "cuda"
+    assert torch.equal(a, ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "top_k": 20,
+          "top_p": 0.9, "pad_token_id": 0}
+    torch.manual_seed(0)  # the engine draws each row's seed from torch's global generator
+    s1 = model.generate(ids, **kw)
+    torch.manual_seed(0)
+    s2 = model.generate(ids, **kw)
+    assert s1.device.type == "cuda" and s1.shape[0] == 3 and torch.equal(s1[:, :6], ids)
+    assert torch.equal(s1, s2)
+    assert routing_stats(model).infopt == 3 and batching_engine(model).metrics()["errors"] == 0
+    infopt.undo(model)
+
+
+@pytest.mark.gpu
+def test_dynamic_batcher_serves_a_cuda_model():
+    model = tiny_model().cuda()
+    with DynamicBatcher(lambda **b: model(**b).logits, max_batch_size=4, timeout_ms=2, device="cuda") as score:
+        out = score([1, 2, 3])
+    with torch.no_grad():
+        want = model(torch.tensor([[1, 2, 3]], device="cuda")).logits[0]
+    assert out.device.type == "cuda" and out.shape == want.shape
+    torch.testing.assert_close(out, want)

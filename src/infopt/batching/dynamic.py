@@ -61,6 +61,8 @@ class DynamicBatcher:
         timeout_ms: how long the first item of a batch waits for company before the batch runs.
         collate: items -> batch (default :func:`pad_collate`: right-padded token ids + attention mask).
         split: (output, items) -> per-item results (default :func:`trim_split`).
+        device: where the collated tensors go before ``fn`` sees them (a CUDA model's device: :func:`pad_collate`
+            builds CPU tensors); None leaves them where ``collate`` put them.
 
     Raises:
         ValueError: a non-positive ``max_batch_size`` or a negative ``timeout_ms``.
@@ -75,7 +77,8 @@ class DynamicBatcher:
 
     def __init__(self, fn: Callable[..., Any], max_batch_size: int = 8, timeout_ms: float = 5.0, *,
                  collate: Callable[[Sequence[Any]], Any] | None = None,
-                 split: Callable[[Any, Sequence[Any]], Sequence[Any]] | None = None):
+                 split: Callable[[Any, Sequence[Any]], Sequence[Any]] | None = None,
+                 device: torch.device | str | None = None):
         if not isinstance(max_batch_size, int) or max_batch_size <= 0:
             raise ValueError(f"DynamicBatcher max_batch_size={max_batch_size!r} is invalid; allowed: an integer > 0")
         if not isinstance(timeout_ms, (int, float)) or timeout_ms < 0:
@@ -85,6 +88,7 @@ class DynamicBatcher:
         self.timeout = timeout_ms / 1000
         self.collate = collate or pad_collate
         self.split = split or trim_split
+        self.device = torch.device(device) if device is not None else None
         self._queue: list[tuple[Any, Future]] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -129,7 +133,7 @@ class DynamicBatcher:
                 return
             items = [it for it, _ in batch]
             try:
-                collated = self.collate(items)
+                collated = self._to_device(self.collate(items))
                 with torch.no_grad():
                     out = self.fn(**collated) if isinstance(collated, dict) else self.fn(collated)
                 results = list(self.split(out, items))
@@ -143,6 +147,15 @@ class DynamicBatcher:
             self.items += len(items)
             for (_, fut), r in zip(batch, results, strict=True):
                 fut.set_result(r)
+
+    def _to_device(self, batch: Any) -> Any:
+        if self.device is None:
+            return batch
+        if torch.is_tensor(batch):
+            return batch.to(self.device)
+        if isinstance(batch, dict):
+            return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return batch
 
     def close(self) -> None:
         """Finish the queued items, then stop the worker thread."""

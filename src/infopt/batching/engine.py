@@ -27,7 +27,7 @@ from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .params import RequestMetrics, RequestOutput, SamplingParams
-from .sampler import choose_tokens
+from .sampler import choose_tokens, make_generator
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
 __all__ = ["Engine", "RequestHandle", "DEFAULT_KV_BUDGET"]
@@ -206,6 +206,7 @@ class Engine:
             if max_positions:
                 num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
         self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
+        self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
         self.scheduler = Scheduler(self.cache, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                    chunked_prefill=chunked_prefill,
                                    prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
@@ -299,10 +300,10 @@ class Engine:
         seq = SeqState(rid, ids, params, RequestMetrics(time.perf_counter(), prompt_tokens=len(ids)))
         if params.do_sample:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            seq.generator = torch.Generator().manual_seed(seed)
+            seq.generator = make_generator(self.device, seed)  # where the logits are: CUDA cannot draw from CPU's
         eos = params.eos_token_ids if params.eos_token_ids is not None else self._eos
         if eos and not params.ignore_eos:
-            seq.eos = torch.tensor(eos, dtype=torch.long)
+            seq.eos = tuple(int(t) for t in eos)
         handle = RequestHandle(self, seq)
         with self._lock:
             self._handles[rid] = handle
@@ -411,7 +412,7 @@ class Engine:
         if seq.metrics.first_token is None:
             seq.metrics.first_token = now
         self._handles[seq.rid]._put(tok)
-        if seq.eos is not None and bool((seq.eos == tok).any()):  # masked while under min_new_tokens
+        if seq.eos is not None and tok in seq.eos:  # masked while under min_new_tokens
             self._finish(seq, "stop")
         elif seq.params.stop and self._stop_hit(seq):
             self._finish(seq, "stop")

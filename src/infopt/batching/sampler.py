@@ -8,7 +8,7 @@ import torch
 
 from .params import SamplingParams
 
-__all__ = ["filter_logits", "choose_tokens"]
+__all__ = ["filter_logits", "choose_tokens", "make_generator"]
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -35,33 +35,69 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
+def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``, for one request's sampling.
+
+    The generator must live where the logits are: CUDA kernels cannot draw from a CPU generator. The same seed
+    draws the same tokens on the same device; a CPU and a CUDA generator with one seed give different streams.
+
+    Args:
+        device: the model's device (``engine.device``).
+        seed: the request's seed.
+
+    Returns:
+        The seeded generator.
+
+    Raises:
+        RuntimeError: from torch, for a device type without generators (``meta``).
+
+    Example:
+        >>> make_generator("cpu", 7).device
+        device(type='cpu')
+    """
+    return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
+
+
 def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                  eos_masks: Sequence[torch.Tensor | None]) -> list[int]:
-    """One next token per row of ``logits`` ``[S, V]``.
+                  eos_masks: Sequence[Sequence[int] | None]) -> list[int]:
+    """One next token per row of ``logits`` ``[S, V]``, computed on the logits' device with one sync for all rows.
 
     Args:
         logits: each sequence's next-token logits (any float dtype; computed in fp32 like ``generate``).
         params: each row's :class:`SamplingParams`.
-        generators: each sampled row's ``torch.Generator`` (None for greedy rows).
+        generators: each sampled row's ``torch.Generator`` (None for greedy rows), on the logits' device
+            (:func:`make_generator`); one on another device draws there and its noise is copied over.
         eos_masks: per row, end-of-sequence ids to forbid this step (``min_new_tokens`` not reached), or None.
 
     Returns:
         The chosen token ids, one per row.
+
+    Example:
+        >>> x = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 0.0]])
+        >>> choose_tokens(x, [SamplingParams(), SamplingParams()], [None, None], [None, [0]])
+        [1, 1]
     """
     scores = logits.to(torch.float32)
-    for i, eos in enumerate(eos_masks):
-        if eos is not None:
-            scores[i, eos] = -float("inf")
-    greedy = scores.argmax(-1).tolist()  # [S]: one batched argmax serves every greedy row
-    out = []
-    for i, p in enumerate(params):
-        if not p.do_sample:
-            out.append(int(greedy[i]))
-            continue
-        x = filter_logits(scores[i], p)
-        # Gumbel-max: argmax(x - log E), E ~ Exp(1), draws token i with probability softmax(x)_i. It stays in
-        # logit space (tiny probabilities would be denormal floats, which are slow on CPUs) and, unlike
-        # torch.multinomial, takes one pass over the vocabulary
-        race = torch.empty_like(x).exponential_(1.0, generator=generators[i])
-        out.append(int((x - race.log()).argmax().item()))
-    return out
+    masked = [(i, t) for i, eos in enumerate(eos_masks) if eos is not None for t in eos]
+    if masked:  # one index_put for every masked (row, id) pair
+        rows, cols = torch.tensor(masked, dtype=torch.long, device=scores.device).unbind(1)
+        scores = scores.index_put((rows, cols), torch.tensor(-float("inf"), device=scores.device))
+    picks = [scores.argmax(-1)]  # [S]: one batched argmax serves every greedy row
+    sampled = [i for i, p in enumerate(params) if p.do_sample]
+    if sampled:
+        races = []
+        for i in sampled:
+            x = filter_logits(scores[i], params[i])
+            # Gumbel-max: argmax(x - log E), E ~ Exp(1), draws token i with probability softmax(x)_i. It stays in
+            # logit space (tiny probabilities would be denormal floats, which are slow on CPUs) and, unlike
+            # torch.multinomial, takes one pass over the vocabulary
+            g = generators[i]
+            dev = g.device if g is not None else x.device
+            race = torch.empty(x.shape, dtype=x.dtype, device=dev).exponential_(1.0, generator=g).to(x.device)
+            races.append(x - race.log())
+        picks.append(torch.stack(races).argmax(-1))  # [len(sampled)]
+    flat = torch.cat(picks).tolist()  # the one device -> host copy of the step
+    out = flat[:len(params)]
+    for j, i in enumerate(sampled):
+        out[i] = flat[len(params) + j]
+    return [int(t) for t in out]

@@ -44,6 +44,8 @@ class SeqState:
         computed: leading tokens of ``prompt + output`` whose K/V are in the cache.
         admitted: True while it holds a sequence in the cache.
         skips: times a later request was admitted ahead of it.
+        generator: a sampled request's generator, on the model's device. eos: its end-of-sequence ids
+            (None: ``ignore_eos`` or none known).
     """
 
     rid: int
@@ -55,7 +57,7 @@ class SeqState:
     admitted: bool = False
     skips: int = 0
     generator: torch.Generator | None = None
-    eos: torch.Tensor | None = None
+    eos: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
