@@ -121,3 +121,192 @@ def test_cli_bench_and_compare(tmp_path, tok, capsys):
     assert "decode tokens/s" in capsys.readouterr().out
     assert main(["bench", "--compare", str(out), str(out)]) == 0
     assert "1x" in capsys.readouterr().out
+
+
+# -- devices: the bandwidth, the machine record and the CLI options -----------------------------------
+
+
+def test_bandwidth_times_the_copy_on_the_device_it_is_given(monkeypatch):
+    from infopt.bench import harness
+
+    assert harness._copy_timer(torch.device("cpu")) is harness._copy_seconds_cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert harness._copy_timer(torch.device("cuda")) is harness._copy_seconds_cuda
+    assert harness._copy_timer(torch.device("cuda:1")) is harness._copy_seconds_cuda
+    with pytest.raises(ValueError, match="allowed: cpu, cuda"):
+        harness._copy_timer(torch.device("meta"))
+
+
+def test_bandwidth_on_cuda_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        measure_bandwidth(size_mb=1, repeats=1, device="cuda")
+
+
+def test_bandwidth_is_bytes_read_and_written_over_the_median_time(monkeypatch):
+    from infopt.bench import harness
+
+    seconds = iter([1e-3, 4e-3, 2e-3])  # three repeats: the median rate is the 2 ms copy's
+    devices = []
+
+    def fake_timer(device):
+        devices.append(device)
+        return lambda src, dst: next(seconds)
+
+    monkeypatch.setattr(harness, "_copy_timer", fake_timer)
+    gbs = measure_bandwidth(size_mb=4, repeats=3)
+    assert devices == [torch.device("cpu")]
+    assert gbs == pytest.approx(2 * 4 * 2**20 / 2e-3 / 1e9)
+
+
+def test_machine_info_records_the_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from infopt.bench import harness
+
+    cpu = harness.machine_info()
+    assert cpu["device"] == "cpu" and cpu["gpu"] is None and cpu["nvidia_driver"] is None
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30, major=9, minor=0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: asked.append(i) or props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(harness, "_nvidia_driver", lambda: "580.65.06")
+    gpu = harness.machine_info("cuda:1")
+    assert asked == [1]
+    assert gpu["device"] == "cuda:1" and gpu["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert gpu["gpu_memory_gib"] == 80.0 and gpu["gpu_capability"] == "9.0"
+    assert gpu["cuda_runtime"] == torch.version.cuda and gpu["nvidia_driver"] == "580.65.06"
+    assert harness.machine_info("cuda")["gpu"] == props.name and asked == [1, 0]  # no index: the current device
+
+
+def test_nvidia_driver_read_from_nvidia_smi(monkeypatch):
+    import subprocess
+
+    from infopt.bench import harness
+
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
+    assert harness._nvidia_driver() is None
+    monkeypatch.setattr(harness.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="580.65.06\n580.65.06\n", stderr="")
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    assert harness._nvidia_driver() == "580.65.06"
+    assert "--query-gpu=driver_version" in calls[0]
+    monkeypatch.setattr(harness.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, stdout="", stderr="no devices"))
+    assert harness._nvidia_driver() is None
+
+
+def _result(**machine):
+    base = {"decode_tokens_per_s": 10.0, "tokens_per_s": 10.0, "ttft_p50_ms": 5.0, "model_mb": 1.0,
+            "peak_rss_mb": 100.0, "weight_gbs": 1.0}
+    return {"machine": {"cpu": "host cpu", "threads": 2, "torch": "t", "transformers": "tf", "infopt": "i",
+                        "date": "2026-01-01T00:00:00+00:00", "bandwidth_gbs": 3000.0, **machine},
+            "model": "tiny", "workload": {"name": "decode", "description": "d", "requests": 1, "prompt_tokens": 32,
+                                          "output_tokens": 128, "dtype": "torch.bfloat16", "repeats": 1, "seed": 0},
+            "recipe": None, "baseline": dict(base), "baseline_modes": {"sequential": dict(base)}, "optimized": None,
+            "ratios": None, "ratios_by_mode": None, "ratio_baseline": "sequential", "quality": None,
+            "compile": None, "exact_greedy": None}
+
+
+def test_table_and_csv_name_the_gpu(tmp_path):
+    cpu = _result(device="cpu", gpu=None)
+    text = format_table(cpu)
+    assert "measured copy bandwidth 3000.0 GB/s" in text and "peak GPU memory" not in text
+    gpu = _result(device="cuda:0", gpu="NVIDIA H100", gpu_memory_gib=79.2, cuda_runtime="13.0",
+                  nvidia_driver="580.65.06")
+    gpu["baseline"]["peak_gpu_mb"] = gpu["baseline_modes"]["sequential"]["peak_gpu_mb"] = 321.0
+    text = format_table(gpu)
+    assert "machine: NVIDIA H100 (79.2 GiB, CUDA 13.0, driver 580.65.06), host host cpu" in text
+    assert "device-to-device copy bandwidth 3000.0 GB/s" in text
+    assert any(line.startswith("peak GPU memory MiB") and "321" in line for line in text.splitlines())
+
+    import csv
+
+    path = append_csv(cpu, tmp_path / "hist.csv")
+    append_csv(gpu, path)  # new columns: the header is extended and the CPU row keeps its cells
+    append_csv(cpu, path)
+    rows = list(csv.DictReader(path.open()))
+    assert [r["gpu"] for r in rows] == ["", "NVIDIA H100", ""]
+    assert rows[1]["nvidia_driver"] == "580.65.06" and rows[1]["device"] == "cuda:0"
+    assert [r["cpu"] for r in rows] == ["host cpu"] * 3 and rows[2]["bandwidth_gbs"] == "3000.0"
+
+
+def test_cli_device_and_dtype_options(tmp_path, monkeypatch, capsys):
+    from infopt.cli import build_parser, main
+
+    from .helpers import byte_tokenizer
+
+    args = build_parser().parse_args(["bench", "--workload", "decode", "--recipe", "gpu-fast", "--device", "cuda",
+                                      "--dtype", "bfloat16"])
+    assert (args.device, args.dtype, args.recipe) == ("cuda", "bfloat16", "gpu-fast")
+    defaults = build_parser().parse_args(["bench"])
+    assert (defaults.device, defaults.dtype) == ("cpu", "float32")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--dtype", "int8"])
+
+    src = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--model", str(src), "--device", "cuda", "--quiet"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert main(["bench", "--model", str(src), "--device", "tpu", "--quiet"]) == 2
+    assert "--device 'tpu'" in capsys.readouterr().err
+
+    out = tmp_path / "bf16.json"
+    assert main(["bench", "--model", str(src), "--device", "auto", "--dtype", "bfloat16", "--recipe", "none",
+                 "--requests", "1", "--repeats", "1", "--json", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["workload"]["dtype"] == "torch.bfloat16"
+    assert res["machine"]["device"] == "cpu" and res["machine"]["gpu"] is None
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_measures_the_gpu():
+    from .helpers import byte_tokenizer
+
+    m = tiny_model("llama").cuda()
+    res = run_bench(m, byte_tokenizer(), [{"kvcache": {"kind": "static"}}], "decode", repeats=1, progress=False)
+    mach = res["machine"]
+    # a host copy reaches tens of GB/s at most: only a device-to-device copy in HBM clears 200
+    assert mach["bandwidth_gbs"] > 200
+    assert mach["device"].startswith("cuda") and mach["gpu"] == torch.cuda.get_device_name()
+    assert mach["cuda_runtime"] == torch.version.cuda
+    assert res["exact_greedy"] is True and res["quality"]["top1"] == 1.0  # a static cache is lossless
+    for side in (res["baseline"], res["optimized"]):
+        assert side["decode_tokens_per_s"] > 0 and side["peak_gpu_mb"] > 0
+        assert side["weight_gbs"] < mach["bandwidth_gbs"]
+    assert next(m.parameters()).is_cuda and "generate" not in m.__dict__  # handed back unoptimized, on the GPU
+    assert "device-to-device copy bandwidth" in format_table(res)
+
+
+@pytest.mark.gpu
+def test_bandwidth_figure_is_the_gpus():
+    gpu = measure_bandwidth(size_mb=256, repeats=5, device="cuda")
+    assert gpu > 200
+    assert measure_bandwidth(size_mb=64, repeats=3, device="cpu") < gpu
+
+
+@pytest.mark.gpu
+def test_cli_bench_gpu_fast_bf16_on_cuda(tmp_path):
+    from infopt.cli import main
+
+    from .helpers import byte_tokenizer
+
+    src = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    out = tmp_path / "gpu.json"
+    assert main(["bench", "--model", str(src), "--workload", "decode", "--recipe", "gpu-fast", "--device", "cuda",
+                 "--dtype", "bfloat16", "--repeats", "1", "--json", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["workload"]["dtype"] == "torch.bfloat16"
+    assert res["machine"]["gpu"] == torch.cuda.get_device_name() and res["machine"]["bandwidth_gbs"] > 200
+    assert res["recipe"]["steps"][-1]["compile"]["mode"] == "reduce-overhead"
+    assert res["compile"] is not None and res["compile"]["compiles"] >= 1  # the compiled step served the run
+    assert res["optimized"]["decode_tokens_per_s"] > 0 and res["optimized"]["peak_gpu_mb"] > 0

@@ -5,7 +5,29 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["register"]
+__all__ = ["register", "DTYPES"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""Values of ``--dtype``: the dtype the model is loaded in."""
+
+
+def _device(name: str):
+    """The torch device ``--device`` names (``auto``: CUDA when one is visible, else CPU).
+
+    Raises:
+        ValueError: a name torch does not parse, or a CUDA device on a machine without one.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a device torch knows ({e}); use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is visible to torch {torch.__version__}; use --device cpu")
+    return device
 
 
 def _run(args) -> int:
@@ -15,11 +37,14 @@ def _run(args) -> int:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)
         print(compare_runs(a, b))
         return 0
+    import torch
+
     from ..models import load_model
     from .harness import run_bench
     from .report import append_csv, plot
 
-    model, tok = load_model(args.model)
+    device = _device(args.device)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     if tok is None:
         raise FileNotFoundError(f"{args.model} has no tokenizer; the benchmark workloads need one")
     result = run_bench(model, tok, args.recipe, args.workload, repeats=args.repeats, seed=args.seed,
@@ -45,6 +70,8 @@ def register(sub) -> None:
     p.add_argument("--workload", default="decode", choices=list(WORKLOADS))
     p.add_argument("--recipe", default="none", help="preset, recipe file, or 'none' (baseline only)")
     p.add_argument("--model", default="default", help="'default' or a local HF folder")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N, or auto (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's dtype (default: float32)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--requests", type=int, default=None, help="override the workload's request count")
     p.add_argument("--seed", type=int, default=0)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import time
 from typing import Any
 
@@ -19,13 +21,67 @@ from .workloads import WORKLOADS, Request, make_workload
 __all__ = ["measure_bandwidth", "run_requests", "summarize", "run_bench", "machine_info", "weight_bytes_per_token"]
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
-def machine_info() -> dict[str, Any]:
-    """Machine, thread count and library versions, for the record."""
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock read after it covers that work (CUDA runs async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version from ``nvidia-smi`` (None without it); every GPU of a machine shares one driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        res = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = res.stdout.strip().splitlines() if res.returncode == 0 else []
+    return lines[0].strip() if lines else None
+
+
+def _gpu_info(device: torch.device) -> dict[str, Any]:
+    """GPU name, memory, compute capability, CUDA runtime and driver of a CUDA ``device`` (all None otherwise)."""
+    if device.type != "cuda":
+        return {"gpu": None, "gpu_memory_gib": None, "gpu_capability": None, "cuda_runtime": None,
+                "nvidia_driver": None}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "gpu": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpu_capability": f"{props.major}.{props.minor}",
+        "cuda_runtime": torch.version.cuda,
+        "nvidia_driver": _nvidia_driver(),
+    }
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Machine, thread count and library versions, for the record.
+
+    Args:
+        device: the device the benchmark runs on; for a CUDA device the GPU's name, memory, compute
+            capability, the CUDA runtime torch was built with and the NVIDIA driver are recorded too.
+
+    Returns:
+        ``{"cpu", "cores", "threads", "device", "gpu", "gpu_memory_gib", "gpu_capability", "cuda_runtime",
+        "nvidia_driver", "python", "torch", "transformers", "infopt", "date"}`` (GPU fields None on CPU).
+
+    Example:
+        >>> machine_info()["device"]
+        'cpu'
+    """
     import transformers
 
     from .._version import __version__
 
+    device = torch.device(device)
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -39,7 +95,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "device": str(device),
+        **_gpu_info(device),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -48,18 +105,65 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def measure_bandwidth(size_mb: int = 256, repeats: int = 5) -> float:
-    """Achievable memory bandwidth in GB/s: a large tensor copy (bytes read + bytes written) / time, median."""
+def _copy_seconds_cpu(src: torch.Tensor, dst: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def _copy_seconds_cuda(src: torch.Tensor, dst: torch.Tensor) -> float:
+    # device-to-device copy timed on the GPU's own clock: events around the copy, on the current stream
+    with torch.cuda.device(src.device):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3  # ms -> s
+
+
+def _copy_timer(device: torch.device):
+    """How one copy is timed on ``device``: the host clock on CPU, CUDA events on a GPU."""
+    if device.type == "cpu":
+        return _copy_seconds_cpu
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"measure_bandwidth(device={str(device)!r}): no CUDA device is visible; use device='cpu'")
+        return _copy_seconds_cuda
+    raise ValueError(f"measure_bandwidth(device={str(device)!r}); allowed: cpu, cuda, cuda:N")
+
+
+def measure_bandwidth(size_mb: int = 256, repeats: int = 5, *, device: str | torch.device = "cpu") -> float:
+    """Achievable memory bandwidth of ``device`` in GB/s: a large tensor copy within that device's memory,
+    (bytes read + bytes written) / time, median over ``repeats``.
+
+    On CPU the copy is timed with the host clock; on CUDA it is a device-to-device copy timed with CUDA
+    events (so it is the GPU's memory bandwidth, not a host copy's or a transfer's).
+
+    Args:
+        size_mb: MiB copied per repeat.
+        repeats: timed copies (after one untimed copy that faults pages in / warms the kernel).
+        device: ``"cpu"`` or a CUDA device.
+
+    Returns:
+        GB/s (1e9 bytes per second).
+
+    Raises:
+        ValueError: another device type, or a CUDA device on a machine without one.
+
+    Example:
+        >>> measure_bandwidth(size_mb=8, repeats=2) > 0
+        True
+    """
+    device = torch.device(device)
+    timer = _copy_timer(device)
     n = size_mb * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32)
+    src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault pages in
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        dt = time.perf_counter() - t0
-        rates.append(2 * src.numel() * 4 / dt / 1e9)
+    _sync(device)
+    rates = [2 * src.numel() * 4 / timer(src, dst) / 1e9 for _ in range(repeats)]
     return statistics.median(rates)
 
 
@@ -102,15 +206,20 @@ def _peak_rss_bytes() -> int | None:
 
 
 class _FirstToken:
-    """A generate streamer that timestamps the first generated token (the first ``put`` is the prompt)."""
+    """A generate streamer that timestamps the first generated token (the first ``put`` is the prompt).
 
-    def __init__(self):
+    On CUDA it waits for the device before reading the clock, so the time covers the first token's kernels.
+    """
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
         self.calls = 0
         self.t_first: float | None = None
+        self.device = device
 
     def put(self, value):
         self.calls += 1
         if self.calls == 2 and self.t_first is None:
+            _sync(self.device)
             self.t_first = time.perf_counter()
 
     def end(self):
@@ -127,11 +236,14 @@ def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
     engine = batching_engine(model)
     if engine is None:
         raise ValueError("mode 'engine' needs a model with the batching step applied (recipe stage 'batching')")
+    device = _model_device(model)
+    _sync(device)
     t_start = time.perf_counter()
     handles = [engine.submit(r.input_ids[0], SamplingParams(max_new_tokens=r.max_new_tokens,
                                                        min_new_tokens=r.max_new_tokens))
                for r in requests]
     outs = [h.result() for h in handles]
+    _sync(device)
     wall = time.perf_counter() - t_start
     rows = []
     for o in outs:
@@ -152,6 +264,7 @@ def _run_hf_continuous(model: nn.Module, requests: list[Request]) -> dict[str, A
     before = model.config._attn_implementation
     results: dict[str, Any] = {}
     with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+        _sync(_model_device(model))
         t_start = time.perf_counter()
         ids = [manager.add_request(r.input_ids[0].tolist(), request_id=f"r{i}", max_new_tokens=r.max_new_tokens,
                                    record_timestamps=True, eos_token_id=-1) for i, r in enumerate(requests)]
@@ -201,10 +314,11 @@ def run_requests(model: nn.Module, requests: list[Request], *, mode: str = "sequ
 def _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc):
     from tqdm.auto import tqdm
 
-    device = next(model.parameters()).device
+    device = _model_device(model)
     out: list[dict[str, Any] | None] = [None] * len(requests)
     size = 1 if mode == "sequential" else batch_size
     groups = [list(range(i, min(i + size, len(requests)))) for i in range(0, len(requests), size)]
+    _sync(device)
     t_start = time.perf_counter()
     for group in tqdm(groups, desc=desc, disable=not progress, leave=False):
         reqs = [requests[i] for i in group]
@@ -215,10 +329,13 @@ def _run_generate(model, requests, mode, batch_size, pad_token_id, progress, des
             ids[j, longest - r.prompt_len:] = r.input_ids[0]
             mask[j, longest - r.prompt_len:] = 1
         new = max(r.max_new_tokens for r in reqs)
-        timer = _FirstToken()
+        ids, mask = ids.to(device), mask.to(device)
+        timer = _FirstToken(device)
+        _sync(device)  # the copies above are not part of the request's time
         t0 = time.perf_counter()
-        gen = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=pad_token_id, streamer=timer)
+        _sync(device)
         t1 = time.perf_counter()
         first = timer.t_first or t1
         for j, (i, r) in enumerate(zip(group, reqs, strict=True)):
@@ -230,6 +347,7 @@ def _run_generate(model, requests, mode, batch_size, pad_token_id, progress, des
                 "n_out": r.max_new_tokens,
                 "tokens": gen[j, longest:longest + r.max_new_tokens].tolist(),
             }
+    _sync(device)
     return {"wall": time.perf_counter() - t_start, "requests": out}
 
 
@@ -269,10 +387,15 @@ def _median_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _timed(model, requests, mode, pad, progress, desc):
+    device = _model_device(model)
     _reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     run = run_requests(model, requests, mode=mode, pad_token_id=pad, progress=progress, desc=desc)
     m = summarize(run)
     m["peak_rss_mb"] = (_peak_rss_bytes() or 0) / 2**20
+    if device.type == "cuda":  # tensors torch allocated on the GPU (weights, caches, activations), at their peak
+        m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     m["model_mb"] = param_bytes(model) / 2**20
     m["weight_gbs"] = weight_bytes_per_token(model) * m["decode_tokens_per_s"] / 1e9
     return m, [r["tokens"] for r in run["requests"]]
@@ -293,7 +416,9 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
 
     Each repeat runs the baseline, applies the recipe, runs the optimized model, and undoes the
     recipe, so slow drifts of the machine hit both sides alike. Medians over repeats are reported.
-    A warm-up generate precedes every timed run.
+    A warm-up generate precedes every timed run. Everything runs on the model's device: on CUDA the
+    clocks are read after synchronizing the device, peak GPU memory is reported beside peak RSS, and the
+    machine record holds the GPU and its measured device-to-device copy bandwidth.
 
     Args:
         model, tokenizer: the unoptimized model and its tokenizer (the model is left unoptimized).
@@ -319,8 +444,9 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     r = None if recipe in (None, "none") else Recipe.parse(recipe)
     requests = make_workload(workload, tokenizer, seed=seed, num_requests=num_requests)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    machine = machine_info()
-    machine["bandwidth_gbs"] = measure_bandwidth()
+    device = _model_device(model)
+    machine = machine_info(device)
+    machine["bandwidth_gbs"] = measure_bandwidth(device=device)
 
     batching = r is not None and any(st.stage == "batching" for st in r.steps)
     if baselines is None:
@@ -336,7 +462,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         ratio_base = base_modes[0]
     # warm-up: the first request at its own length, so lazily built state sized by the call (a static cache
     # bucket, a compiled decode graph) is built before timing, as a server's first request would build it
-    warm = requests[0].input_ids
+    warm = requests[0].input_ids.to(device)
     warm_new = requests[0].max_new_tokens
 
     reference = None

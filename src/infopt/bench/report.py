@@ -24,6 +24,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "tpot_p50_ms": ("time/output token p50 ms", False),
     "model_mb": ("weights+buffers MiB", False),
     "peak_rss_mb": ("peak RSS MiB", False),
+    "peak_gpu_mb": ("peak GPU memory MiB", False),
     "weight_gbs": ("weight bandwidth GB/s", True),
 }
 
@@ -36,6 +37,17 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _machine_line(mach: dict[str, Any]) -> str:
+    versions = f"torch {mach['torch']}, transformers {mach['transformers']}"
+    if mach.get("gpu"):  # a CUDA run: the GPU is the machine; the copy was device-to-device
+        driver = f", driver {mach['nvidia_driver']}" if mach.get("nvidia_driver") else ""
+        return (f"machine: {mach['gpu']} ({mach.get('gpu_memory_gib')} GiB, CUDA {mach.get('cuda_runtime')}{driver}), "
+                f"host {mach['cpu']}, {versions}; measured device-to-device copy bandwidth "
+                f"{mach['bandwidth_gbs']:.1f} GB/s")
+    return (f"machine: {mach['cpu']}, {mach['threads']} threads, {versions}; measured copy bandwidth "
+            f"{mach['bandwidth_gbs']:.1f} GB/s")
+
+
 def format_table(result: dict[str, Any]) -> str:
     """A readable table of one :func:`~infopt.bench.harness.run_bench` result."""
     mach = result["machine"]
@@ -44,8 +56,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"workload {wl['name']}: {wl['description']}",
         f"  {wl['requests']} requests, {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
         f"{wl['dtype']}, repeats {wl['repeats']} (median), seed {wl['seed']}",
-        f"machine: {mach['cpu']}, {mach['threads']} threads, torch {mach['torch']}, transformers "
-        f"{mach['transformers']}; measured copy bandwidth {mach['bandwidth_gbs']:.1f} GB/s",
+        _machine_line(mach),
         f"recipe: {_recipe_str(result.get('recipe'))}",
         "",
     ]
@@ -57,6 +68,8 @@ def format_table(result: dict[str, Any]) -> str:
     w = max(len(v[0]) for v in METRICS.values())
     lines.append(f"{'':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
     for key, (label, _) in METRICS.items():
+        if all(key not in modes[m] for m in modes):  # a figure this run does not have (GPU memory on CPU)
+            continue
         row = [modes[m].get(key) for m in modes]
         if result["optimized"]:
             row.append(result["optimized"].get(key))
@@ -138,7 +151,11 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 
 
 def append_csv(result: dict[str, Any], path: str | Path) -> Path:
-    """Append one row (date, machine, versions, recipe, key figures) to a history CSV."""
+    """Append one row (date, machine, versions, recipe, key figures) to a history CSV.
+
+    A row with columns the file's header lacks (a GPU run's ``device``/``gpu``, quality figures after
+    rows without them) rewrites the file with the header extended, so every column stays under its name.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     m = result["machine"]
@@ -153,10 +170,26 @@ def append_csv(result: dict[str, Any], path: str | Path) -> Path:
     if result["quality"]:
         row["kl"] = round(result["quality"]["kl"], 5)
         row["top1"] = round(result["quality"]["top1"], 4)
-    new = not p.exists()
-    with p.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if new:
+    if m.get("gpu"):
+        row["device"] = m.get("device")
+        row["gpu"] = m["gpu"]
+        row["cuda_runtime"] = m.get("cuda_runtime")
+        row["nvidia_driver"] = m.get("nvidia_driver")
+    fields, rows = list(row), None
+    if p.exists() and p.stat().st_size:
+        with p.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            if set(row) - set(header):
+                rows = list(reader)
+            fields = header + [k for k in row if k not in header]
+    if rows is not None or not p.exists() or not p.stat().st_size:  # a new file, or a header to extend
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, restval="")
             w.writeheader()
-        w.writerow(row)
+            w.writerows(rows or [])
+            w.writerow(row)
+        return p
+    with p.open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=fields, restval="").writerow(row)
     return p
