@@ -134,6 +134,10 @@ RULES: tuple[Rule, ...] = (
     Rule("parallel[tensor!=none]", "quantize:smoothquant", "conflicts",
          "W8A8 layers quantize each activation row over its full width; a row-parallel shard sees only its slice",
          "use quantize int8 (weight-only) with parallel tensor, or parallel pipeline with smoothquant"),
+    Rule("parallel[tensor!=none]", "quantize:fp8", "conflicts",
+         "FP8 layers quantize each activation row over its full width (a row-parallel shard sees only its slice), "
+         "and tensor parallelism does not slice their fp8 weights and scales",
+         "use quantize int8 (weight-only) with parallel tensor, or parallel pipeline with fp8"),
 )
 
 

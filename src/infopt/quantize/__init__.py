@@ -3,6 +3,7 @@
 from .api import CALIBRATED, QUANTIZERS, quantize_, register_calibrated, register_quantizer
 from .awq import AWQ
 from .bnb import BnbInt8, BnbNF4
+from .fp8 import FP8, FP8Linear
 from .gptq import GPTQ
 from .int4 import Int4Linear, Int4WeightOnly
 from .int8 import Int8Linear, Int8WeightOnly
@@ -12,4 +13,4 @@ from .w8a8 import W8A8Linear
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "register_quantizer", "register_calibrated", "Int8WeightOnly",
            "Int8Linear", "Int4WeightOnly", "Int4Linear",
            "GPTQ", "AWQ",
-           "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4"]
+           "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4", "FP8", "FP8Linear"]
