@@ -42,11 +42,37 @@ def test_flash_attention_refused_on_cpu(llama, monkeypatch):
         infopt.optimize(llama, [Attention("flash_attention_2")])
 
 
+def _kernels(prof) -> set[str]:
+    return {e.name for e in prof.events()}
+
+
+def _flash_attn_ran(names: set[str]) -> bool:
+    """flash-attn's own work in a profile: its custom ops (``flash_attn::_flash_attn_forward``, flash-attn >= 2.7)
+    or its CUDA kernels (``flash_fwd_kernel``, ``flash_fwd_splitkv_kernel``), which PyTorch's SDPA copy of the same
+    kernels names ``pytorch_flash::flash_fwd_kernel``."""
+    return any(n.startswith("flash_attn::") or ("flash_fwd" in n and "pytorch_flash" not in n) for n in names)
+
+
 @pytest.mark.gpu
 def test_flash_attention_on_cuda(prompt):
     pytest.importorskip("flash_attn", reason="flash-attn not installed (pip install 'infopt[flash]')")
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.attention.helpers import assert_greedy_close
+
+    ref = tiny_model("llama", dtype=torch.bfloat16).cuda()
     m = tiny_model("llama", dtype=torch.bfloat16).cuda()
-    ref = m.generate(prompt.cuda(), max_new_tokens=8, do_sample=False)
     infopt.optimize(m, [Attention("flash_attention_2")])
-    out = m.generate(prompt.cuda(), max_new_tokens=8, do_sample=False)
-    assert out.shape == ref.shape
+    assert m.config._attn_implementation == "flash_attention_2"
+    p = prompt.cuda()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = m.generate(p, max_new_tokens=8, do_sample=False)
+    names = _kernels(prof)
+    seen = sorted(n for n in names if "flash" in n.lower() or "attention" in n.lower() or "fmha" in n.lower())
+    assert _flash_attn_ran(names), f"no flash-attn op or kernel in the profile; attention-like events: {seen}"
+    sdpa = [n for n in names if "scaled_dot_product" in n or "pytorch_flash" in n or "fmha" in n.lower()]
+    assert not sdpa, f"SDPA ran under flash_attention_2: {sdpa}"
+    # bf16: the two flash kernels tile the sums differently; identical up to a near-tie (see the helper)
+    assert_greedy_close(ref, p, out[0, p.shape[1]:].tolist(), 8)
+    infopt.undo(m)
+    assert m.config._attn_implementation == "sdpa"

@@ -12,7 +12,7 @@ backend keeps working everywhere.
 Kernels: a reference in torch that runs on any device (gather each sequence's blocks, one masked
 SDPA call for the whole step), and on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's
 variable-length kernel reading the block table directly (its paged mode needs a block size that is a
-multiple of 256; other sizes use the reference).
+multiple of 256; other sizes use the reference). :func:`kernel_calls` counts which kernel each layer call ran.
 """
 
 from __future__ import annotations
@@ -28,12 +28,30 @@ from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
-__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention"]
+__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention",
+           "kernel_calls"]
 
 PAGED_IMPL = "infopt_paged"
 """The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens
+
+KERNELS = ("flash_attn", "reference", "sdpa")
+_CALLS = dict.fromkeys(KERNELS, 0)  # layer calls per kernel since import (a diagnostic: unlocked, += under the GIL)
+
+
+def kernel_calls() -> dict[str, int]:
+    """Layer calls of the ``paged`` backend per kernel since import: ``flash_attn`` (flash-attn's paged
+    varlen kernel), ``reference`` (the torch gather + SDPA kernel) and ``sdpa`` (calls no paged cache served).
+
+    Take the difference of two snapshots to see which kernel a piece of work ran.
+
+    Example:
+        >>> before = kernel_calls()
+        >>> sorted(before)
+        ['flash_attn', 'reference', 'sdpa']
+    """
+    return dict(_CALLS)
 
 
 @dataclass
@@ -251,6 +269,7 @@ def paged_attention_forward(
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        _CALLS["sdpa"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
@@ -259,7 +278,9 @@ def paged_attention_forward(
             "attention backend does not implement; use kvcache static or the default cache for this model"
         )
     if _flash_ok(query, meta):
+        _CALLS["flash_attn"] += 1
         return _flash(query, key, value, meta, scaling), None
+    _CALLS["reference"] += 1
     return _reference(query, key, value, meta, scaling), None
 
 
