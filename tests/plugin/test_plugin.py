@@ -122,22 +122,38 @@ def test_quality_int8_gates(pytester):
 def test_gpu_marker_skips_on_cpu(pytester):
     pytester.makepyfile(test_g="""
         import pytest
+        import torch
 
         @pytest.mark.gpu
         def test_needs_cuda():
-            pass
+            assert torch.cuda.is_available()
 
         def test_device(infopt_device):
-            assert infopt_device in ("cpu", "cuda:0")
+            assert infopt_device == "cpu" or infopt_device.startswith("cuda:")
+            torch.zeros(1, device=infopt_device)
     """)
-    res = pytester.runpytest("--strict-markers", "-rs")
-    if torch.cuda.is_available():
-        assert res.ret == 0
+    gpus = torch.cuda.device_count()
+    res = pytester.runpytest("--strict-markers", "-rs", "-v")
+    if gpus:  # test_device runs on cpu and on every visible GPU; test_needs_cuda runs
+        res.assert_outcomes(passed=2 + gpus)
+        res.stdout.fnmatch_lines(["*test_needs_cuda PASSED*"])
+        res.stdout.fnmatch_lines(["*test_device?cpu? PASSED*", *(f"*test_device?cuda{i}? PASSED*" for i in range(gpus))])
     else:
         res.assert_outcomes(passed=1, skipped=1)
         res.stdout.fnmatch_lines(["*SKIPPED*needs a CUDA device; none is visible*"])
+        res.stdout.no_fnmatch_line("*test_device?cuda*")
+    res = pytester.runpytest("-m", "gpu", "-v")  # the CUDA parameters carry the gpu marker
+    if gpus:
+        res.assert_outcomes(passed=1 + gpus, deselected=1)
+    else:
+        res.assert_outcomes(skipped=1, deselected=1)
     res = pytester.runpytest("--infopt-device", "cpu", "-v")
+    if gpus:
+        res.assert_outcomes(passed=2)
+    else:
+        res.assert_outcomes(passed=1, skipped=1)
     res.stdout.fnmatch_lines(["*test_device?cpu? PASSED*"])
+    res.stdout.no_fnmatch_line("*test_device?cuda*")
 
 
 def test_goldens_byte_identical_across_processes(pytester):
