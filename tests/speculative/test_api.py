@@ -137,3 +137,26 @@ def test_streamer_sees_every_token():
     out = m.generate(p, max_new_tokens=12, do_sample=False, streamer=s)
     assert s.puts[-1] == "end" and s.puts[0] == p[0].tolist()
     assert sum(s.puts[1:-1], []) == out[0, 7:].tolist() == ref.generate(p, max_new_tokens=12, do_sample=False)[0, 7:].tolist()
+
+
+def test_draft_model_on_another_device_refused_model_untouched():
+    from infopt.core.errors import IncompatibleModelError
+
+    m = tiny_model()
+    with pytest.raises(IncompatibleModelError, match="draft model is on meta but the target on cpu"):
+        enable_(m, DraftModel(tiny_model(num_layers=1).to("meta"), num_tokens=3))
+    assert "generate" not in m.__dict__ and stats(m) == {}
+
+
+def test_draft_folder_loaded_in_the_targets_dtype_and_device(tmp_path):
+    from infopt.speculative import load_draft
+
+    tiny_model(num_layers=1, seed=1).save_pretrained(tmp_path / "draft")
+    draft = load_draft(str(tmp_path / "draft"), device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16} and not draft.training
+    ref, m = tiny_model(dtype=torch.bfloat16), tiny_model(dtype=torch.bfloat16)
+    enable_(m, DraftModel(str(tmp_path / "draft"), num_tokens=3))
+    p = torch.tensor([[1, 17, 400, 23, 9, 1, 17]])
+    assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
+                       ref.generate(p, max_new_tokens=12, do_sample=False))
+    assert stats(m)["drafted"] > 0

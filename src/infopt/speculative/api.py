@@ -36,24 +36,31 @@ def stats(model: nn.Module) -> dict[str, Any]:
     return s.as_dict() if s is not None else {}
 
 
-def load_draft(draft: Any) -> nn.Module:
-    """The draft model a :class:`DraftModel` names: the module itself, ``"default"``, or a local folder.
+def load_draft(draft: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The draft model a :class:`DraftModel` names: the module itself (as it is), or ``"default"`` / a local
+    folder loaded in ``dtype`` onto ``device`` (the target's, when :func:`enable_` loads it).
 
     Raises:
         RecipeError: a folder that does not hold a causal LM.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model(num_layers=1)
+        >>> load_draft(m) is m
+        True
     """
     if isinstance(draft, nn.Module):
         return draft
     if draft == "default":
         from ..models import load_default
 
-        return load_default()[0]
+        return load_default(dtype=dtype, device=device)[0]
     from transformers import AutoModelForCausalLM
 
     from ..core.errors import RecipeError
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(draft)).eval()
+        return AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).to(device).eval()
     except (OSError, ValueError) as e:
         raise RecipeError(f"DraftModel.draft={draft!r} could not be loaded as a causal LM: {e}") from e
 
@@ -140,7 +147,12 @@ def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, A
     if isinstance(config, PromptLookup):
         return LookupDrafter(config.ngram), {}
     if isinstance(config, DraftModel):
-        draft = load_draft(config.draft)
+        info = inspect_model(model)
+        draft = load_draft(config.draft, device=info.device, dtype=info.dtype)
+        where = next(draft.parameters()).device
+        if where != info.device:  # the draft reads the target's token and position tensors as they are
+            raise IncompatibleModelError(f"the draft model is on {where} but the target on {info.device}; move the "
+                                         f"draft there first: DraftModel(draft.to('{info.device}'))")
         tv, dv = model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
         if dv < tv:
             raise IncompatibleModelError(f"the draft model's vocabulary ({dv}) is smaller than the target's ({tv}); "
@@ -287,5 +299,3 @@ def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
 
 for _cls in (DraftModel, PromptLookup, SelfDraft):
     register_transform(_cls)(_apply)
-
-del torch
