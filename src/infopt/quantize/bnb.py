@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..core.availability import lazy_import
+from ..core.errors import MissingBackendError
 from ..core.step import StepConfig, bad_field, register_step
 from .api import register_quantizer
 
@@ -172,19 +173,30 @@ def nf4_linear_class() -> type[nn.Module]:
     the layer as it is, and loads either format back, so a reloaded model gives identical outputs.
 
     Raises:
-        MissingBackendError: bitsandbytes is not installed.
+        MissingBackendError: bitsandbytes is not installed; when saving, a CPU-repacked weight with a bitsandbytes
+            that cannot unpack it (before 0.49).
     """
     bnb = lazy_import("bitsandbytes", feature="quantize method bnb_nf4")
-    from bitsandbytes.functional import QuantState, _convert_weight_packed_for_cpu_inverse
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.functional import QuantState
+
+    # bitsandbytes >= 0.49 repacks NF4 weights for its fused CPU kernel and has this inverse; a version without it
+    # has no repacked weights to unpack either, so only the packed branch below needs it
+    unpack_for_cpu = getattr(bnb_functional, "_convert_weight_packed_for_cpu_inverse", None)
 
     class NF4Linear(bnb.nn.Linear4bit):
         def _save_to_state_dict(self, destination, prefix, keep_vars):
             qs = getattr(self.weight, "quant_state", None)
             if qs is None or not getattr(qs, "packing_format_for_cpu", False):
                 return super()._save_to_state_dict(destination, prefix, keep_vars)
+            if unpack_for_cpu is None:
+                raise MissingBackendError(
+                    f"bitsandbytes {getattr(bnb, '__version__', '?')} repacked the NF4 weight {prefix}weight for its "
+                    "CPU kernel but has no _convert_weight_packed_for_cpu_inverse to unpack it for saving; "
+                    "pip install 'bitsandbytes>=0.49'", package="bitsandbytes", extra="bnb")
             view = copy.copy(qs)  # the inverse rewrites the state it is given: give it a copy
             view.original_nested = False  # keep the kernel's scales instead of re-quantizing them
-            w, view = _convert_weight_packed_for_cpu_inverse(self.weight.data, view)
+            w, view = unpack_for_cpu(self.weight.data, view)
             n, k = qs.shape
             # packed absmax: bf16 [k / blocksize, n]; saved layout: [n * k / blocksize], one per block in row order
             absmax = view.absmax.T.reshape(-1).float()
