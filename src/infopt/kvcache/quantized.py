@@ -1,4 +1,5 @@
-"""KIVI-style quantized KV cache (int8/int4, native torch): keys per channel, values per token, recent tokens exact."""
+"""Quantized KV cache (native torch), recent tokens exact: KIVI-style int8/int4 (keys per channel, values per token),
+or float8_e4m3fn with one scale per token per head."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..core.errors import IncompatibleModelError
 from ..core.generation import route_generate
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from ..quantize.fp8 import fp8_dtype
 from .api import generate_input_ids, register_use, require_full_attention
 
 __all__ = [
@@ -22,9 +24,13 @@ __all__ = [
     "pack_int4",
     "unpack_int4",
     "bytes_per_token",
+    "DTYPES",
 ]
 
 AXES = ("channel", "token")
+DTYPES = ("int", "fp8")
+"""Values of :attr:`Quantized.dtype`: ``int`` (KIVI codes with scale + zero point) or ``fp8`` (float8_e4m3fn)."""
+_INT_ONLY = ("group_size", "axis_key", "axis_value")  # fields dtype="fp8" does not use: left at their defaults
 
 
 def _positive_int(v) -> bool:
@@ -34,7 +40,8 @@ def _positive_int(v) -> bool:
 @register_step
 @dataclass(frozen=True)
 class Quantized(StepConfig):
-    """A KV cache stored as int8 or int4 with a group-wise scale and zero-point (KIVI), most recent tokens exact.
+    """A KV cache stored as int8 or int4 with a group-wise scale and zero-point (KIVI), or as fp8, most recent
+    tokens exact.
 
     Keys are quantized per channel (each channel's scale and zero-point span ``group_size`` tokens),
     values per token (each token's span ``group_size`` channels of ``head_dim``), asymmetric min/max.
@@ -44,20 +51,28 @@ class Quantized(StepConfig):
     sdpa are tested); the price, without a fused kernel, is rebuilding one layer's K/V at each step.
     int4 values are packed two per byte.
 
+    With ``dtype="fp8"`` keys and values are stored as float8_e4m3fn with one fp32 scale per token per
+    KV head (symmetric, ``absmax / 448`` over ``head_dim``), on any device torch casts float8 on
+    (CPU included); ``group_size`` and the axes do not apply (leave them at their defaults).
+
     Args:
-        bits: 8 or 4.
+        bits: 8 or 4 (8 with ``dtype="fp8"``).
         group_size: tokens per key group (channel axis) / channels per value group (token axis);
             along the channel it must divide the model's ``head_dim``.
-        residual_length: full-precision window, a multiple of ``group_size``. Greedy output is
-            token-identical to plain ``generate`` while prompt + new tokens <= ``residual_length``.
+        residual_length: full-precision window, a multiple of ``group_size`` (with ``dtype="fp8"``:
+            any count, 0 storing every token as fp8 at once). Greedy output is token-identical to
+            plain ``generate`` while prompt + new tokens <= ``residual_length``.
         axis_key: ``channel`` (KIVI: per-channel key outliers) or ``token``.
         axis_value: ``token`` (KIVI) or ``channel``.
+        dtype: ``"int"`` (default; KIVI codes) or ``"fp8"``. Written in a recipe only when not ``"int"``.
 
     Raises:
         RecipeError: a field out of range (bits not 8/4, non-positive sizes, ``residual_length`` not a
-            multiple of ``group_size``, an unknown axis).
+            multiple of ``group_size``, an unknown axis or dtype; with ``dtype="fp8"``: bits 4, or a
+            ``group_size``/axis other than the default).
         IncompatibleModelError (at validation): ``group_size`` does not divide ``head_dim`` on a
-            per-token axis; a model with sliding-window layers.
+            per-token axis; a model with sliding-window layers; ``dtype="fp8"`` on a torch without
+            float8 dtypes.
 
     Example:
         >>> import infopt
@@ -76,10 +91,16 @@ class Quantized(StepConfig):
     residual_length: int = 128
     axis_key: str = "channel"
     axis_value: str = "token"
+    dtype: str = "int"
 
     def __post_init__(self):
         if self.bits not in (8, 4) or isinstance(self.bits, bool):
             raise bad_field(self, "bits", self.bits, "8 or 4")
+        if self.dtype not in DTYPES:
+            raise bad_field(self, "dtype", self.dtype, "int (KIVI codes, bits 8 or 4), fp8 (float8_e4m3fn, bits 8)")
+        if self.dtype == "fp8":
+            self._check_fp8_fields()
+            return
         if not _positive_int(self.group_size):
             raise bad_field(self, "group_size", self.group_size, "a positive integer (tokens or channels per group)")
         if not _positive_int(self.residual_length) or self.residual_length % self.group_size:
@@ -90,8 +111,39 @@ class Quantized(StepConfig):
         if self.axis_value not in AXES:
             raise bad_field(self, "axis_value", self.axis_value, ", ".join(AXES))
 
+    def _check_fp8_fields(self) -> None:
+        if self.bits != 8:
+            raise bad_field(self, "bits", self.bits, "8 with dtype='fp8' (float8_e4m3fn is 8 bits; use dtype='int' "
+                                                     "for bits=4)")
+        for name in _INT_ONLY:
+            default = type(self).__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                raise bad_field(self, name, getattr(self, name),
+                                f"{default!r} with dtype='fp8' (one scale per token per head; {name} applies to "
+                                "dtype='int')")
+        if not isinstance(self.residual_length, int) or isinstance(self.residual_length, bool) or \
+                self.residual_length < 0:
+            raise bad_field(self, "residual_length", self.residual_length,
+                            "a non-negative integer with dtype='fp8' (0: every token stored as fp8)")
+
+    def fields_dict(self):
+        out = super().fields_dict()
+        if self.dtype == "int":
+            del out["dtype"]  # int caches keep the spelling they had before the field existed
+        else:
+            for name in _INT_ONLY:
+                del out[name]
+        return out
+
     def check(self, model, info: ModelInfo, steps) -> list[str]:
         require_full_attention(model, f"kvcache.{type(self).__name__}")
+        if self.dtype == "fp8":
+            if fp8_dtype() is None:
+                raise IncompatibleModelError(
+                    f"kvcache.Quantized(dtype='fp8') needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                    "lacks; upgrade torch, or use dtype='int' (bits=8)"
+                )
+            return []
         token_axes = [n for n, a in (("axis_key", self.axis_key), ("axis_value", self.axis_value)) if a == "token"]
         if token_axes and info.head_dim % self.group_size:
             divisors = [d for d in range(1, info.head_dim + 1) if info.head_dim % d == 0 and d >= 8]
@@ -215,8 +267,15 @@ def bytes_per_token(info: ModelInfo, config: Quantized) -> tuple[float, int]:
         >>> q, d = bytes_per_token(inspect_model(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1)), Quantized())
         >>> round(q / d, 3)
         0.281
+        >>> q, d = bytes_per_token(inspect_model(tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1)),
+        ...                        Quantized(dtype="fp8"))
+        >>> round(q / d, 3)
+        0.266
     """
     d = info.head_dim
+    if config.dtype == "fp8":
+        # K and V: one byte per element plus an fp32 scale per token per head
+        return 2 * (d + 4) * info.num_layers * info.num_kv_heads, info.kv_bytes_per_token
     sb = torch.finfo(scale_dtype_for(info.dtype)).bits // 8
     dense = info.kv_bytes_per_token
     # K and V: codes, plus a (scale, zero) pair per group of `group_size` elements whichever the axis
@@ -276,8 +335,12 @@ def _apply(model: nn.Module, config: Quantized, ctx: ApplyContext) -> None:
         "kv_ratio_vs_fp32": round(q / fp32, 4),
         f"kv_bytes_saved_at_{tokens}_tokens": int((dense - q) * tokens),
     })
+    if config.dtype == "fp8":
+        what = f"fp8 (float8_e4m3fn) KV cache (a scale per token per head, last {config.residual_length} tokens exact)"
+    else:
+        what = (f"int{config.bits} KV cache (keys per {config.axis_key}, values per {config.axis_value}, groups of "
+                f"{config.group_size}, last {config.residual_length} tokens exact)")
     ctx.notes.append(
-        f"int{config.bits} KV cache (keys per {config.axis_key}, values per {config.axis_value}, groups of "
-        f"{config.group_size}, last {config.residual_length} tokens exact): {q / fp32:.2f}x of fp32 KV bytes, "
-        f"{(dense - q) * tokens / 2**20:.1f} MiB saved per sequence at {tokens} tokens"
+        f"{what}: {q / fp32:.2f}x of fp32 KV bytes, {(dense - q) * tokens / 2**20:.1f} MiB saved per sequence at "
+        f"{tokens} tokens"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..quantize.fp8 import dequantize_fp8, quantize_fp8
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 from .quantized import Quantized, dequantize_groups, quantize_groups, scale_dtype_for
 
@@ -55,18 +56,22 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
     """One layer of a :class:`QuantizedKVCache`.
 
     State: a full-precision residual buffer ``[B, H_kv, R, D]`` for keys and for values (``self.keys`` /
-    ``self.values``, ``n_res`` tokens live), and quantized stores of ``n_quant`` tokens (codes, scales
-    and zero-points), always whole multiples of ``R = residual_length``.
+    ``self.values``, ``n_res`` tokens live), and quantized stores of ``n_quant`` tokens, whole multiples
+    of ``R = residual_length`` until a crop: int codes, scales and zero-points (``dtype="int"``), or
+    float8_e4m3fn values ``[B, H_kv, T, D]`` and fp32 scales ``[B, H_kv, T, 1]`` (``dtype="fp8"``; with
+    ``R = 0`` every token goes to the store on arrival).
     """
 
     is_compileable = False
     is_croppable = False  # crop into the quantized part brings tokens back dequantized, not as they were
     is_sliding = False
 
-    def __init__(self, bits: int, group_size: int, residual_length: int, axis_key: str, axis_value: str):
+    def __init__(self, bits: int, group_size: int, residual_length: int, axis_key: str, axis_value: str,
+                 kv_dtype: str = "int"):
         super().__init__()
         self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
         self.axis_key, self.axis_value = axis_key, axis_value
+        self.fp8 = kv_dtype == "fp8"
         self.n_res = 0
         self.n_quant = 0
         self._stores: dict[str, _Growing] = {}
@@ -78,13 +83,21 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
         # residual: [B, H_kv, R, D] in the model's dtype, allocated once
         self.keys = key_states.new_empty((b, h, self.residual_length, d))
         self.values = value_states.new_empty((b, h, self.residual_length, value_states.shape[-1]))
-        self.scale_dtype = scale_dtype_for(self.dtype)
-        self._stores = {name: _Growing() for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")}
+        self.scale_dtype = torch.float32 if self.fp8 else scale_dtype_for(self.dtype)
+        names = ("k", "k_scale", "v", "v_scale") if self.fp8 else ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+        self._stores = {name: _Growing() for name in names}
         self.n_res = self.n_quant = 0
         self.is_initialized = True
 
     def _append_quantized(self, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [B, H_kv, m*R, D] full precision
+        if self.fp8:
+            for prefix, x in (("k", k), ("v", v)):
+                codes, scale = quantize_fp8(x, "row")  # [B, H_kv, T, D] fp8, [B, H_kv, T, 1] fp32
+                self._stores[prefix].append(codes)
+                self._stores[f"{prefix}_scale"].append(scale)
+            self.n_quant += k.shape[-2]
+            return
         for prefix, x, axis in (("k", k, self.axis_key), ("v", v, self.axis_value)):
             codes, scale, zero = quantize_groups(x, self.bits, self.group_size, axis, self.scale_dtype)
             self._stores[prefix].append(codes)
@@ -94,6 +107,8 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
 
     def _dequantized(self, prefix: str, axis: str) -> torch.Tensor:
         s = self._stores
+        if self.fp8:
+            return dequantize_fp8(s[prefix].view(), s[f"{prefix}_scale"].view(), self.dtype)
         return dequantize_groups(s[prefix].view(), s[f"{prefix}_scale"].view(), s[f"{prefix}_zero"].view(),
                                  self.bits, self.group_size, axis, self.dtype)
 
@@ -118,7 +133,7 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
         else:
             out_k, out_v = recent_k, recent_v
         total = self.n_res + q
-        flush = (total // r) * r
+        flush = total if r == 0 else (total // r) * r
         if flush:
             self._append_quantized(recent_k[:, :, :flush], recent_v[:, :, :flush])
             tail = total - flush
@@ -149,7 +164,8 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (a negative count, as transformers' ``DynamicLayer``).
 
-        Cropping into the quantized part moves the last whole chunks back to the residual, dequantized.
+        Cropping into the quantized part moves the last whole chunks back to the residual, dequantized
+        (``dtype="int"``), or shortens the fp8 store to the kept tokens and empties the residual (``dtype="fp8"``).
         """
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
@@ -162,6 +178,12 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
             self.n_res -= k
             return
         k -= self.n_res
+        if self.fp8:  # one scale per token: the store shortens by exactly k tokens
+            for store in self._stores.values():
+                store.truncate(k)
+            self.n_quant -= k
+            self.n_res = 0
+            return
         r = self.residual_length
         m = -(-k // r) * r  # whole chunks to bring back
         back_k = self._tail_dequantized("k", self.axis_key, m)
@@ -202,7 +224,7 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
 
 
 class QuantizedKVCache(Cache):
-    """A transformers ``Cache`` holding K/V as int8/int4 codes plus a full-precision residual window (KIVI).
+    """A transformers ``Cache`` holding K/V as int8/int4 codes (KIVI) or fp8, plus a full-precision residual window.
 
     Pass it to ``model.generate(past_key_values=...)`` or a model's forward; :func:`infopt.kvcache.use_`
     with a :class:`~infopt.kvcache.Quantized` config makes ``generate`` build one per call.
@@ -223,7 +245,7 @@ class QuantizedKVCache(Cache):
     def __init__(self, config, quantized: Quantized):
         tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         q = quantized
-        layers = [QuantizedKVLayer(q.bits, q.group_size, q.residual_length, q.axis_key, q.axis_value)
+        layers = [QuantizedKVLayer(q.bits, q.group_size, q.residual_length, q.axis_key, q.axis_value, q.dtype)
                   for _ in range(tc.num_hidden_layers)]
         super().__init__(layers=layers)
         self.quantized = quantized
