@@ -1,0 +1,136 @@
+"""KV caches on CUDA: the lossless kinds (static, paged) token-identical to plain ``generate`` on the same GPU
+model, the quantized one within its KL / top-1 bounds, each with its cache allocated on the GPU.
+
+Models are fp32: bf16 logits of a random tiny model tie often enough that two correct attention paths (a
+static cache's full-length masked attention, the paged gather) could pick different argmaxes."""
+
+import pytest
+import torch
+
+import infopt
+from infopt.core.generation import routing_stats
+from infopt.eval import assert_same_tokens, greedy_outputs
+from infopt.kvcache import Paged, Quantized, Static, paged_pool, use_, use_paged_
+from infopt.models import tiny_model
+
+from .test_paged import SYSTEM, count_tokens, padded
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[1, 17, 400, 23, 9, 1200, 5], [4, 4, 8, 15, 16, 23, 42, 7], [77, 78]]
+
+
+def head64(**kw):
+    """head_dim 64 (the default model's), so KV group sizes of 16-64 fit."""
+    return tiny_model("llama", hidden_size=128, num_heads=2, num_kv_heads=1, **kw).cuda()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_static_token_identical_on_cuda(arch):
+    from transformers import StaticCache
+
+    from infopt.kvcache.static import _HOLDERS
+
+    m = tiny_model(arch).cuda()
+    ref = greedy_outputs(m, PROMPTS, 24)
+    ids, mask = (t.cuda() for t in padded(PROMPTS))
+    ref_batch = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    infopt.optimize(m, [Static(max_length=256)])
+    assert_same_tokens(ref, greedy_outputs(m, PROMPTS, 24))
+    cache = _HOLDERS[m].cache
+    assert isinstance(cache, StaticCache) and _HOLDERS[m].key == (1, 256)
+    assert all(layer.keys.is_cuda and layer.keys.shape[2] == 256 for layer in cache.layers)
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref_batch)  # left padding through the lean loop's mask
+    assert _HOLDERS[m].key == (3, 256)
+    assert routing_stats(m).infopt == len(PROMPTS) + 1 and routing_stats(m).original == 0
+
+
+@pytest.fixture
+def quantized_caches(monkeypatch):
+    """Every cache a Quantized config builds for a generate call."""
+    made = []
+    real = Quantized.new_cache
+
+    def spy(self, model):
+        made.append(real(self, model))
+        return made[-1]
+
+    monkeypatch.setattr(Quantized, "new_cache", spy)
+    return made
+
+
+@pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
+def test_quantized_identical_within_the_residual_window_on_cuda(bits, quantized_caches):
+    from infopt.kvcache.quantized_cache import QuantizedKVCache
+
+    m = head64()
+    new = 32 - max(map(len, PROMPTS))  # prompt + new <= residual_length: every token stays exact
+    ref = greedy_outputs(m, PROMPTS, new)
+    use_(m, Quantized(bits=bits, group_size=16, residual_length=32))
+    assert_same_tokens(ref, greedy_outputs(m, PROMPTS, new))
+    assert len(quantized_caches) == len(PROMPTS) and routing_stats(m).infopt == len(PROMPTS)
+    for cache in quantized_caches:
+        assert isinstance(cache, QuantizedKVCache) and cache.quantized.bits == bits
+        assert cache.layers[0].keys.is_cuda and cache.layers[0].n_quant == 0
+
+
+@pytest.mark.parametrize("bits, kl_bound", [(8, 1e-4), (4, 1e-3)], ids=["int8", "int4"])
+def test_quantized_logits_close_past_the_residual_window_on_cuda(bits, kl_bound, quantized_caches):
+    m = head64()
+    ids = torch.randint(3, 40_000, (1, 320), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        ref = m(ids).logits[0, 256:].float()
+        cache = Quantized(bits=bits, group_size=32, residual_length=64).new_cache(m)
+        m(ids[:, :256], past_key_values=cache)
+        assert cache.layers[0].n_quant == 256 and cache.layers[0].n_res == 0
+        out = m(ids[:, 256:], past_key_values=cache).logits[0].float()
+    lp_ref, lp = ref.log_softmax(-1), out.log_softmax(-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1)  # [64] nats per position
+    assert float(kl.mean()) < kl_bound
+    assert float((ref.argmax(-1) == out.argmax(-1)).float().mean()) >= 0.95
+    b = cache.memory_bytes()
+    assert b.tokens == 320 and b.used < 0.5 * b.dense_fp32  # stored as codes, not as fp32
+    # and generate past the window runs on a quantized GPU cache
+    use_(m, Quantized(bits=bits, group_size=16, residual_length=32))
+    out = m.generate(ids[:, :40], max_new_tokens=40, do_sample=False)
+    assert out.shape == (1, 80) and out.is_cuda
+    layer = quantized_caches[-1].layers[0]
+    assert layer.n_quant == 64 and layer.keys.is_cuda  # 79 tokens cached: two 32-token chunks quantized
+
+
+def test_paged_token_identical_on_cuda():
+    m = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in padded(PROMPTS))
+    ref = m.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    use_paged_(m, Paged(block_size=16))
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    pool = paged_pool(m)
+    assert all(k.is_cuda for k in pool.keys) and all(v.is_cuda for v in pool.values)
+    assert pool.allocator.num_used == 0  # every block released when the call ended
+    for row in range(len(PROMPTS)):  # each prompt alone: the prefix cache serves its full blocks
+        alone = ids[row:row + 1, int(mask[row].argmax()):]
+        assert torch.equal(m.generate(alone, max_new_tokens=32, do_sample=False),
+                           ref[row:row + 1, int(mask[row].argmax()):])
+    assert routing_stats(m).infopt == 1 + len(PROMPTS) and routing_stats(m).original == 0
+
+
+def test_paged_prefix_hit_runs_only_the_suffix_on_cuda():
+    m = tiny_model("llama").cuda()
+    first = torch.tensor([SYSTEM + [101, 102, 103]], device="cuda")
+    second = torch.tensor([SYSTEM + [201, 202, 203, 204, 205]], device="cuda")
+    ref1 = m.generate(first, max_new_tokens=32, do_sample=False)
+    ref2 = m.generate(second, max_new_tokens=32, do_sample=False)
+    use_paged_(m, Paged(block_size=16))
+    seen, h = count_tokens(m)
+    try:
+        assert torch.equal(m.generate(first, max_new_tokens=32, do_sample=False), ref1)
+        cold = list(seen)
+        seen.clear()
+        assert torch.equal(m.generate(second, max_new_tokens=32, do_sample=False), ref2)
+        warm = list(seen)
+    finally:
+        h.remove()
+    assert cold[0] == first.shape[1] and warm[0] == second.shape[1] - 32  # two cached 16-token blocks reused
+    assert paged_pool(m).allocator.hits >= 2
