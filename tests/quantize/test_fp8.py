@@ -330,8 +330,11 @@ def test_gpu_scaled_mm_called_and_matches_reference(monkeypatch, granularity):
     layers = [mod for mod in m.modules() if isinstance(mod, FP8Linear)]
     assert len(layers) == 14 and all(mod.weight_fp8.is_cuda for mod in layers)
     inputs = {}
-    hooks = [mod.register_forward_hook(lambda mod, args, out: inputs.setdefault(mod, args[0].detach()))
-             for mod in layers]
+
+    def record(mod, args, out):  # returns None, so the output stays the layer's own
+        inputs.setdefault(mod, args[0].detach())
+
+    hooks = [mod.register_forward_hook(record) for mod in layers]
     calls = _count_scaled_mm(monkeypatch)
     with torch.no_grad():
         m(IDS.cuda())
