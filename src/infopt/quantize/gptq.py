@@ -180,6 +180,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, bits: int = 4, group_size
         H = H[perm][:, perm]
     hinv = _inverse_cholesky(H, damp)
     del H
+    # upfront grids: each processed column's group in the original order, read once to the host (not one device
+    # sync per column on CUDA)
+    group_of = (perm // gs).tolist() if upfront and perm is not None else None
 
     codes = torch.zeros_like(W)
     scales = g_scale.clone() if upfront else torch.zeros(out_f, n_groups, device=W.device)
@@ -194,7 +197,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, bits: int = 4, group_size
         for i in range(i2 - i1):
             col = i1 + i
             if upfront:
-                g = int(perm[col]) // gs if perm is not None else col // gs
+                g = group_of[col] if group_of is not None else col // gs
                 scale, zero = g_scale[:, g], g_zero[:, g]
             elif col % gs == 0:  # a new group: fit on its error-updated columns
                 scale, zero = grid.fit(w1[:, i:i + gs])
