@@ -1,4 +1,5 @@
-"""Int8 weight-only quantization: per-output-channel symmetric round-to-nearest, int8 matmul kernel on CPU."""
+"""Int8 weight-only quantization: per-output-channel symmetric round-to-nearest; int8 matmul kernels on CPU (torch's)
+and CUDA (Triton, :mod:`infopt.quantize.triton_int8`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from ..core.step import StepConfig, bad_field, register_step
 from .api import register_quantizer
+from .triton_int8 import MM_DTYPES, int8_weight_mm
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "quantize_int8_per_channel"]
 
@@ -28,8 +30,11 @@ class Int8WeightOnly(StepConfig):
             per call: slower). Must divide every quantized layer's ``in_features``.
         compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
             int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
-            on the same weights, and the model's dtype elsewhere (dequantize-then-matmul).
-            ``"float32"`` keeps fp32 activations (dequantizes each call: exact but slower).
+            on the same weights, and the model's dtype elsewhere. On CPU ``"float32"`` keeps fp32
+            activations (dequantizes each call: exact but slower). On CUDA every per-channel layer
+            runs infopt's Triton kernel (:func:`~infopt.quantize.triton_int8.int8_weight_mm`: int8 weight
+            tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
+            dequantize-then-matmul, with a warning.
         include_lm_head: also quantize the output head. When it is tied to the input embedding, the
             head gets its own int8 copy and the embedding keeps its weight: more memory in all, but the
             head is read whole every token while the embedding gives one row per token.
@@ -175,6 +180,11 @@ class Int8Linear(nn.Module):
         if self.group_size is not None:
             wd = cd or x.dtype
             y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
+        elif x.is_cuda and (cd or x.dtype) in MM_DTYPES:
+            # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
+            # to dequantize-then-matmul, warning once, where Triton is missing)
+            wd = cd or x.dtype
+            y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             x2 = x.reshape(-1, self.in_features).to(cd).contiguous()
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale(cd))
