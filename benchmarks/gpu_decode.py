@@ -130,7 +130,7 @@ def main() -> None:
     rows = []
     plain_out = None
     eval_ids = ref_logits = None
-    bw = measure_bandwidth(device="cuda") if "device" in measure_bandwidth.__code__.co_varnames else None
+    bw = measure_bandwidth(device="cuda")
     for name in args.recipes.split(","):
         row: dict = {"recipe": name}
         try:
@@ -177,7 +177,7 @@ def main() -> None:
     for r in rows:
         if base and r.get("decode_tok_s"):
             r["ratio_vs_plain"] = round(r["decode_tok_s"] / base, 2)
-    result = {"machine": machine_info(), "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
+    result = {"machine": machine_info("cuda"), "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
               "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "rows": rows}
     print(f"{'recipe':<16}{'tok/s':>9}{'ratio':>7}{'GB/s':>8}  identical  graphs  quality")
     for r in rows:
