@@ -79,9 +79,10 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
     """
     scores = logits.to(torch.float32)
     masked = [(i, t) for i, eos in enumerate(eos_masks) if eos is not None for t in eos]
-    if masked:  # one index_put for every masked (row, id) pair
+    if masked:  # one index_put for every masked (row, id) pair, on a copy: the caller's logits stay as they were
         rows, cols = torch.tensor(masked, dtype=torch.long, device=scores.device).unbind(1)
-        scores = scores.index_put((rows, cols), torch.tensor(-float("inf"), device=scores.device))
+        scores = scores.clone() if scores is logits else scores
+        scores[rows, cols] = -float("inf")
     picks = [scores.argmax(-1)]  # [S]: one batched argmax serves every greedy row
     sampled = [i for i, p in enumerate(params) if p.do_sample]
     if sampled:
