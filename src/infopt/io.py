@@ -50,24 +50,67 @@ def _write_recipe(model: nn.Module, out: Path) -> None:
     (out / "infopt_meta.json").write_text(json.dumps({"dtype": str(next(model.parameters()).dtype)}))
 
 
-def install_save_hook(model: nn.Module, *, step: str = "optimize") -> None:
-    """Make ``model.save_pretrained(dir)`` also write the recipe, so :func:`load` rebuilds the optimized model.
+def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_config=None) -> None:
+    """Make ``model.save_pretrained(dir)`` load back everywhere: it writes a ``quantization_config``
+    (``quant_method: "infopt"``) into ``config.json`` when the model has quantized layers, so plain
+    ``from_pretrained`` (with ``import infopt``) rebuilds them, and the recipe, so :func:`load` rebuilds the
+    whole optimized model.
 
-    Called by :func:`infopt.optimize`; undone with the rest of the model's changes.
+    Called by :func:`infopt.optimize` and :func:`infopt.quantize.quantize_` (once per model: a later call only
+    adds ``quantize_config`` to the configs recorded); undone with the rest of the model's changes.
+
+    Args:
+        model: the model whose ``save_pretrained`` is wrapped (on the instance).
+        step: the step the wrapping is recorded under.
+        quantize_config: a quantize step config applied to the model, listed in the ``quantization_config``.
     """
     from .core.patch import wrap_method
 
+    installed = model.__dict__.get("save_pretrained")
+    configs = getattr(installed, "infopt_configs", None)
+    if configs is not None:
+        if quantize_config is not None:
+            configs.append((step, quantize_config))
+        return
+    configs = [] if quantize_config is None else [(step, quantize_config)]
+
     def make(original):
         def save_pretrained(save_directory, *args, **kwargs):
-            result = original(save_directory, *args, **kwargs)
+            from .quantize.serialize import quantization_config_for
+
+            qc = quantization_config_for(model, _live_configs(model, configs))
+            config = model.config
+            previous = config.__dict__.get("quantization_config", _UNSET)
+            if qc is not None:
+                config.quantization_config = qc
+            try:
+                result = original(save_directory, *args, **kwargs)
+            finally:
+                if qc is not None:
+                    if previous is _UNSET:
+                        del config.quantization_config
+                    else:
+                        config.quantization_config = previous
             if model.__dict__.get("infopt") is not None:
                 _write_recipe(model, Path(save_directory))
             return result
 
         save_pretrained.__doc__ = getattr(original, "__doc__", None)
+        save_pretrained.infopt_configs = configs
         return save_pretrained
 
     wrap_method(model, "save_pretrained", make, step=step)
+
+
+_UNSET = object()
+
+
+def _live_configs(model: nn.Module, configs: list) -> list:
+    """The quantize configs (of ``(step, config)`` pairs) whose swaps are still in place: a failed step's go."""
+    from .core.patch import get_handle
+
+    live = {r.step for r in get_handle(model).records if r.kind == "swap" and not r.undone}
+    return [c for step, c in configs if step in live]
 
 
 def _state_files(d: Path) -> list[Path]:
@@ -103,6 +146,8 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
             f"{d} has no {RECIPE_FILE}; save an optimized model with infopt.save_optimized or its save_pretrained"
         )
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the recipe rebuilds the quantized layers here, not transformers' quantizer
     meta = json.loads((d / "infopt_meta.json").read_text())
     dtype = getattr(torch, meta["dtype"].replace("torch.", ""))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()

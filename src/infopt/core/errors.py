@@ -8,6 +8,7 @@ __all__ = [
     "IncompatibleModelError",
     "MissingBackendError",
     "QualityGateError",
+    "CheckpointError",
 ]
 
 
@@ -24,6 +25,11 @@ class RecipeError(InfoptError, ValueError):
 
 class IncompatibleModelError(InfoptError, ValueError):
     """The model (architecture, dtype, device, state) does not support a step."""
+
+
+class CheckpointError(InfoptError, ValueError):
+    """A saved model cannot be rebuilt as it was saved: a quantized layer of an unknown kind, or tensors missing,
+    mis-shaped or of the wrong dtype in its files. Raised instead of returning a partly initialised model."""
 
 
 class MissingBackendError(InfoptError, ImportError):

@@ -1,5 +1,6 @@
 """Weight quantization (recipe stage ``quantize``): swap linear layers for quantized ones, in place."""
 
+from ..core.import_hooks import after_import
 from .api import CALIBRATED, QUANTIZERS, quantize_, register_calibrated, register_quantizer
 from .awq import AWQ
 from .bnb import BnbInt8, BnbNF4
@@ -7,10 +8,23 @@ from .fp8 import FP8, FP8Linear
 from .gptq import GPTQ
 from .int4 import Int4Linear, Int4WeightOnly
 from .int8 import Int8Linear, Int8WeightOnly
+from .serialize import quantization_config_for
 from .smoothquant import SmoothQuantW8A8, smooth_
 from .w8a8 import W8A8Linear
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "register_quantizer", "register_calibrated", "Int8WeightOnly",
            "Int8Linear", "Int4WeightOnly", "Int4Linear",
            "GPTQ", "AWQ",
-           "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4", "FP8", "FP8Linear"]
+           "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4", "FP8", "FP8Linear",
+           "quantization_config_for"]
+
+
+def _register_with_transformers() -> None:
+    from .hf import register
+
+    register()
+
+
+# transformers' from_pretrained rebuilds infopt-quantized folders once infopt is imported; the registry module is
+# slow to import, so the registration waits until transformers' loader imports it (see infopt.quantize.hf)
+after_import("transformers.quantizers.auto", _register_with_transformers)

@@ -205,6 +205,11 @@ def quantize_(
         replacements = CALIBRATED[type(config)](model, config, targets, ids, rebuild)
     for fqn, new in replacements.items():
         swap_module(model, fqn, new, step=step or config.key, keep_original=keep_original)
+    if callable(getattr(model, "save_pretrained", None)):
+        from ..io import install_save_hook
+
+        # save_pretrained then writes the quantization_config that plain from_pretrained rebuilds the layers from
+        install_save_hook(model, step=step or config.key, quantize_config=config)
     return model
 
 

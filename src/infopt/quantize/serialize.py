@@ -1,0 +1,251 @@
+"""infopt's ``quantization_config``: which layers a saved model has quantized and how, so a loader can rebuild them.
+
+``model.save_pretrained(dir)`` of a quantized model writes, in ``config.json``::
+
+    "quantization_config": {
+      "quant_method": "infopt", "format": 1, "infopt_version": "0.1.0",
+      "configs": [{"method": "int8", ...}],              # the quantize steps applied (to_dict), informative
+      "modules": {"model.layers.0.mlp.up_proj": {"kind": "int8", "in_features": 64, "out_features": 128,
+                                                 "bias": false, "group_size": null, "compute_dtype": "bfloat16"},
+                  "lm_head": {"kind": "int8", ..., "tied": true}, ...}}
+
+``modules`` is read from the live model when it is saved (every :class:`Int8Linear`, :class:`Int4Linear`
+and :class:`W8A8Linear`), so it always matches the weights written beside it. ``tied: true`` marks a head
+tied to the input embedding that was quantized as a separate copy (the embedding keeps its weight).
+Quantized layers of other kinds (bitsandbytes, FP8) are listed with their class name as ``kind``: a loader
+refuses them by name instead of building float layers that would be left randomly initialised.
+
+The tensors each kind expects (the layers' ``state_dict``, the int4 one in its portable layout):
+
+- ``int8``: ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]`` (``[out, in // group_size]``
+  with groups), ``bias``.
+- ``int4``: ``qweight`` uint8 ``[out, in // 2]``, ``scales`` and ``zeros`` fp32 ``[out, in // group_size]``,
+  ``in_perm`` int64 ``[in]`` when stored (GPTQ act-order), ``bias``.
+- ``w8a8``: ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``, ``input_scale`` fp32 ``[in]``
+  when stored (SmoothQuant factors that could not be folded), ``bias``.
+
+This module needs no part of transformers; :mod:`infopt.quantize.hf` plugs it into transformers' loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import CheckpointError
+from .int4 import Int4Linear
+from .int8 import Int8Linear
+from .w8a8 import W8A8Linear
+
+__all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
+           "build_layer", "finish_layer", "check_spec", "check_checkpoint"]
+
+QUANT_METHOD = "infopt"
+"""The ``quant_method`` infopt registers with transformers."""
+
+FORMAT_VERSION = 1
+"""Version of the ``modules`` layout; a loader refuses versions it does not know."""
+
+KINDS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+"""Layer kinds a saved model can be rebuilt with, and their classes."""
+
+_ALIGN = 64  # bytes: what torch's CPU allocator gives, and what its int8 kernels assume
+_KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+_QUANTIZED_PACKAGES = ("infopt.quantize", "bitsandbytes")  # other quantized layers: listed, refused at load
+_FIELDS = {  # kind -> the spec keys it needs besides "kind"
+    "int8": ("in_features", "out_features", "bias", "group_size", "compute_dtype"),
+    "int4": ("in_features", "out_features", "bias", "group_size", "in_perm", "layout", "dense"),
+    "w8a8": ("in_features", "out_features", "bias", "input_scale", "kernel"),
+}
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def layer_spec(module: nn.Module) -> dict[str, Any] | None:
+    """The ``modules`` entry of one layer: a dict for an infopt quantized layer, ``{"kind": <class name>}`` for a
+    quantized layer of another kind, None for anything else (float layers, norms)."""
+    kind = _KIND_OF.get(type(module))
+    if kind is None:
+        origin = type(module).__module__
+        if origin.startswith(_QUANTIZED_PACKAGES) and not list(module.children()):
+            return {"kind": type(module).__name__}
+        return None
+    spec: dict[str, Any] = {"kind": kind, "in_features": module.in_features, "out_features": module.out_features,
+                            "bias": module.bias is not None}
+    if kind == "int8":
+        spec.update(group_size=module.group_size, compute_dtype=_dtype_name(module.compute_dtype))
+    elif kind == "int4":
+        spec.update(group_size=module.group_size, in_perm=module.in_perm is not None,
+                    layout="auto" if module._layout_auto else module.layout, dense=module.weight_dense is not None)
+    else:
+        spec.update(input_scale=module.input_scale is not None, kernel=module.kernel)
+    return spec
+
+
+def quantization_config_for(model: nn.Module, configs: Iterable[Any] = ()) -> dict[str, Any] | None:
+    """The ``quantization_config`` dict describing ``model``'s quantized layers, or None when it has none.
+
+    Args:
+        model: a transformers model, quantized or not.
+        configs: the quantize step configs applied (written with their ``to_dict``).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> from infopt.quantize import Int8WeightOnly, quantize_
+        >>> qc = quantization_config_for(quantize_(tiny_model(), Int8WeightOnly(), include=["*.mlp.*"]))
+        >>> qc["quant_method"], len(qc["modules"]), qc["modules"]["model.layers.0.mlp.up_proj"]["kind"]
+        ('infopt', 6, 'int8')
+    """
+    from .._version import __version__
+
+    modules = {}
+    for fqn, mod in model.named_modules():
+        spec = layer_spec(mod)
+        if spec is not None:
+            modules[fqn] = spec
+    if not modules:
+        return None
+    for target in getattr(model, "all_tied_weights_keys", None) or {}:
+        owner = target.rpartition(".")[0]
+        if owner in modules:
+            modules[owner]["tied"] = True
+    return {"quant_method": QUANT_METHOD, "format": FORMAT_VERSION, "infopt_version": __version__,
+            "configs": [c.to_dict() for c in configs], "modules": modules}
+
+
+def check_spec(fqn: str, spec: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``spec`` is a ``modules`` entry this version can rebuild."""
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in KINDS:
+        raise CheckpointError(
+            f"{fqn}: infopt cannot rebuild a layer of kind {kind!r} with transformers' from_pretrained (it rebuilds "
+            f"{', '.join(KINDS)}); load the folder with infopt.load(path), which re-applies the saved recipe"
+        )
+    absent = [k for k in _FIELDS[kind] if k not in spec]
+    if absent:
+        raise CheckpointError(f"{fqn}: the quantization_config entry for this {kind} layer lacks {', '.join(absent)}")
+
+
+def expected_tensors(spec: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """``{name: (shape, dtype)}`` of the tensors a layer of ``spec`` loads; dtype None means any floating type
+    (the bias, cast to the model's ``dtype`` on load)."""
+    out_f, in_f = spec["out_features"], spec["in_features"]
+    kind = spec["kind"]
+    t: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    if kind == "int4":
+        groups = in_f // spec["group_size"]
+        t["qweight"] = ((out_f, in_f // 2), torch.uint8)
+        t["scales"] = ((out_f, groups), torch.float32)
+        t["zeros"] = ((out_f, groups), torch.float32)
+        if spec["in_perm"]:
+            t["in_perm"] = ((in_f,), torch.int64)
+    else:
+        g = spec.get("group_size")
+        t["weight_int8"] = ((out_f, in_f), torch.int8)
+        t["weight_scale"] = ((out_f,) if g is None else (out_f, in_f // g), torch.float32)
+        if kind == "w8a8" and spec["input_scale"]:
+            t["input_scale"] = ((in_f,), torch.float32)
+    if spec["bias"]:
+        t["bias"] = ((out_f,), None)
+    return t
+
+
+def build_layer(fqn: str, spec: dict[str, Any], original: nn.Module, *, device: torch.device | str = "meta") -> nn.Module:
+    """An empty layer of ``spec`` in place of ``original`` (the float layer the model was built with), whose
+    ``state_dict`` names and shapes are the saved ones. An int4 layer is built in its portable layout;
+    :func:`finish_layer` moves it to its kernel's layout once loaded.
+
+    Raises:
+        CheckpointError: an entry this version cannot rebuild, or shapes that do not match ``original``.
+    """
+    check_spec(fqn, spec)
+    w = getattr(original, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise CheckpointError(f"{fqn}: the quantization_config lists a {spec['kind']} layer here, but the model has a "
+                              f"{type(original).__name__} with no 2-d weight")
+    shape = tuple(w.shape[::-1]) if type(original).__name__ == "Conv1D" else tuple(w.shape)  # Conv1D: [in, out]
+    want = (spec["out_features"], spec["in_features"])
+    if shape != want:
+        raise CheckpointError(f"{fqn}: the quantization_config says {want[1]} -> {want[0]} features, the model's "
+                              f"{type(original).__name__} has {shape[1]} -> {shape[0]}")
+    dtype, kind = w.dtype, spec["kind"]
+    out_f, in_f, bias = spec["out_features"], spec["in_features"], bool(spec["bias"])
+    try:
+        if kind == "int8":
+            cd = spec["compute_dtype"]
+            return Int8Linear(in_f, out_f, bias=bias, dtype=dtype, device=device, group_size=spec["group_size"],
+                              compute_dtype=None if cd is None else getattr(torch, cd))
+        if kind == "int4":
+            return Int4Linear(in_f, out_f, spec["group_size"], bias=bias, dtype=dtype, device=device, layout="plain",
+                              has_perm=bool(spec["in_perm"]))
+        layer = W8A8Linear(in_f, out_f, bias=bias, dtype=dtype, input_scale=bool(spec["input_scale"]), device=device)
+        layer.kernel = spec["kernel"]
+        return layer
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{fqn}: cannot build the {kind} layer the quantization_config describes: {e}") from e
+
+
+def finish_layer(spec: dict[str, Any], layer: nn.Module) -> nn.Module:
+    """The layer to put in the model once ``layer`` (from :func:`build_layer`) holds the loaded tensors: int4
+    layers are rebuilt in their layout (the device's kernel for ``layout: auto``) through ``load_state_dict``,
+    the same path :func:`infopt.load` takes; a dense prompt copy is remade where the saved layer had one."""
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    # transformers may hand over tensors that view a memory-mapped file at any byte offset, and
+    # torch._weight_int8pack_mm crashes (SIGSEGV, torch 2.13 CPU) on an int8 weight not 64-byte aligned
+    for name, t in list(layer.named_buffers(recurse=False)):
+        if t is not None and t.data_ptr() % _ALIGN:
+            setattr(layer, name, t.clone())
+    if spec["kind"] != "int4":
+        return layer
+    device = layer.qweight.device
+    layout = None if spec["layout"] == "auto" else spec["layout"]
+    final = Int4Linear(layer.in_features, layer.out_features, layer.group_size, bias=layer.bias is not None,
+                       dtype=layer.out_dtype, device=device, layout=layout, has_perm=layer.in_perm is not None)
+    final.load_state_dict(layer.state_dict())
+    if spec["dense"]:
+        final.enable_dense()
+    return final
+
+
+def _header_dtype(name: str) -> torch.dtype | None:
+    return {"I8": torch.int8, "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32, "F32": torch.float32,
+            "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(name)
+
+
+def check_checkpoint(modules: dict[str, dict[str, Any]], dtypes: dict[str, torch.dtype],
+                     header: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Check that the checkpoint holds every tensor the quantized layers need, with the right shape and dtype.
+
+    Args:
+        modules: the ``modules`` entries to check.
+        dtypes: each module's floating-point dtype (for messages only).
+        header: ``{key: (shape, safetensors dtype name)}`` of every tensor in the checkpoint files.
+
+    Raises:
+        CheckpointError: listing the first problems found (tensor, expected, found) and the fix.
+    """
+    problems = []
+    for fqn, spec in modules.items():
+        for name, (shape, dtype) in expected_tensors(spec, dtypes.get(fqn, torch.float32)).items():
+            key = f"{fqn}.{name}"
+            if key not in header:
+                problems.append(f"{key} is missing")
+                continue
+            got_shape, got_dtype = header[key]
+            got = _header_dtype(got_dtype)
+            if tuple(got_shape) != shape:
+                problems.append(f"{key} has shape {list(got_shape)}, expected {list(shape)}")
+            elif (got != dtype) if dtype is not None else (got is None or not got.is_floating_point):
+                problems.append(f"{key} is {got_dtype}, expected {_dtype_name(dtype) or 'a float type'}")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"the checkpoint does not hold the quantized layers its quantization_config describes: "
+            f"{'; '.join(problems[:5])}{more}. The files were changed or truncated after saving; save the model again"
+        )
