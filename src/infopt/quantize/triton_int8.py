@@ -37,8 +37,9 @@ _CALLS = {"triton": 0, "reference": 0}  # eager launches per path (a diagnostic;
 _WARNED = False
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether Triton can be imported (checked without importing it).
+    """Whether Triton can be imported (checked once, without importing it).
 
     Example:
         >>> isinstance(triton_available(), bool)
@@ -161,13 +162,15 @@ def _pow2_at_least_16(v: int) -> int:
     return max(16, 1 << (max(1, v) - 1).bit_length())
 
 
-def tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+def tile_config(m: int, n: int, k: int, x_bytes: int = 2) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[m, k] x [k, n]`` product.
 
     1-16 rows (decode) take one 16-row tile (``tl.dot``'s minimum) over 32 weight columns, so a 4096-wide
     layer spreads over 128 programs, each streaming 256-deep int8 tiles through a 4-stage pipeline; more
     rows take wider tiles. Every block is at least 16 (``tl.dot``) and no larger than the next power of two
-    of its dimension. Shared memory at most 4 x (16 x 256 x 4 + 32 x 256) bytes = 96 KiB (fp32 decode).
+    of its dimension. fp32 activations (``x_bytes=4``) take shallower K tiles or fewer stages past 16 rows,
+    so that every config stays within 100 KiB of shared memory (sm_86's limit; measured by compiling for
+    sm_80, sm_86 and sm_90: at most 80 KiB).
 
     Example:
         >>> tile_config(1, 4096, 4096)
@@ -176,9 +179,9 @@ def tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     if m <= 16:
         bm, bn, bk, warps, stages = 16, 32, 256, 4, 4
     elif m <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+        bm, bn, bk, warps, stages = 64, 64, 128 if x_bytes <= 2 else 64, 4, 4
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3 if x_bytes <= 2 else 2
     return (min(bm, _pow2_at_least_16(m)), min(bn, _pow2_at_least_16(n)), min(bk, _pow2_at_least_16(k)),
             warps, stages)
 
@@ -191,7 +194,7 @@ def _launch(x2: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) ->
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, warps, stages = tile_config(m, n, k)
+    bm, bn, bk, warps, stages = tile_config(m, n, k, x2.element_size())
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     args = (x2, weight_int8, scale, y, m, n, x2.stride(0), x2.stride(1), weight_int8.stride(0),
             weight_int8.stride(1), y.stride(0), y.stride(1))
