@@ -167,6 +167,9 @@ class Engine:
         max_skips: the starvation bound: how often later requests may be admitted ahead of a waiting one.
         default_sampling: :class:`SamplingParams` for requests submitted without any.
 
+    Attributes:
+        device: the model's device, where each step's inputs, logits and sampled requests' generators live.
+
     Raises:
         ValueError: a non-positive size; IncompatibleModelError: a model the paged cache cannot serve.
 
