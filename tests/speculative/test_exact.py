@@ -141,3 +141,15 @@ def test_quantized_target_composes():
     for p in prompts(4):
         assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
                            ref.generate(p, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("kind", ["lookup", "self"])
+def test_int32_input_ids(kind):
+    """Plain generate takes int32 ids (and returns int64); the speculative loop did not (scatter dtype clash)."""
+    ref, m = tiny_model(), tiny_model()
+    enable_(m, PromptLookup() if kind == "lookup" else SelfDraft(num_layers=1))
+    p = torch.tensor([[1, 17, 400, 23, 9, 1200, 5, 17, 400, 23]], dtype=torch.int32)
+    kw = dict(max_new_tokens=10, do_sample=False)
+    out, want = m.generate(p, **kw), ref.generate(p, **kw)
+    assert out.dtype == want.dtype == torch.int64 and torch.equal(out, want)
+    assert routing_stats(m).infopt == 1

@@ -243,11 +243,11 @@ def speculative_decode(model: nn.Module, spec: SpecCall, cache, drafter: Drafter
     S = T + (N if B == 1 else 2 * N) + K + 2
     if capacity is not None:
         S = min(S, capacity)
-    out = torch.full((B, T + N + K + 1), pad, dtype=ids.dtype, device=dev)  # + K + 1: room for a round's writes
+    out = torch.full((B, T + N + K + 1), pad, dtype=torch.long, device=dev)  # + K + 1: room for a round's writes
     out[:, :T] = ids
     mask = call.attention_mask
     slot_mask = torch.ones(B, S + 1, dtype=torch.long, device=dev)
-    slot_ids = torch.zeros(B, S + 1, dtype=ids.dtype, device=dev)
+    slot_ids = torch.zeros(B, S + 1, dtype=torch.long, device=dev)
     slot_pos = torch.zeros(B, S + 1, dtype=torch.long, device=dev)
     slot_ids[:, :T] = ids
     if mask is not None:
