@@ -10,7 +10,14 @@ Example:
 
 from . import attention, batching, compile, kvcache, parallel, quantize, speculative
 from ._version import __version__
-from .core.errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
+from .core.errors import (
+    CheckpointError,
+    IncompatibleModelError,
+    InfoptError,
+    MissingBackendError,
+    QualityGateError,
+    RecipeError,
+)
 from .io import load, save_optimized
 from .optimize import OptimizationReport, optimize, undo, validate
 from .recipe import PRESETS, Recipe
@@ -30,6 +37,7 @@ __all__ = [
     "IncompatibleModelError",
     "MissingBackendError",
     "QualityGateError",
+    "CheckpointError",
     "attention",
     "batching",
     "compile",

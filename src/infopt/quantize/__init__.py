@@ -1,5 +1,7 @@
 """Weight quantization (recipe stage ``quantize``): swap linear layers for quantized ones, in place."""
 
+import importlib
+
 from ..core.import_hooks import after_import
 from .api import CALIBRATED, QUANTIZERS, quantize_, register_calibrated, register_quantizer
 from .awq import AWQ
@@ -20,9 +22,9 @@ __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "register_quantizer", "regis
 
 
 def _register_with_transformers() -> None:
-    from .hf import register
-
-    register()
+    # import_module, not `from .hf import register`: when .hf itself is being imported (its import of
+    # transformers.quantizers triggers this hook) it is partly initialised, and registers at its end
+    importlib.import_module(f"{__name__}.hf")
 
 
 # transformers' from_pretrained rebuilds infopt-quantized folders once infopt is imported; the registry module is

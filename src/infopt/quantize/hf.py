@@ -134,21 +134,27 @@ class InfoptHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         modules = self.quantization_config.modules
-        header = _safetensors_header(checkpoint_files)
-        resolved = {fqn: _resolve(model, fqn) for fqn in modules}
-        if header is not None:
-            dtypes = {fqn: model.get_submodule(name).weight.dtype for fqn, name in resolved.items() if name is not None}
-            check_checkpoint({f: s for f, s in modules.items() if resolved[f] is not None}, dtypes, header)
-        tied = getattr(model, "all_tied_weights_keys", None)
-        for fqn, name in resolved.items():
-            if name is None:
-                continue
+        resolved = {fqn: name for fqn in modules if (name := _resolve(model, fqn)) is not None}
+        layers = {}
+        for fqn, name in resolved.items():  # all built before any is swapped in or any file is read
             original = model.get_submodule(name)
-            layer = build_layer(fqn, modules[fqn], original, device=original.weight.device)
+            layers[fqn] = build_layer(fqn, modules[fqn], original, device=original.weight.device)
+            # some models' _init_weights reach a child's weight through its parent (GPT-2 rescales
+            # mlp.c_proj.weight when it initialises GPT2MLP): a stand-in marked loaded, which init skips,
+            # keeps that from failing; it is dropped once the weights are in
+            stand_in = torch.empty_like(original.weight, device="meta")
+            stand_in._is_hf_initialized = True
+            layers[fqn].weight = stand_in
             if type(original).__name__ == "Conv1D":
                 self._conv1d.add(name)
-            _set_module(model, name, layer)
-            self._built[name] = (modules[fqn], layer)
+        header = _safetensors_header(checkpoint_files)
+        if header is not None:
+            dtypes = {fqn: model.get_submodule(name).weight.dtype for fqn, name in resolved.items()}
+            check_checkpoint({fqn: modules[fqn] for fqn in resolved}, dtypes, header)
+        tied = getattr(model, "all_tied_weights_keys", None)
+        for fqn, name in resolved.items():
+            _set_module(model, name, layers[fqn])
+            self._built[name] = (modules[fqn], layers[fqn])
             if tied is not None:
                 # the head was saved as its own quantized copy: tying it to the embedding would fail (no .weight)
                 tied.pop(f"{name}.weight", None)
@@ -157,6 +163,7 @@ class InfoptHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         problems = []
         for name, (spec, layer) in self._built.items():
+            layer.__dict__.pop("weight", None)  # the init stand-in
             dtype = next(layer.parameters(), torch.empty(0)).dtype
             for tname, (shape, want) in expected_tensors(spec, dtype).items():
                 t = getattr(layer, tname)
@@ -213,7 +220,7 @@ class InfoptHfQuantizer(HfQuantizer):
 
 def register() -> None:
     """Register :class:`InfoptQuantizationConfig` and :class:`InfoptHfQuantizer` as ``quant_method: "infopt"``
-    (idempotent). ``import infopt`` arranges it."""
+    (idempotent). Importing this module calls it; ``import infopt`` arranges that import."""
     from transformers.quantizers.auto import (
         AUTO_QUANTIZER_MAPPING,
         register_quantization_config,
@@ -224,3 +231,6 @@ def register() -> None:
         return
     register_quantization_config(QUANT_METHOD)(InfoptQuantizationConfig)
     register_quantizer(QUANT_METHOD)(InfoptHfQuantizer)
+
+
+register()  # importing this module registers it (transformers' import of its registry, via infopt.quantize, too)
