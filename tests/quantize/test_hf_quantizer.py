@@ -335,3 +335,10 @@ def test_saved_on_cpu_loads_onto_cuda_like_the_moved_model(layout, tmp_path, pro
     assert all(x.layout == "cuda_tinygemm" for x in loaded.modules() if isinstance(x, Int4Linear))
     with torch.no_grad():
         assert torch.equal(loaded(prompt.cuda()).logits, moved(prompt.cuda()).logits)
+
+
+def test_offloading_is_refused(saved_int8):
+    from infopt.core.errors import IncompatibleModelError
+
+    with pytest.raises(IncompatibleModelError, match="whole model on one device"):
+        AutoModelForCausalLM.from_pretrained(saved_int8, device_map={"model": "cpu", "lm_head": "disk"})

@@ -26,7 +26,7 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..core.errors import CheckpointError
+from ..core.errors import CheckpointError, IncompatibleModelError
 from .serialize import (
     FORMAT_VERSION,
     QUANT_METHOD,
@@ -97,10 +97,10 @@ def _safetensors_header(files: list[str] | None) -> dict[str, tuple[tuple[int, .
     return header
 
 
-def _resolve(model: nn.Module, fqn: str) -> str | None:
-    """The module name ``fqn`` (as saved) has in ``model``; without the base-model prefix when ``model`` is the base
-    model alone (``AutoModel`` on a causal-LM checkpoint); None for a head the base model does not have."""
-    names = dict(model.named_modules())
+def _resolve(model: nn.Module, names: set[str], fqn: str) -> str | None:
+    """The module name ``fqn`` (as saved) has in ``model`` (whose module names are ``names``); without the base-model
+    prefix when ``model`` is the base model alone (``AutoModel`` on a causal-LM checkpoint); None for a head the
+    base model does not have."""
     if fqn in names:
         return fqn
     prefix = getattr(model, "base_model_prefix", "") + "."
@@ -128,13 +128,21 @@ class InfoptHfQuantizer(HfQuantizer):
         self._built: dict[str, tuple[dict[str, Any], nn.Module]] = {}  # model fqn -> (spec, layer being loaded)
         self._conv1d: set[str] = set()
 
-    def validate_environment(self, *args, **kwargs) -> None:
+    def validate_environment(self, *args, device_map=None, **kwargs) -> None:
         for fqn, spec in self.quantization_config.modules.items():
             check_spec(fqn, spec)
+        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
+        if len(places) > 1 or "disk" in places:
+            # int4 layers are packed for one device's kernel; offload hooks would move their buffers behind their back
+            raise IncompatibleModelError(
+                f"infopt's quantized layers need the whole model on one device; device_map spreads it over "
+                f"{sorted(places)}. Load with device_map='cpu' or device_map='cuda'"
+            )
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         modules = self.quantization_config.modules
-        resolved = {fqn: name for fqn in modules if (name := _resolve(model, fqn)) is not None}
+        names = {n for n, _ in model.named_modules()}
+        resolved = {fqn: name for fqn in modules if (name := _resolve(model, names, fqn)) is not None}
         layers = {}
         for fqn, name in resolved.items():  # all built before any is swapped in or any file is read
             original = model.get_submodule(name)
