@@ -157,8 +157,7 @@ class InfoptHfQuantizer(HfQuantizer):
                 self._conv1d.add(name)
         header = _safetensors_header(checkpoint_files)
         if header is not None:
-            dtypes = {fqn: model.get_submodule(name).weight.dtype for fqn, name in resolved.items()}
-            check_checkpoint({fqn: modules[fqn] for fqn in resolved}, dtypes, header)
+            check_checkpoint({fqn: modules[fqn] for fqn in resolved}, header)
         tied = getattr(model, "all_tied_weights_keys", None)
         for fqn, name in resolved.items():
             _set_module(model, name, layers[fqn])
@@ -172,8 +171,7 @@ class InfoptHfQuantizer(HfQuantizer):
         problems = []
         for name, (spec, layer) in self._built.items():
             layer.__dict__.pop("weight", None)  # the init stand-in
-            dtype = next(layer.parameters(), torch.empty(0)).dtype
-            for tname, (shape, want) in expected_tensors(spec, dtype).items():
+            for tname, (shape, want) in expected_tensors(spec).items():
                 t = getattr(layer, tname)
                 # transformers flags each tensor it loaded; a missing one is allocated and left uninitialised
                 loaded = t.device.type != "meta" and getattr(t, "_is_hf_initialized", False)

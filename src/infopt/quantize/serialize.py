@@ -131,9 +131,14 @@ def check_spec(fqn: str, spec: Any) -> None:
         raise CheckpointError(f"{fqn}: the quantization_config entry for this {kind} layer lacks {', '.join(absent)}")
 
 
-def expected_tensors(spec: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+def expected_tensors(spec: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """``{name: (shape, dtype)}`` of the tensors a layer of ``spec`` loads; dtype None means any floating type
-    (the bias, cast to the model's ``dtype`` on load)."""
+    (the bias, cast to the model's dtype on load).
+
+    Example:
+        >>> expected_tensors({"kind": "int8", "in_features": 64, "out_features": 32, "bias": False, "group_size": None})
+        {'weight_int8': ((32, 64), torch.int8), 'weight_scale': ((32,), torch.float32)}
+    """
     out_f, in_f = spec["out_features"], spec["in_features"]
     kind = spec["kind"]
     t: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
@@ -218,21 +223,28 @@ def _header_dtype(name: str) -> torch.dtype | None:
             "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(name)
 
 
-def check_checkpoint(modules: dict[str, dict[str, Any]], dtypes: dict[str, torch.dtype],
-                     header: dict[str, tuple[tuple[int, ...], str]]) -> None:
+def check_checkpoint(modules: dict[str, dict[str, Any]], header: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Check that the checkpoint holds every tensor the quantized layers need, with the right shape and dtype.
 
     Args:
         modules: the ``modules`` entries to check.
-        dtypes: each module's floating-point dtype (for messages only).
         header: ``{key: (shape, safetensors dtype name)}`` of every tensor in the checkpoint files.
 
     Raises:
         CheckpointError: listing the first problems found (tensor, expected, found) and the fix.
+
+    Example:
+        >>> spec = {"kind": "int8", "in_features": 64, "out_features": 32, "bias": False, "group_size": None}
+        >>> check_checkpoint({"fc": spec}, {"fc.weight_int8": ((32, 64), "I8"), "fc.weight_scale": ((32,), "F32")})
+        >>> try:
+        ...     check_checkpoint({"fc": spec}, {"fc.weight_int8": ((32, 64), "I8")})
+        ... except CheckpointError as e:
+        ...     print("fc.weight_scale is missing" in str(e))
+        True
     """
     problems = []
     for fqn, spec in modules.items():
-        for name, (shape, dtype) in expected_tensors(spec, dtypes.get(fqn, torch.float32)).items():
+        for name, (shape, dtype) in expected_tensors(spec).items():
             key = f"{fqn}.{name}"
             if key not in header:
                 problems.append(f"{key} is missing")
