@@ -81,3 +81,20 @@ def test_save_reload_preserves_outputs(tmp_path, prompt):
     assert isinstance(m2.model.layers[0].mlp.up_proj, Int8Linear)
     assert torch.equal(m2(prompt).logits, logits)
     assert torch.equal(m2.generate(prompt, max_new_tokens=6, do_sample=False), gen)
+
+
+def test_misaligned_weight_is_realigned_before_the_cpu_kernel():
+    """A weight viewed at an offset (a memory-mapped checkpoint) gets an aligned copy before _weight_int8pack_mm."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(128, 64))
+    if layer.compute_dtype is None:
+        pytest.skip("this torch has no CPU int8 kernel")
+    x = torch.randn(3, 128)
+    want = layer(x)
+    buf = torch.empty(64 * 128 + 8, dtype=torch.int8)
+    view = buf[8:].view(64, 128)
+    view.copy_(layer.weight_int8)
+    layer.weight_int8 = view
+    assert layer.weight_int8.data_ptr() % 64
+    assert torch.equal(layer(x), want)
+    assert layer.weight_int8.data_ptr() % 64 == 0
