@@ -168,7 +168,7 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> from infopt.models import tiny_model
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
-        ['attention', 'kvcache:static']
+        ['speculative:self_draft']
         >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report, the save hook
         5
     """
