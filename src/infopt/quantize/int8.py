@@ -186,9 +186,11 @@ class Int8Linear(nn.Module):
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
-            if self.weight_int8.data_ptr() % 64 and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
-                # memory-mapped file at another offset can crash it (SIGSEGV), so take an allocation of our own
+                # memory-mapped file at another offset can crash it (SIGSEGV), so take an allocation of our own;
+                # is_compiling() first: dynamo cannot trace data_ptr() (the eager prompt pass before a compiled decode
+                # step takes the copy)
                 self.weight_int8 = self.weight_int8.clone()
             x2 = x.reshape(-1, self.in_features).to(cd).contiguous()
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale(cd))
