@@ -47,10 +47,12 @@ def test_greedy_token_identical_left_padded(arch, block_size):
     assert routing_stats(m).infopt == 4 and routing_stats(m).original == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
-def test_prefix_hit_runs_only_the_suffix(arch):
-    m = tiny_model(arch)
-    first, second = torch.tensor([SYSTEM + [101, 102, 103]]), torch.tensor([SYSTEM + [201, 202, 203, 204, 205]])
+@pytest.mark.parametrize("arch, device", [("llama", "cpu"), ("qwen2", "cpu"), ("gemma", "cpu"),
+                                          pytest.param("llama", "cuda", marks=pytest.mark.gpu)])
+def test_prefix_hit_runs_only_the_suffix(arch, device):
+    m = tiny_model(arch).to(device)
+    first = torch.tensor([SYSTEM + [101, 102, 103]], device=device)
+    second = torch.tensor([SYSTEM + [201, 202, 203, 204, 205]], device=device)
     ref1 = m.generate(first, max_new_tokens=32, do_sample=False)
     ref2 = m.generate(second, max_new_tokens=32, do_sample=False)
     use_paged_(m, Paged(block_size=16))

@@ -69,23 +69,6 @@ def test_self_draft_int4_layers_use_the_cuda_kernel(monkeypatch):
     assert len(calls) == len(layers)
 
 
-def test_batch_left_padding_on_cuda():
-    ref, m = tiny_model().cuda(), tiny_model().cuda()
-    enable_(m, PromptLookup(num_tokens=4))
-    ps = prompts(4, seed=3)
-    T = max(p.shape[1] for p in ps)
-    ids = torch.zeros(4, T, dtype=torch.long)
-    mask = torch.zeros(4, T, dtype=torch.long)
-    for i, p in enumerate(ps):
-        ids[i, T - p.shape[1]:] = p[0]
-        mask[i, T - p.shape[1]:] = 1
-    ids, mask = ids.cuda(), mask.cuda()
-    want = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    got = m.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-    assert torch.equal(got, want)
-    assert routing_stats(m).infopt == 1 and stats(m)["rounds"] > 0
-
-
 def test_static_cache_composes_on_cuda():
     from infopt.kvcache import Static
 

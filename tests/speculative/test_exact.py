@@ -48,9 +48,10 @@ def test_greedy_identical_20_prompts(kind):
     assert s["tokens"] == 20 * 24 and 0 < s["target_forwards_per_token"] <= 1
 
 
-@pytest.mark.parametrize("kind", ["lookup", "draft-model", "self-int8"])
-def test_greedy_batch_left_padding(kind):
-    ref, m = tiny_model(), tiny_model()
+@pytest.mark.parametrize("kind, device", [("lookup", "cpu"), ("draft-model", "cpu"), ("self-int8", "cpu"),
+                                          pytest.param("lookup", "cuda", marks=pytest.mark.gpu)])
+def test_greedy_batch_left_padding(kind, device):
+    ref, m = tiny_model().to(device), tiny_model().to(device)
     enable_(m, draft_for(kind))
     ps = prompts(4, seed=3)
     T = max(p.shape[1] for p in ps)
@@ -59,6 +60,7 @@ def test_greedy_batch_left_padding(kind):
     for i, p in enumerate(ps):
         ids[i, T - p.shape[1]:] = p[0]
         mask[i, T - p.shape[1]:] = 1
+    ids, mask = ids.to(device), mask.to(device)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     got = m.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
