@@ -151,3 +151,105 @@ def test_validator_property(steps):
     assert Recipe.from_yaml(r.to_yaml()) == r
     check_rules(r.steps)
     assert all(StepConfig.from_dict(s.to_dict()) == s for s in r.steps)
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"steps": [{"quantise": {"method": "int8"}}]}, "Did you mean 'quantize'?"),
+        ({"steps": [{"quantize": {"method": "itn8"}}]}, "Did you mean 'int8'?"),
+        ({"steps": [{"quantize": {"method": "int3"}}]}, "Did you mean 'int4' or 'int8'?"),
+        ({"steps": [{"quantize": {"method": "int4", "grup_size": 32}}]}, "Did you mean 'group_size'?"),
+        ({"steps": [{"attention": "spda"}]}, "Did you mean 'sdpa'?"),
+        ({"steps": [{"compile": {"mode": "max_autotune"}}, {"kvcache": "static"}]}, "Did you mean 'max-autotune'?"),
+        ({"steps": [], "gate": {"min_top": 0.9}}, "Did you mean 'min_top1'?"),
+        ({"step": []}, "Did you mean 'steps'?"),
+        ({"steps": [], "gaet": {}}, "Did you mean 'gate'?"),
+        ("cpu_fast", "Did you mean 'cpu-fast'?"),
+        ("memory-savr", "Did you mean 'memory-saver'?"),
+    ],
+    ids=["stage", "method", "method-tie", "field", "backend", "compile-mode", "gate-key", "steps-key", "recipe-key",
+         "preset", "preset-typo"],
+)
+def test_did_you_mean(bad, needle):
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse(bad)
+    assert needle in str(e.value)
+
+
+def test_no_suggestion_when_nothing_is_close():
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse({"steps": [{"quantize": {"method": "zzzzzz"}}]})
+    assert "Did you mean" not in str(e.value) and "allowed: awq" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "step,needle",
+    [
+        ({"quantize": {"method": "int4", "group_size": "32"}},
+         "Int4WeightOnly.group_size='32' is invalid: it must be an integer, got the string '32' (write it without "
+         "quotes); allowed: 32, 64"),
+        ({"kvcache": {"kind": "static", "max_length": 64.5}}, "must be an integer or null, got the number 64.5"),
+        ({"quantize": {"method": "int4", "group_size": True}}, "must be an integer, got the boolean true"),
+        ({"kvcache": {"kind": "static", "max_length": "64"}}, "must be an integer or null, got the string '64'"),
+        ({"kvcache": {"kind": "paged", "prefix_caching": "yes"}}, "must be true or false, got the string 'yes';"),
+        ({"quantize": {"method": "gptq", "damp": "0.1"}}, "must be a number, got the string '0.1' (write it"),
+        ({"speculative": {"method": "prompt_lookup", "ngram": "1,3"}}, "must be a list, got the string '1,3'"),
+    ],
+    ids=["int4-g-string", "static-len-float", "int4-g-bool", "static-len-string", "paged-bool-word", "gptq-damp-string",
+         "ngram-string"],
+)
+def test_wrong_type_says_the_type(step, needle):
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse([step])
+    assert needle in str(e.value)
+
+
+def test_right_type_wrong_value_keeps_allowed_message():
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse([{"quantize": {"method": "int4", "group_size": 48}}])
+    assert "Int4WeightOnly.group_size=48 is invalid; allowed: 32, 64" in str(e.value)
+    assert "must be" not in str(e.value)
+    Recipe.parse([{"speculative": {"method": "prompt_lookup", "ngram": [1, 2]}}])  # a list is fine for a tuple
+
+
+def test_malformed_json_file_is_reported_as_json(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text('{"steps": [\n  {"quantize": {"method": "int8"}},\n]}\n')
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse(p)
+    msg = str(e.value)
+    assert "malformed recipe JSON at line 3, column 1" in msg and "YAML" not in msg
+    assert str(p) in msg
+    assert Recipe.from_json('{"steps": [{"attention": "eager"}]}').steps == (Attention("eager"),)
+
+
+def test_malformed_yaml_file_names_the_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("steps:\n  - quantize: {method: int8\n  - attention: sdpa\n")
+    with pytest.raises(RecipeError, match=r"recipe file '.*r\.yaml': malformed recipe YAML at line 3, column \d+"):
+        Recipe.parse(p)
+
+
+@pytest.mark.parametrize(
+    "gate,needle",
+    [
+        ({"min_top1": 5}, "gate min_top1=5 is out of range: top-1 agreement is a fraction from 0 to 1"),
+        ({"min_top1": 98}, "Did you mean 0.98?"),
+        ({"min_top1": -0.1}, "min_top1=-0.1 is out of range"),
+        ({"max_kl": -0.01}, "max_kl=-0.01 is out of range"),
+        ({"max_ppl_ratio": 0.02}, "Did you mean 1.02?"),
+        ({"max_kl": "0.01"}, "gate max_kl='0.01' must be a number"),
+        ({"max_kl": True}, "must be a number"),
+    ],
+    ids=["top1-5", "top1-percent", "top1-negative", "kl-negative", "ppl-ratio-below-1", "kl-string", "kl-bool"],
+)
+def test_gate_ranges(gate, needle):
+    with pytest.raises(RecipeError) as e:
+        Recipe.parse({"steps": [{"attention": "eager"}], "gate": gate})
+    assert needle in str(e.value)
+
+
+def test_gate_edges_accepted():
+    Recipe.parse({"steps": [], "gate": {"min_top1": 1, "max_kl": 0, "max_ppl_ratio": 1.0}})
+    Recipe.parse({"steps": [], "gate": {"min_top1": 0.0}})

@@ -20,7 +20,7 @@ from . import kvcache as _kvcache  # noqa: F401
 from . import parallel as _parallel  # noqa: F401
 from . import quantize as _quantize  # noqa: F401
 from . import speculative as _speculative  # noqa: F401
-from .core.errors import RecipeError
+from .core.errors import RecipeError, did_you_mean
 from .core.step import STAGES, STEP_TYPES, StepConfig
 
 __all__ = ["Recipe", "Rule", "RULES", "PRESETS", "Preset", "available_steps", "check_rules", "check_gate"]
@@ -259,13 +259,16 @@ class Recipe:
             if "steps" not in obj:
                 if len(obj) == 1 and next(iter(obj)) in STAGES:
                     return cls((StepConfig.from_dict(obj),))
+                hints = "".join(dict.fromkeys(did_you_mean(k, ("steps", *STAGES)) for k in obj))
                 raise RecipeError(
                     "a recipe mapping needs a 'steps' list, e.g. {'steps': [{'quantize': {'method': 'int8'}}]}; "
-                    f"got keys {sorted(obj)}"
+                    f"got keys {sorted(obj, key=str)}.{hints}".rstrip(".")
                 )
-            unknown = sorted(set(obj) - {"steps", "gate", "name", "description"})
+            keys = ("steps", "gate", "name", "description")
+            unknown = sorted(set(obj) - set(keys), key=str)
             if unknown:
-                raise RecipeError(f"unknown recipe key(s) {unknown}; allowed: steps, gate, name, description")
+                hints = "".join(did_you_mean(k, keys) for k in unknown)
+                raise RecipeError(f"unknown recipe key(s) {unknown}; allowed: {', '.join(keys)}.{hints}".rstrip("."))
             steps = obj["steps"]
             if not isinstance(steps, list):
                 raise RecipeError(f"recipe 'steps' must be a list, got {type(steps).__name__}")
@@ -296,11 +299,16 @@ class Recipe:
         if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
             if not path.is_file():
                 raise RecipeError(f"recipe file '{path}' does not exist")
-            r = cls.from_yaml(path.read_text())  # YAML is a superset of JSON
+            # a .json file is read as JSON, so its errors are JSON's (YAML would read it too, and blame YAML)
+            read = cls.from_json if path.suffix.lower() == ".json" else cls.from_yaml
+            try:
+                r = read(path.read_text())
+            except RecipeError as e:
+                raise RecipeError(f"recipe file '{path}': {e}") from None
             return Recipe(r.steps, gate=r.gate, name=r.name or path.stem, source=str(path))
         raise RecipeError(
-            f"'{text}' is neither a preset ({', '.join(PRESETS)}) nor a .yaml/.json recipe file. "
-            "Run `infopt recipes` to list presets"
+            f"'{text}' is neither a preset ({', '.join(PRESETS)}) nor a .yaml/.json recipe file."
+            f"{did_you_mean(text, PRESETS)} Run `infopt recipes` to list presets"
         )
 
     @classmethod
@@ -318,6 +326,29 @@ class Recipe:
             raise RecipeError(f"malformed recipe YAML{where}: {getattr(e, 'problem', e)}") from None
         if data is None:
             raise RecipeError("the recipe is empty; write at least {steps: [...]}")
+        return cls.parse(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        """Parse JSON text (what :meth:`to_json` writes).
+
+        Raises:
+            RecipeError: malformed JSON, with the line and column.
+
+        Example:
+            >>> Recipe.from_json('{"steps": [{"attention": "eager"}]}').describe()
+            'attention'
+            >>> Recipe.from_json('{"steps": [}')
+            Traceback (most recent call last):
+            ...
+            infopt.core.errors.RecipeError: malformed recipe JSON at line 1, column 12: Expecting value
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"malformed recipe JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        if data is None:
+            raise RecipeError('the recipe is empty; write at least {"steps": [...]}')
         return cls.parse(data)
 
     # -- writing ---------------------------------------------------------------------------
@@ -345,11 +376,37 @@ _GATE_KEYS = {"max_kl": "mean KL divergence, nats/token", "min_top1": "top-1 agr
 
 
 def check_gate(gate: Any) -> None:
-    """Raise :class:`RecipeError` unless ``gate`` is a mapping of known keys to non-negative numbers."""
+    """Raise :class:`RecipeError` unless ``gate`` maps known keys to numbers in their range.
+
+    ``max_kl`` is a non-negative number, ``min_top1`` a fraction in [0, 1] and ``max_ppl_ratio`` a ratio >= 1
+    (below 1 the optimized model would have to beat the original). Checked before the model is touched, so a
+    gate no model can pass fails here rather than after optimizing.
+
+    Raises:
+        RecipeError: not a mapping, an unknown key (with a "did you mean"), a value that is not a number or is
+            out of its range (with the likely intended value for percentages).
+
+    Example:
+        >>> check_gate({"max_kl": 0.01, "min_top1": 0.98})
+        >>> check_gate({"min_top1": 98})
+        Traceback (most recent call last):
+        ...
+        infopt.core.errors.RecipeError: gate min_top1=98 is out of range: top-1 agreement is a fraction ... 0.98?
+    """
     if not isinstance(gate, dict):
         raise RecipeError(f"gate must be a mapping like {{max_kl: 0.01, min_top1: 0.98}}, got {gate!r}")
     for k, v in gate.items():
         if k not in _GATE_KEYS:
-            raise RecipeError(f"unknown gate key {k!r}; allowed: " + ", ".join(f"{a} ({b})" for a, b in _GATE_KEYS.items()))
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise RecipeError(f"gate {k}={v!r} must be a non-negative number")
+            allowed = ", ".join(f"{a} ({b})" for a, b in _GATE_KEYS.items())
+            raise RecipeError(f"unknown gate key {k!r}; allowed: {allowed}.{did_you_mean(k, _GATE_KEYS)}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+            raise RecipeError(f"gate {k}={v!r} must be a number ({_GATE_KEYS[k]})")
+        if k == "max_kl" and v < 0:
+            raise RecipeError(f"gate max_kl={v!r} is out of range: a KL divergence is >= 0 (e.g. max_kl: 0.01)")
+        if k == "min_top1" and not 0 <= v <= 1:
+            hint = f" Did you mean {v / 100:g}?" if 1 < v <= 100 else ""
+            raise RecipeError(f"gate min_top1={v!r} is out of range: top-1 agreement is a fraction from 0 to 1.{hint}")
+        if k == "max_ppl_ratio" and v < 1:
+            hint = f" Did you mean {1 + v:g}?" if 0 < v < 0.5 else ""
+            raise RecipeError(f"gate max_ppl_ratio={v!r} is out of range: it is optimized / original perplexity, so "
+                              f"below 1 no model passes it reliably; 1.02 allows 2% higher perplexity.{hint}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "InfoptError",
     "RecipeError",
@@ -9,7 +12,42 @@ __all__ = [
     "MissingBackendError",
     "QualityGateError",
     "CheckpointError",
+    "did_you_mean",
 ]
+
+
+def did_you_mean(value: object, options: Iterable[object]) -> str:
+    """``" Did you mean 'x'?"`` for the option closest to a misspelt ``value`` (case-insensitive), else ``""``.
+
+    Args:
+        value: what the user wrote (only strings get a suggestion).
+        options: the names allowed there.
+
+    Returns:
+        The sentence, with a leading space, ready to append to a message; empty when nothing is close.
+
+    Example:
+        >>> did_you_mean("cpu_fast", ["cpu-fast", "gpu-fast", "memory-saver"])
+        " Did you mean 'cpu-fast'?"
+        >>> did_you_mean("int3", ["int8", "int4", "gptq"])
+        " Did you mean 'int4' or 'int8'?"
+        >>> did_you_mean("zzz", ["int8", "int4"])
+        ''
+    """
+    if not isinstance(value, str) or not value:
+        return ""
+    names = {str(o).lower(): str(o) for o in options if o is not None and str(o)}
+    if value.lower() in names and names[value.lower()] != value:  # only the case differs
+        return f" Did you mean {names[value.lower()]!r}?"
+    close = difflib.get_close_matches(value.lower(), list(names), n=3, cutoff=0.6)
+    if not close or names[close[0]] == value:
+        return ""
+
+    def score(name: str) -> float:
+        return difflib.SequenceMatcher(None, value.lower(), name).ratio()
+
+    best = [n for n in close if score(n) == score(close[0])]  # a tie ('int3': int4, int8) names each
+    return " Did you mean " + " or ".join(repr(names[n]) for n in sorted(best)) + "?"
 
 
 class InfoptError(Exception):

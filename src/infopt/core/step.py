@@ -9,6 +9,8 @@ applies it is registered beside it with :func:`register_transform`.
 from __future__ import annotations
 
 import dataclasses
+import re
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .errors import RecipeError
+from .errors import RecipeError, did_you_mean
 from .introspect import ModelInfo
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "register_transform",
     "step_class",
     "bad_field",
+    "describe_fields",
 ]
 
 STAGES: tuple[str, ...] = ("attention", "quantize", "parallel", "kvcache", "compile", "speculative", "batching")
@@ -41,9 +44,139 @@ TRANSFORMS: dict[type[StepConfig], Callable[[nn.Module, StepConfig, ApplyContext
 
 
 def bad_field(cls_or_obj: Any, name: str, value: Any, allowed: str) -> RecipeError:
-    """Build the error for an invalid config field: names the config, the field, the value and what is allowed."""
+    """Build the error for an invalid config field: names the config, the field, the value and what is allowed.
+
+    When the value's type does not fit the field's annotation (``group_size: "32"`` for an ``int`` field),
+    the message says so first, since "allowed: 32, 64" alone reads as if 32 were refused. A misspelt
+    choice among the allowed names gets a "did you mean".
+
+    Args:
+        cls_or_obj: the config class or instance.
+        name: the field.
+        value: the value refused.
+        allowed: what the field accepts, in words or as a comma-separated list.
+
+    Returns:
+        The :class:`RecipeError` to raise.
+
+    Example:
+        >>> from infopt.quantize import Int4WeightOnly
+        >>> str(bad_field(Int4WeightOnly, "group_size", "32", "32, 64, 128, 256"))  # doctest: +NORMALIZE_WHITESPACE
+        "Int4WeightOnly.group_size='32' is invalid: it must be an integer, got the string '32' (write it without
+        quotes); allowed: 32, 64, 128, 256"
+    """
     cls = cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj)
-    return RecipeError(f"{cls.__name__}.{name}={value!r} is invalid; allowed: {allowed}")
+    head = f"{cls.__name__}.{name}={value!r} is invalid"
+    wanted = _type_mismatch(cls, name, value)
+    if wanted is not None:
+        unquote = " (write it without quotes)" if isinstance(value, str) and _parses_as(value, wanted[1]) else ""
+        return RecipeError(f"{head}: it must be {wanted[0]}, got {_describe_value(value)}{unquote}; allowed: {allowed}")
+    choices = [c.strip() for c in re.split(r",|\bor\b", allowed) if re.fullmatch(r"\s*[\w.\-]+\s*", c)]
+    hint = did_you_mean(value, choices)
+    return RecipeError(f"{head}; allowed: {allowed}" + (f".{hint}" if hint else ""))
+
+
+# annotation type -> how a message names it
+_TYPE_WORDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                                 type(None): "null", tuple: "a list", list: "a list", dict: "a mapping"}
+
+
+def _hint_types(hint: Any) -> tuple[type, ...] | None:
+    """The runtime types an annotation admits, in its order, or None when any value may fit (``Any``, unknown forms)."""
+    if hint is Any:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        out: list[type] = []
+        for a in typing.get_args(hint):
+            t = _hint_types(a)
+            if t is None:
+                return None
+            out += [x for x in t if x not in out]
+        return tuple(out)
+    if origin is typing.Literal:
+        return tuple(dict.fromkeys(type(a) for a in typing.get_args(hint)))
+    if origin is not None:
+        return (origin,) if isinstance(origin, type) else None
+    if hint is None or hint is type(None):
+        return (type(None),)
+    return (hint,) if isinstance(hint, type) else None
+
+
+def _fits(value: Any, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # a bool is an int to isinstance, never to a recipe
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    if isinstance(value, (list, tuple)) and (list in allowed or tuple in allowed):
+        return True
+    return any(isinstance(value, t) for t in allowed if t is not bool)
+
+
+def _type_mismatch(cls: type, name: str, value: Any) -> tuple[str, tuple[type, ...]] | None:
+    """``(words, types)`` the field's annotation admits when ``value`` is of none of them, else None."""
+    try:
+        hint = typing.get_type_hints(cls).get(name)
+    except (NameError, TypeError):  # an annotation only a type checker can resolve: no type to compare with
+        return None
+    allowed = _hint_types(hint) if hint is not None else None
+    if not allowed or _fits(value, allowed):
+        return None
+    words = list(dict.fromkeys(_TYPE_WORDS.get(t, f"a {t.__name__}") for t in allowed))
+    return (" or ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " or " + words[-1]), allowed
+
+
+def _describe_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, (list, tuple)):
+        return f"the list {list(value)!r}"
+    if isinstance(value, dict):
+        return f"the mapping {value!r}"
+    return f"a {type(value).__name__}"
+
+
+def _parses_as(text: str, allowed: tuple[type, ...]) -> bool:
+    """True when a string would be a value of ``allowed`` written without quotes (``"32"``, ``"true"``)."""
+    if bool in allowed and text.strip().lower() in ("true", "false"):
+        return True
+    for t in (int, float):
+        if t in allowed:
+            try:
+                t(text)
+                return True
+            except ValueError:
+                pass
+    return False
+
+
+def describe_fields(cls: type[StepConfig]) -> list[tuple[str, str, str]]:
+    """``(name, type, default)`` of each field of a step config class, as ``infopt recipes --fields`` prints them.
+
+    Example:
+        >>> from infopt.attention import Attention
+        >>> describe_fields(Attention)
+        [('backend', 'str', "'sdpa'")]
+    """
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        out.append((f.name, kind.replace("typing.", ""), default))
+    return out
 
 
 @dataclass(frozen=True)
@@ -101,9 +234,11 @@ class StepConfig:
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - set(names))
         if unknown:
+            hints = "".join(did_you_mean(u, names) for u in unknown)
             raise RecipeError(
                 f"{cls.__name__} ({cls.stage}) has no field(s) {', '.join(map(repr, unknown))}; "
-                f"allowed fields: {', '.join(names) or '(none)'}"
+                f"allowed fields: {', '.join(names) or '(none)'}.{hints} "
+                f"(`infopt recipes --fields {cls.stage}` lists them with their defaults)"
             )
         hints = typing.get_type_hints(cls)
         kwargs = {}
@@ -180,7 +315,8 @@ class StepConfig:
 def _unknown_stage_msg(stage: str) -> str:
     known = [s for s in STAGES if s in STEP_TYPES]
     planned = [s for s in STAGES if s not in STEP_TYPES]
-    msg = f"unknown recipe step '{stage}'. Steps available: {', '.join(known)}"
+    hint = did_you_mean(stage, known)
+    msg = f"unknown recipe step '{stage}'. Steps available: {', '.join(known)}" + (f".{hint}" if hint else "")
     if stage in planned:
         msg = f"recipe step '{stage}' is not available in this version of infopt. Steps available: {', '.join(known)}"
     return msg
@@ -198,7 +334,8 @@ def step_class(stage: str, kind: str | None) -> type[StepConfig]:
     if kind not in kinds:
         disc = next(iter(kinds.values())).discriminator
         allowed = ", ".join(sorted(str(k) for k in kinds if k is not None))
-        raise RecipeError(f"unknown {stage} {disc} {kind!r}; allowed: {allowed}")
+        hint = did_you_mean(kind, kinds)
+        raise RecipeError(f"unknown {stage} {disc} {kind!r}; allowed: {allowed}" + (f".{hint}" if hint else ""))
     return kinds[kind]
 
 
