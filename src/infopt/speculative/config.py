@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ..core.errors import RecipeError
 from ..core.step import STEP_TYPES, StepConfig, bad_field, register_step
 
-__all__ = ["DraftModel", "PromptLookup", "SelfDraft", "ADAPTIVE_CAP"]
+__all__ = ["DraftModel", "PromptLookup", "SelfDraft", "ADAPTIVE_CAP", "check_draft_folder"]
 
 ADAPTIVE_CAP = {"draft_model": 8, "self_draft": 8, "prompt_lookup": 10}
 """Longest draft an adaptive ``num_tokens`` may pick, per method."""
@@ -51,7 +54,9 @@ class DraftModel(_Speculative):
             acceptance rate and round times, 0 when drafting does not pay).
 
     Raises:
-        RecipeError: a bad ``num_tokens``, or a ``draft`` that is neither a module nor a string.
+        RecipeError: a bad ``num_tokens``, a ``draft`` that is neither a module nor a string, or a folder that does
+            not exist or holds no ``config.json`` (checked here, before transformers is asked: infopt never
+            downloads, and transformers would read a missing folder as a Hub repo id).
 
     Example:
         >>> from infopt.models import tiny_model
@@ -67,6 +72,43 @@ class DraftModel(_Speculative):
         _check_num_tokens(self, self.num_tokens)
         if not isinstance(self.draft, str) and not hasattr(self.draft, "forward"):
             raise bad_field(self, "draft", self.draft, "a causal LM module, a local model folder, or 'default'")
+        if isinstance(self.draft, str) and self.draft != "default":
+            check_draft_folder(self.draft)
+
+
+def check_draft_folder(draft: str | os.PathLike) -> Path:
+    """The local model folder ``draft`` names, or a :class:`RecipeError` saying why it is not one.
+
+    infopt never downloads: ``draft`` must be a folder written by ``save_pretrained`` (``config.json`` and weights).
+    A name that is not a folder would reach transformers as a Hub repo id and fail with a message about repo ids.
+
+    Raises:
+        RecipeError: no such folder (with how to download a Hub model first), a file, or a folder without
+            ``config.json``.
+
+    Example:
+        >>> check_draft_folder("no/such/folder")
+        Traceback (most recent call last):
+        ...
+        infopt.core.errors.RecipeError: DraftModel.draft='no/such/folder': there is no folder ...
+    """
+    path = Path(draft).expanduser()
+    where = "" if path.is_absolute() else f" ({path.absolute()})"
+    if not path.exists():
+        hub = ""
+        if re.fullmatch(r"[\w.\-]+/[\w.\-]+", str(draft)):
+            hub = (f" If {str(draft)!r} is a Hugging Face Hub repo, download it first, e.g. "
+                   f"`hf download {draft} --local-dir ./{str(draft).split('/')[-1]}`, and pass that folder.")
+        raise RecipeError(f"DraftModel.draft={str(draft)!r}: there is no folder at that path{where}. infopt never "
+                          "downloads models: the draft is a local Hugging Face folder (config.json and weights), a "
+                          f"loaded model, or 'default' (the embedded SmolLM2-135M-Instruct).{hub}")
+    if not path.is_dir():
+        raise RecipeError(f"DraftModel.draft={str(draft)!r} is a file{where}; give the folder that holds the draft "
+                          "model's config.json and weights")
+    if not (path / "config.json").is_file():
+        raise RecipeError(f"DraftModel.draft={str(draft)!r}: the folder{where} has no config.json, so it is not a "
+                          "Hugging Face model folder; give the folder written by the draft model's save_pretrained")
+    return path
 
 
 @register_step
