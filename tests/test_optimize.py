@@ -160,3 +160,66 @@ def test_quality_gate_pass_and_fail(default_tokenizer):
     assert e.value.figures["kl"] > 0
     assert has_patches(m)  # the model stays optimized; the user decides
     infopt.undo(m)
+
+
+@pytest.mark.parametrize("recipe", [[], {"steps": []}, "steps: []\n"], ids=["list", "mapping", "yaml"])
+def test_empty_recipe_refused_model_untouched(recipe, tmp_path, prompt):
+    m = tiny_model("llama")
+    before = m(prompt).logits
+    if isinstance(recipe, str):
+        path = tmp_path / "empty.yaml"
+        path.write_text(recipe)
+        recipe = str(path)
+    with pytest.raises(RecipeError, match="the recipe has no steps.*preset name"):
+        infopt.optimize(m, recipe)
+    with pytest.raises(RecipeError, match="no steps"):
+        infopt.validate(m, recipe)
+    assert not has_patches(m) and "infopt" not in m.__dict__ and "save_pretrained" not in m.__dict__
+    assert torch.equal(m(prompt).logits, before)
+
+
+@pytest.mark.parametrize("gate,needle", [({"min_top1": 5}, "min_top1=5 is out of range"),
+                                         ({"max_kl": -1}, "max_kl=-1 is out of range"),
+                                         ({"max_kll": 0.1}, "Did you mean 'max_kl'?")],
+                         ids=["top1-5", "kl-negative", "key-typo"])
+def test_gate_checked_before_the_model_is_touched(gate, needle):
+    m = tiny_model("llama")
+    with pytest.raises(RecipeError) as e:
+        infopt.optimize(m, [Int8WeightOnly()], gate=gate)
+    assert needle in str(e.value)
+    with pytest.raises(RecipeError):
+        infopt.optimize(m, {"steps": [{"quantize": "int8"}], "gate": gate})
+    assert not has_patches(m) and not any(isinstance(x, Int8Linear) for x in m.modules())
+
+
+@pytest.mark.parametrize("recipe", ["cpu-fast", [Attention("eager")], [Static(max_length=64)]],
+                         ids=["cpu-fast", "attention", "static"])
+def test_meta_model_refused_before_anything_changes(recipe):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(tiny_model("llama").config)
+    attn = m.config._attn_implementation
+    with pytest.raises(IncompatibleModelError, match=r"tensors are on the meta device \(model\.embed_tokens\.weight"):
+        infopt.optimize(m, recipe)
+    assert not has_patches(m) and m.config._attn_implementation == attn and "infopt" not in m.__dict__
+
+
+def test_lazy_module_refused():
+    m = tiny_model("llama")
+    m.model.extra = torch.nn.LazyLinear(4)
+    with pytest.raises(IncompatibleModelError, match="not materialised yet.*model.extra.weight.*forward pass"):
+        infopt.optimize(m, [Attention("eager")])
+    assert not has_patches(m)
+
+
+def test_report_renders_in_notebooks():
+    m = infopt.optimize(tiny_model("llama"), [Attention("eager"), Int8WeightOnly()])
+    html = m.infopt._repr_html_()
+    assert html.startswith("<table>") and "<code>quantize:int8</code>" in html and "<th>seconds</th>" in html
+    assert "MiB -&gt;" in html  # escaped
+    md = m.infopt._repr_markdown_()
+    assert "| step | seconds | notes | fallbacks |" in md and "| `quantize:int8` |" in md
+    assert md.count("\n|") == 4  # header, rule, two steps
+    m.infopt.steps[0].notes.append("a | b <c>")
+    assert "a \\| b <c>" in m.infopt._repr_markdown_() and "a | b &lt;c&gt;" in m.infopt._repr_html_()

@@ -15,7 +15,7 @@ from .core.introspect import inspect_model, param_bytes
 from .core.patch import get_handle, set_attr
 from .core.patch import undo as _undo_patches
 from .core.step import TRANSFORMS, ApplyContext, StepConfig
-from .recipe import Recipe, check_gate, check_rules
+from .recipe import PRESETS, Recipe, check_gate, check_rules
 
 __all__ = ["optimize", "undo", "validate", "OptimizationReport", "StepReport"]
 
@@ -86,10 +86,81 @@ class OptimizationReport:
             lines.append("  quality gate: " + ", ".join(f"{k}={v:.4g}" for k, v in self.gate.items()))
         return "\n".join(lines)
 
+    def _summary_rows(self) -> list[tuple[str, str]]:
+        """The lines under the step table, as ``(label, value)`` pairs, for the notebook reprs."""
+        mb = 2**20
+        rows = [("parameters + buffers", f"{self.memory_before / mb:.1f} MiB -> {self.memory_after / mb:.1f} MiB")]
+        r = self.routing
+        if r["infopt"] or r["original"]:
+            reasons = ", ".join(f"{k}: {v}" for k, v in (r["reasons"] or {}).items())
+            rows.append(("generate calls", f"{r['infopt']} infopt, {r['original']} original"
+                         + (f" ({reasons})" if reasons else "")))
+        if self.gate:
+            rows.append(("quality gate", ", ".join(f"{k}={v:.4g}" for k, v in self.gate.items())))
+        return rows
+
+    def _repr_html_(self) -> str:
+        """The report as an HTML table, which Jupyter shows for ``model.infopt``."""
+        from html import escape
+
+        cells = "".join(
+            f"<tr><td><code>{escape(s.key)}</code></td><td style='text-align:right'>{s.seconds:.2f}</td>"
+            f"<td style='text-align:left'>{escape('; '.join(s.notes))}</td>"
+            f"<td style='text-align:left'>{escape('; '.join(s.fallbacks)) or '-'}</td></tr>"
+            for s in self.steps)
+        summary = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td colspan='3' style='text-align:left'>"
+                          f"{escape(v)}</td></tr>" for k, v in self._summary_rows())
+        return ("<table><caption style='text-align:left'><b>infopt report</b></caption>"
+                "<thead><tr><th>step</th><th>seconds</th><th>notes</th><th>fallbacks</th></tr></thead>"
+                f"<tbody>{cells}{summary}</tbody></table>")
+
+    def _repr_markdown_(self) -> str:
+        """The report as a Markdown table (for front ends that render Markdown rather than HTML)."""
+
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", " ") or "-"
+
+        lines = ["**infopt report**", "", "| step | seconds | notes | fallbacks |", "|---|---:|---|---|"]
+        lines += [f"| `{s.key}` | {s.seconds:.2f} | {cell('; '.join(s.notes))} | {cell('; '.join(s.fallbacks))} |"
+                  for s in self.steps]
+        lines += [""] + [f"- {k}: {cell(v)}" for k, v in self._summary_rows()]
+        return "\n".join(lines)
+
 
 def _existing_report(model: nn.Module) -> OptimizationReport | None:
     rep = model.__dict__.get("infopt")
     return rep if isinstance(rep, OptimizationReport) else None
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Raise :class:`IncompatibleModelError` when some of the model's tensors hold no data: on the meta device
+    (built under ``torch.device("meta")``, ``init_empty_weights``, or offloaded by accelerate) or lazy
+    (``nn.LazyLinear`` before its first forward). Steps would otherwise fail midway with torch's own errors."""
+    from torch.nn.parameter import is_lazy
+
+    empty = [(n, "lazy" if is_lazy(t) else "meta") for n, t in _named_tensors(model) if is_lazy(t) or t.is_meta]
+    if not empty:
+        return
+    names = ", ".join(n for n, _ in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if any(kind == "meta" for _, kind in empty):
+        offloaded = any(hasattr(m, "_hf_hook") for m in model.modules())
+        why = ("accelerate offloaded them (a device_map with 'cpu'/'disk' offload keeps weights off the model)"
+               if offloaded else "the model was built without weights (under torch.device('meta') or "
+               "init_empty_weights)")
+        raise IncompatibleModelError(
+            f"{len(empty)} of the model's tensors are on the meta device ({names}): {why}, so they hold no data to "
+            "optimize. Load the weights first, e.g. AutoModelForCausalLM.from_pretrained(path) without an offloading "
+            "device_map, or model.to_empty(device='cpu') then model.load_state_dict(...). Nothing was changed"
+        )
+    raise IncompatibleModelError(
+        f"{len(empty)} of the model's tensors are not materialised yet ({names}: lazy modules get their shape on the "
+        "first forward). Run one forward pass first, e.g. model(input_ids). Nothing was changed"
+    )
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=True)
+    yield from model.named_buffers(remove_duplicate=True)
 
 
 def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]]]:
@@ -108,10 +179,18 @@ def validate(model: nn.Module, recipe: Any) -> tuple[Recipe, dict[str, list[str]
 def _validate(model: nn.Module, recipe: Any):
     """:func:`validate`, also returning the :class:`~infopt.core.introspect.ModelInfo` it read."""
     r = Recipe.parse(recipe)
+    if not r.steps:
+        raise RecipeError(
+            "the recipe has no steps, so there is nothing to apply (the model is left as it is). Give steps, e.g. "
+            "[infopt.quantize.Int8WeightOnly()] or {'steps': [{'quantize': {'method': 'int8'}}]}, or a preset name "
+            f"({', '.join(PRESETS)}); `infopt recipes --fields` lists every step. To measure the model as it is, "
+            "use infopt.eval.evaluate"
+        )
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise IncompatibleModelError(
             f"optimize() needs a transformers causal LM (AutoModelForCausalLM), got {type(model).__name__}"
         )
+    _check_materialized(model)
     info = inspect_model(model)
     prior = _existing_report(model)
     if prior is not None:
@@ -172,10 +251,10 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report, the save hook
         5
     """
-    r, fallbacks, info = _validate(model, recipe)
-    gate = gate if gate is not None else r.gate
     if gate is not None:
         check_gate(gate)
+    r, fallbacks, info = _validate(model, recipe)
+    gate = gate if gate is not None else r.gate
     reference = None
     if gate:
         from . import eval as ev
