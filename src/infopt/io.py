@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -41,7 +43,43 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None) -> P
         tokenizer.save_pretrained(out)
     _write_recipe(model, out)
     save_model(model, str(out / WEIGHTS_FILE))
+    _normal_mode(out / WEIGHTS_FILE)
     return out
+
+
+def _umask() -> int:
+    """The process umask: from /proc on Linux, else by setting it and putting it back (the portable way, which
+    another thread creating a file in between would see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normal_mode(*paths: Path) -> None:
+    """Give files the mode a plain ``open(path, "w")`` would: safetensors writes through a temporary file,
+    created 0600, and renames it, so a saved model would be unreadable to the group and others (a shared cache,
+    a serving user) where every other file of the folder is not."""
+    mode = 0o666 & ~_umask()
+    for p in paths:
+        if p.is_file() and stat.S_IMODE(p.stat().st_mode) != mode:
+            p.chmod(mode)
+
+
+def _written_since(folder: Path, before: dict[str, int]) -> list[Path]:
+    """Safetensors files in ``folder`` created or rewritten since ``before`` (name -> mtime_ns) was taken."""
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.glob("*.safetensors") if before.get(p.name) != p.stat().st_mtime_ns]
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.safetensors")} if folder.is_dir() else {}
 
 
 def _write_recipe(model: nn.Module, out: Path) -> None:
@@ -83,6 +121,7 @@ def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_conf
             previous = config.__dict__.get("quantization_config", _UNSET)
             if qc is not None:
                 config.quantization_config = qc
+            before = _mtimes(Path(save_directory))
             try:
                 result = original(save_directory, *args, **kwargs)
             finally:
@@ -91,6 +130,7 @@ def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_conf
                         del config.quantization_config
                     else:
                         config.quantization_config = previous
+            _normal_mode(*_written_since(Path(save_directory), before))
             if model.__dict__.get("infopt") is not None:
                 _write_recipe(model, Path(save_directory))
             return result
@@ -134,13 +174,23 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
     its place, and every tensor of the model must be saved except heads tied to the embedding.
 
     Raises:
-        FileNotFoundError: the folder has no recipe (it was not saved from an optimized model) or no weights.
+        FileNotFoundError: the folder does not exist, has no recipe (it was not saved from an optimized model)
+            or no weights.
         RuntimeError: the saved tensors do not fit the rebuilt model.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     d = Path(directory)
+    if not d.exists():
+        where = "" if d.is_absolute() else f" ({d.absolute()})"
+        raise FileNotFoundError(
+            f"the folder '{d}' does not exist{where}; give the folder written by "
+            "infopt.save_optimized or by save_pretrained of an optimized model. infopt loads local folders only, "
+            "it never downloads"
+        )
+    if not d.is_dir():
+        raise FileNotFoundError(f"'{d}' is a file, not a folder; give the folder written by infopt.save_optimized")
     if not (d / RECIPE_FILE).is_file():
         raise FileNotFoundError(
             f"{d} has no {RECIPE_FILE}; save an optimized model with infopt.save_optimized or its save_pretrained"
