@@ -54,3 +54,50 @@ def test_bad_recipe_exit_code_and_message(tmp_path, capsys):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "infopt.cli", "recipes"], capture_output=True, text=True, check=True)
     assert "presets:" in out.stdout
+
+
+def test_python_dash_m_infopt():
+    out = subprocess.run([sys.executable, "-m", "infopt", "recipes"], capture_output=True, text=True, check=True)
+    assert "presets:" in out.stdout and "--fields" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "infopt", "optimize", "--recipe", "cpu_fast", "--model", "nowhere"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+
+
+def test_recipes_fields_lists_every_step_with_types_and_defaults(capsys):
+    import dataclasses
+
+    from infopt.core.step import STEP_TYPES
+
+    assert main(["recipes", "--fields"]) == 0
+    out = capsys.readouterr().out
+    for stage, kinds in STEP_TYPES.items():
+        for kind, cls in kinds.items():
+            assert f"{stage}{':' + kind if kind else ''}  ({cls.__name__}" in out
+            for f in dataclasses.fields(cls):
+                assert f"    {f.name} " in out
+    lines = out.splitlines()
+    i = lines.index("quantize:int4  (Int4WeightOnly, method: int4)")
+    block = lines[i:lines.index("", i)]
+    assert any(line.split() == ["group_size", "int", "=", "128"] for line in block)
+    assert any(line.split() == ["include_lm_head", "bool", "=", "False"] for line in block)
+    assert "kvcache:static  (Static, kind: static)" in out
+    assert any(line.split() == ["max_length", "int", "|", "None", "=", "None"] for line in lines)
+
+
+def test_recipes_fields_one_stage_or_kind(capsys):
+    assert main(["recipes", "--fields", "kvcache:static"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvcache:static  (Static, kind: static)") and "quantize" not in out
+    assert main(["recipes", "--fields", "attention"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("attention  (Attention)") and "backend  str  = 'sdpa'" in out
+    assert main(["recipes", "--fields", "quantise"]) == 2
+    assert "Did you mean 'quantize'?" in capsys.readouterr().err
+    assert main(["recipes", "--fields", "quantize:int3"]) == 2
+    assert "Did you mean 'int4' or 'int8'?" in capsys.readouterr().err
+
+
+def test_unknown_preset_suggests_the_closest(tmp_path, capsys):
+    assert main(["optimize", "--recipe", "cpu_fast", "--model", str(tmp_path)]) == 2
+    assert "Did you mean 'cpu-fast'?" in capsys.readouterr().err
