@@ -255,3 +255,30 @@ def test_gpu_fast_default_model_bf16_token_identical():
         kw = dict(max_new_tokens=64, do_sample=False)
         assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw)), q
     assert _graph_launches(lambda: m.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)) >= 12
+
+
+def test_a_graph_that_cannot_hold_falls_back_to_eager_with_one_warning():
+    """Sliding-window models (gemma3) make dynamo guard on a value that changes every token: the decode step would
+    recompile to the limit and fullgraph=True would turn that into a hard error inside the user's call. Instead the
+    shape runs eagerly after its second graph, with one warning, and the tokens stay plain generate's."""
+    ref, m = tiny_model("gemma3", num_kv_heads=1), tiny_model("gemma3", num_kv_heads=1)
+    with pytest.warns(RuntimeWarning, match="could not hold a compiled graph") as caught:
+        infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])
+        for p in _prompts():
+            assert torch.equal(m.generate(p, max_new_tokens=20, do_sample=False),
+                               ref.generate(p, max_new_tokens=20, do_sample=False))
+    assert sum("could not hold" in str(w.message) for w in caught) == 1
+    stats = compile_stats(m)
+    assert stats.compiles == 2 and stats.eager_calls >= 3 * 19
+    assert list(stats.eager_shapes.values()) == ["_GraphNotHeld: the decode step recompiled 2 times for one shape"]
+
+
+def test_cold_shape_compile_is_announced_once(caplog):
+    m = tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])
+    with caplog.at_level("WARNING", logger="infopt.compile"):
+        m.generate(torch.randint(3, 1000, (1, 300)), max_new_tokens=3, do_sample=False)  # the 512 bucket: cold
+        m.generate(torch.randint(3, 1000, (2, 20)), max_new_tokens=3, do_sample=False)  # batch 2: cold too
+    cold = [r for r in caplog.records if "the warm-up did not cover" in r.getMessage()]
+    assert len(cold) == 1 and "batch 1, cache 512, unpadded" in cold[0].getMessage()
+    assert compile_stats(m).compiles_after_warmup == 2
