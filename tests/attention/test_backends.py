@@ -29,6 +29,18 @@ def test_flex_same_greedy_tokens_on_cpu(prompt):
     assert m.config._attn_implementation == "sdpa"
 
 
+def test_flex_with_static_cache_refused_on_cpu_untouched(llama):
+    from infopt.kvcache import Static
+
+    from ..conftest import assert_state_equal, state_snapshot
+
+    snap = state_snapshot(llama)
+    with pytest.raises(IncompatibleModelError, match="flex with kvcache static on CPU"):
+        infopt.optimize(llama, [Attention("flex"), Static(max_length=128)])
+    assert_state_equal(llama, snap)
+    assert llama.config._attn_implementation == "sdpa" and "generate" not in llama.__dict__
+
+
 def test_unknown_backend():
     with pytest.raises(RecipeError, match="allowed: eager, sdpa, sdpa_gqa, flash_attention_2, flex"):
         Attention("fast")

@@ -88,6 +88,15 @@ class Attention(StepConfig):
             raise IncompatibleModelError(
                 f"{type(model).__name__} does not support flex attention; use backend 'sdpa' or 'eager'"
             )
+        if self.backend == "flex" and info.device.type == "cpu" and any(
+                s.stage == "kvcache" and s.kind == "static" for s in steps):
+            # flex attention always runs through Inductor; over a static cache its CPU C++ kernel fails to build
+            # (a vector-mask type clash in the generated code, torch 2.13), inside the user's first generate
+            raise IncompatibleModelError(
+                "attention backend flex with kvcache static on CPU: Inductor's C++ kernel for flex attention over "
+                "a static cache fails to compile (torch 2.13). Use backend 'sdpa' (the default) with the static "
+                "cache, or flex without kvcache static"
+            )
         return []
 
 
