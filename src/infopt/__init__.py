@@ -20,6 +20,7 @@ from .core.errors import (
 )
 from .io import load, save_optimized
 from .optimize import OptimizationReport, optimize, undo, validate
+from .quantize.community import load_quantized
 from .recipe import PRESETS, Recipe
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "validate",
     "load",
     "save_optimized",
+    "load_quantized",
     "Recipe",
     "PRESETS",
     "OptimizationReport",

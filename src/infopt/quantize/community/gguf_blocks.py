@@ -1,0 +1,151 @@
+"""GGUF (llama.cpp) quantized blocks read into infopt's layer formats, exactly, without a dequantized copy.
+
+Each function takes the raw bytes of a ``[rows, in]`` tensor as uint8 ``[rows, in / block * block_bytes]``
+(what ``gguf.GGUFReader`` maps) and returns codes with their group scales (and zero points):
+
+=========  ====================================================  =========================================
+type       ggml's formula, per block                              infopt layout (exact)
+=========  ====================================================  =========================================
+Q4_0       32 weights: ``d * (q - 8)``, q 4-bit, d fp16            int4 group 32: scale d, zero 8
+Q4_1       32 weights: ``d * q + m``, d and m fp16                 int4 group 32: scale d, zero ``-m / d``
+Q8_0       32 weights: ``d * q``, q int8                           int8 group 32: scale d
+Q4_K       256 = 8 x 32: ``d * sc_j * q - dmin * m_j``, 6-bit      int4 group 32: scale ``d * sc_j``, zero
+           ``sc_j``/``m_j``, d and dmin fp16                      ``dmin * m_j / (d * sc_j)``
+Q6_K       256 = 16 x 16: ``d * sc_j * (q - 32)``, q 6-bit,        int8 group 16: codes ``q - 32``, scale
+           ``sc_j`` int8                                           ``d * sc_j``
+=========  ====================================================  =========================================
+
+A group whose scale is zero holds one value, ``m`` (Q4_1) or ``-dmin * m_j`` (Q4_K), whatever its codes: it
+gets codes 0, scale ``|value| / 8`` and zero ``-8 * sign(value)`` (or scale 1, zero 0 when the value is 0), so
+the int4 layout, which needs a scale to recover its zero point, keeps it.
+
+Byte layouts follow ggml's ``block_q4_0``, ``block_q4_1``, ``block_q8_0``, ``block_q4_K`` and ``block_q6_K``
+(``ggml-common.h``); the tests check every type against ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "decode_int4", "decode_int8", "dequantize_blocks"]
+
+# ggml type name -> (weights per block, bytes per block)
+BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
+                                      "Q6_K": (256, 210)}
+Int4Blocks = ("Q4_0", "Q4_1", "Q4_K")
+"""Types that become int4 group-32 layers."""
+Int8Blocks = ("Q8_0", "Q6_K")
+"""Types that become int8 layers (group 32 and 16)."""
+
+
+def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
+    # raw: uint8 [R, B, bytes] -> fp32 [R, B] of the fp16 at byte `start` of each block
+    return raw[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles_16(qs: torch.Tensor) -> torch.Tensor:
+    # qs: [R, B, 16] -> [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    n, nbytes = BLOCKS[kind][1], raw.shape[-1]
+    if nbytes % n:
+        raise ValueError(f"{kind}: a row of {nbytes} bytes is not a whole number of {n}-byte blocks")
+    return raw.view(raw.shape[0], nbytes // n, n)
+
+
+def _affine(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int):
+    """``w = scale * code + offset`` per group -> ``(codes, scale, zero)`` with ``w = (code - zero) * scale``."""
+    dead = scale == 0  # the group is `offset` whatever its codes
+    if bool(dead.any()):
+        codes = codes.view(*scale.shape, group).masked_fill(dead.unsqueeze(-1), 0).view(codes.shape)
+        value = torch.where(offset == 0, torch.ones_like(offset), offset.abs() / 8.0)
+        scale = torch.where(dead, value, scale)
+        offset = torch.where(dead & (offset == 0), torch.zeros_like(offset), offset)
+    return codes, scale, -offset / scale
+
+
+def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K bytes -> ``(codes, scales, zeros)``: uint8 ``[R, in]`` codes 0..15, fp32 ``[R, in / 32]``
+    scales and zero points, with ``w = (code - zero) * scale`` (see the module table).
+
+    Example:
+        >>> import numpy as np
+        >>> blk = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.full(16, 0x21, np.uint8)])
+        >>> c, s, z = decode_int4(torch.from_numpy(blk).view(1, 18), "Q4_0")
+        >>> c[0, :2].tolist(), c[0, 16:18].tolist(), s.tolist(), z.tolist()
+        ([1, 1], [2, 2], [[0.5]], [[8.0]])
+    """
+    b = _blocks(raw, kind)
+    rows = b.shape[0]
+    if kind == "Q4_0":
+        d = _half(b, 0)
+        codes = _nibbles_16(b[..., 2:18])
+        return codes.reshape(rows, -1), d, torch.full_like(d, 8.0)
+    if kind == "Q4_1":
+        codes = _nibbles_16(b[..., 4:20]).reshape(rows, -1)
+        return _affine(codes, _half(b, 0), _half(b, 2), 32)
+    if kind == "Q4_K":
+        d, dmin = _half(b, 0).unsqueeze(-1), _half(b, 2).unsqueeze(-1)  # [R, B, 1]
+        sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8] each
+        # 128 bytes = 4 chunks of 32: low nibbles are sub-block 2c, high nibbles 2c + 1
+        qs = b[..., 16:144].reshape(rows, -1, 4, 1, 32)
+        codes = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 0x0F
+        scale = (d * sc).reshape(rows, -1)  # exact in fp32: fp16 x 6-bit
+        offset = -(dmin * mn).reshape(rows, -1)
+        return _affine(codes.reshape(rows, -1), scale, offset, 32)
+    raise ValueError(f"decode_int4: {kind} is not an int4 block type ({', '.join(Int4Blocks)})")
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # s: uint8 [R, B, 12] -> 6-bit scales and mins [R, B, 8] (ggml's get_scale_min_k4): bytes 0..3 hold the
+    # low 6 bits of scales 0..3 (top 2 bits: scales 4..7's high bits), 4..7 the same for the mins, 8..11 the
+    # low 4 bits of scales 4..7 (low nibble) and mins 4..7 (high nibble)
+    s = s.to(torch.int32)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def decode_int8(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Q8_0 / Q6_K bytes -> ``(codes, scales, group)``: int8 ``[R, in]``, fp32 ``[R, in / group]``, with
+    ``w = code * scale`` (group 32 for Q8_0, 16 for Q6_K).
+
+    Example:
+        >>> import numpy as np
+        >>> blk = np.concatenate([np.array([0.25], np.float16).view(np.uint8), np.arange(-16, 16, dtype=np.int8).view(np.uint8)])
+        >>> c, s, g = decode_int8(torch.from_numpy(blk).view(1, 34), "Q8_0")
+        >>> c[0, :3].tolist(), s.tolist(), g
+        ([-16, -15, -14], [[0.25]], 32)
+    """
+    b = _blocks(raw, kind)
+    rows = b.shape[0]
+    if kind == "Q8_0":
+        return b[..., 2:34].contiguous().view(torch.int8).reshape(rows, -1), _half(b, 0), 32
+    if kind == "Q6_K":
+        # per 256: ql [128] low 4 bits, qh [64] high 2 bits, 16 int8 sub-scales, d fp16. Each half of 128 weights
+        # takes 64 ql bytes (low nibbles: weights 0..63, high nibbles 64..127) and 32 qh bytes (bit pairs 0,2,4,6:
+        # weights 0..31, 32..63, 64..95, 96..127)
+        ql = b[..., 0:128].reshape(rows, -1, 2, 1, 64)
+        ql = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 0x0F  # [R, B, half, nib, 64]
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 0x03  # [R, B, half, 4, 32]
+        q = ql.reshape(rows, -1, 2, 4, 32) | (qh << 4)
+        codes = (q.to(torch.int16) - 32).to(torch.int8).reshape(rows, -1)
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [R, B, 16]
+        scale = (_half(b, 208).unsqueeze(-1) * sc).reshape(rows, -1)
+        return codes, scale, 16
+    raise ValueError(f"decode_int8: {kind} is not an int8 block type ({', '.join(Int8Blocks)})")
+
+
+def dequantize_blocks(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[R, in]`` weights in ``dtype`` (for embeddings, which stay dense)."""
+    if kind in Int4Blocks:
+        codes, scale, zero = decode_int4(raw, kind)
+        g = codes.view(codes.shape[0], scale.shape[1], -1).float()
+        return ((g - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(codes.shape).to(dtype)
+    codes, scale, group = decode_int8(raw, kind)
+    g = codes.view(codes.shape[0], -1, group).float()
+    return (g * scale.unsqueeze(-1)).reshape(codes.shape).to(dtype)

@@ -1,0 +1,252 @@
+"""GGUF files (llama.cpp) loaded onto infopt's int4/int8 layers, block by block, with no dense copy of a quantized matrix.
+
+The file is read with ``gguf.GGUFReader`` (a memory map). The config and the tensor names come from
+transformers' own GGUF tables (``GGUF_TO_TRANSFORMERS_MAPPING``, ``get_gguf_hf_weights_map``), the
+tokenizer from transformers' GGUF tokenizer conversion, and the model is built with empty weights
+(:func:`~infopt.quantize.community.common.empty_model`). Then each tensor goes where it belongs:
+
+- a linear weight in Q4_0, Q4_1 or Q4_K -> :class:`~infopt.quantize.Int4Linear`, group 32; in Q8_0 ->
+  :class:`~infopt.quantize.Int8Linear`, group 32; in Q6_K -> ``Int8Linear``, group 16 (see
+  :mod:`~infopt.quantize.community.gguf_blocks` for the exact formulas);
+- F32, F16 and BF16 tensors, and every non-linear tensor (embeddings, norms) -> dense, in the model's dtype
+  (a quantized embedding is dequantized: a lookup reads one row, and a tied head reads it dense);
+- llama.cpp stores Llama's q/k rows permuted for its rotary layout and transformers' loader permutes them back
+  (``LlamaTensorProcessor``); a quantized matrix's rows carry their own scales, so the same row permutation
+  applies to codes, scales and zero points.
+
+Any other quantized type in a linear raises :class:`~infopt.core.errors.CheckpointError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...core.availability import require
+from ...core.errors import CheckpointError
+from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense, set_module
+from .gguf_blocks import BLOCKS, Int4Blocks, decode_int4, decode_int8, dequantize_blocks
+
+__all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "SUPPORTED_LINEAR_TYPES"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "F32", "F16", "BF16")
+"""GGUF tensor types a linear layer can be stored in."""
+
+_FLOAT = ("F32", "F16", "BF16")
+# transformers' per-architecture tensor processors that leave a quantized linear weight alone (the Gemma/Nemotron
+# ones rewrite norm weights only, which are never quantized) or permute its rows (Llama)
+_SAFE_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+
+
+def _reader(path: str):
+    """A ``gguf.GGUFReader`` whose header walk slices a plain ndarray view of the memory map: ``np.memmap``'s
+    per-slice bookkeeping is two thirds of the reader's time on a 49k-token vocabulary (2 s -> 0.7 s on the
+    default model); tensors are the same views of the file."""
+    from gguf import GGUFReader
+
+    class _Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return _Reader(path)
+
+
+def _value(field) -> Any:
+    from transformers.modeling_gguf_pytorch_utils import _gguf_parse_value
+
+    value = [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+    return value[0] if len(value) == 1 else value
+
+
+def gguf_config(reader, source: str) -> dict[str, Any]:
+    """The transformers config dict of a GGUF file, as ``AutoConfig.from_pretrained(dir, gguf_file=...)`` builds it
+    for decoder-only models, parsing only the keys the config needs (not the vocabulary, which takes seconds).
+
+    Raises:
+        CheckpointError: an architecture transformers has no GGUF mapping for.
+    """
+    from transformers.modeling_gguf_pytorch_utils import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_TO_TRANSFORMERS_MAPPING
+
+    mapping = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    fields = reader.fields
+    if "general.architecture" not in fields:
+        raise CheckpointError(f"{source}: no general.architecture in its metadata; not a model GGUF file")
+    arch = _value(fields["general.architecture"])
+    name = _value(fields["general.name"]) if "general.name" in fields else ""
+    names = name if isinstance(name, list) else [name]
+    updated = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, arch)
+    if "llama" in arch and "mistral" in names:  # llama.cpp writes Mistral models as llama (transformers' rule)
+        updated = "mistral"
+    if arch not in mapping and updated not in mapping:
+        raise CheckpointError(f"{source}: GGUF architecture {arch!r} has no transformers GGUF mapping; supported: "
+                              f"{', '.join(k for k in mapping if k not in ('general', 'tokenizer'))}")
+    cfg: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)
+                           or arch in ("falcon", "bloom")}
+    for k, v in (GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        cfg.setdefault(k, v)
+    for key, field in fields.items():
+        prefix, _, rest = key.replace(arch, updated).partition(".")
+        renames = mapping.get(prefix)
+        if not renames or rest not in renames or renames[rest] in (None, -1):
+            continue
+        value = _value(field)
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        cfg[renames[rest]] = value
+    if cfg.get("model_type") == "gemma3":
+        cfg["model_type"] = "gemma3_text"
+    if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in fields:
+        cfg["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    return cfg
+
+
+def gguf_tokenizer(path: Path):
+    """The file's tokenizer through transformers' GGUF tokenizer conversion (``PreTrainedTokenizerFast`` with
+    ``gguf_file``: the backend ``AutoTokenizer`` builds for GGUF files, without re-reading the config)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _qk_perm(rows: int, heads: int) -> torch.Tensor:
+    # transformers' reverse_permute: rows (head, dim, 2) -> (head, 2, dim), as a gather index
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _raw(t) -> torch.Tensor:
+    # the tensor's bytes (or values) copied out of the read-only memory map
+    return torch.from_numpy(np.array(t.data))
+
+
+def _dense(t, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
+    kind = t.tensor_type.name
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if kind in ("F32", "F16"):
+        return np.array(t.data).reshape(shape)
+    if kind == "BF16":  # numpy has no bfloat16: the processors get fp32
+        return _raw(t).view(torch.int16).view(torch.bfloat16).float().numpy().reshape(shape)
+    if kind in BLOCKS:
+        return dequantize_blocks(_raw(t).view(shape[0] if len(shape) > 1 else 1, -1), kind, dtype).reshape(shape)
+    from gguf import dequantize
+
+    return np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
+
+
+def _processor(arch: str, cfg: dict[str, Any], source: str):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    if cls.__name__ not in _SAFE_PROCESSORS:
+        raise CheckpointError(f"{source}: architecture {arch!r}: transformers reshapes its GGUF tensors "
+                              f"({cls.__name__}) in ways infopt does not apply to quantized blocks; load it dense "
+                              "with AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)")
+    return cls(config=cfg)
+
+
+def _name_map(model: nn.Module, arch: str, num_layers: int, processor, source: str) -> dict[str, str]:
+    """``{gguf tensor name: model parameter name}`` through gguf's ``TensorNameMap``, as transformers'
+    ``get_gguf_hf_weights_map`` builds it, with one name table for the model instead of one per submodule."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise CheckpointError(f"{source}: the installed gguf package does not know architecture {arch!r}; "
+                              "pip install -U gguf")
+    table = get_tensor_name_map(arch_id, num_layers)
+    out: dict[str, str] = {}
+    for key in model.state_dict():
+        name = processor.preprocess_name(key)
+        stem, suffix = name, ""
+        if name.endswith((".weight", ".bias")):
+            stem, _, suffix = name.rpartition(".")
+            suffix = "." + suffix
+        parts = stem.split(".")
+        for i in range(len(parts)):  # "model.layers.0.mlp.up_proj", then "layers.0.mlp.up_proj", ...
+            gguf_name = table.get_name(".".join(parts[i:]))
+            if gguf_name is not None:
+                out.setdefault(gguf_name + suffix, key)
+                break
+    return out
+
+
+def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None, opts: LoadOptions,
+                      hf_name: str) -> nn.Module:
+    rows, in_f = module.out_features, module.in_features
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if shape != (rows, in_f):
+        raise CheckpointError(f"{t.name} -> {hf_name}: GGUF shape {shape}, the model's layer is {(rows, in_f)}")
+    raw = _raw(t).view(rows, -1)
+    if kind in Int4Blocks:
+        codes, scales, zeros = decode_int4(raw, kind)
+        if perm is not None:
+            codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
+        return int4_layer(codes, scales, zeros, 32, opts)
+    codes, scales, _group = decode_int8(raw, kind)
+    if perm is not None:
+        codes, scales = codes[perm], scales[perm]
+    return int8_layer(codes, scales, opts)
+
+
+def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
+    """Build ``(model, tokenizer)`` from one GGUF file (see the module docstring). The model is on the CPU.
+
+    Raises:
+        MissingBackendError: the ``gguf`` package is not installed.
+        CheckpointError: an unsupported architecture or linear tensor type, or tensors that do not fit the config.
+    """
+    require("gguf", feature=f"reading {path.name}")
+    from transformers import AutoConfig
+
+    source = str(path)
+    try:
+        reader = _reader(source)
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{source}: not a readable GGUF file ({err})") from err
+    cfg = gguf_config(reader, source)
+    arch = _value(reader.fields["general.architecture"])
+    processor = _processor(arch, cfg, source)
+    config = AutoConfig.for_model(**cfg)
+    model = empty_model(config, opts.dtype)
+    name_map = _name_map(model, arch, config.num_hidden_layers, processor, source)
+    linears = {fqn: m for fqn, m in model.named_modules() if type(m) is nn.Linear}
+    heads = {"q": cfg.get("num_attention_heads"), "k": cfg.get("num_key_value_heads")}
+    permute_qk = type(processor).__name__ == "LlamaTensorProcessor" and None not in heads.values()
+    for t in reader.tensors:
+        hf_name = name_map.get(t.name)
+        if hf_name is None:
+            log.debug("%s: tensor %s has no place in %s; skipped (as transformers does)", source, t.name,
+                      type(model).__name__)
+            continue
+        kind = t.tensor_type.name
+        owner, _, attr = hf_name.rpartition(".")
+        if owner in linears and attr == "weight" and kind not in _FLOAT:
+            if kind not in SUPPORTED_LINEAR_TYPES:
+                raise CheckpointError(
+                    f"{source}: {t.name} ({hf_name}) is {kind}; infopt maps {', '.join(SUPPORTED_LINEAR_TYPES)} "
+                    "onto its layers. Load this file dense with AutoModelForCausalLM.from_pretrained(folder, "
+                    "gguf_file=...), or pick a Q4_0/Q4_1/Q4_K_M/Q8_0 file")
+            perm = None
+            if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
+                perm = _qk_perm(linears[owner].out_features, heads["q" if ".attn_q." in t.name else "k"])
+            set_module(model, owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
+            continue
+        weights = _dense(t, opts.dtype)
+        if isinstance(weights, np.ndarray):
+            weights = torch.from_numpy(np.ascontiguousarray(processor.process(weights=weights, name=t.name).weights))
+        elif permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):  # a quantized q/k that is no linear
+            weights = weights[_qk_perm(weights.shape[0], heads["q" if ".attn_q." in t.name else "k"])]
+        set_dense(model, hf_name, weights, opts.dtype)
+    tokenizer = gguf_tokenizer(path) if with_tokenizer else None
+    return model, tokenizer
