@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..core.introspect import inspect_model, param_bytes
-from .report import METRICS
+from .report import METRICS, BenchResult
 from .workloads import WORKLOADS, Request, make_workload
 
 __all__ = ["measure_bandwidth", "run_requests", "summarize", "run_bench", "machine_info", "weight_bytes_per_token"]
@@ -432,7 +432,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
 
     Returns:
         The result dict (see docs/bench.md): machine, model, workload, recipe, baseline, optimized, ratios,
-        quality, exact_greedy.
+        quality, exact_greedy; a :class:`~infopt.bench.report.BenchResult`, which prints as a table.
     """
     from ..optimize import optimize, undo
     from ..recipe import Recipe
@@ -512,7 +512,7 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     exact = None
     if opt_tokens is not None:
         exact = opt_tokens == base_tokens[ratio_base]
-    return {
+    return BenchResult({  # a dict that renders as a table in notebooks
         "machine": machine,
         "model": model_name,
         "workload": {"name": workload, "description": WORKLOADS[workload], "requests": len(requests),
@@ -531,4 +531,4 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         "compile": compiled,
         "exact_greedy": exact,
         "higher_is_better": sorted(k for k, (_, higher) in METRICS.items() if higher),
-    }
+    })

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..core.availability import lazy_import
 
-__all__ = ["format_table", "compare_runs", "plot", "append_csv", "METRICS"]
+__all__ = ["BenchResult", "format_table", "compare_runs", "plot", "append_csv", "METRICS"]
 
 # metric -> (label, higher is better)
 METRICS: dict[str, tuple[str, bool]] = {
@@ -50,23 +50,37 @@ def _machine_line(mach: dict[str, Any]) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """A readable table of one :func:`~infopt.bench.harness.run_bench` result."""
-    mach = result["machine"]
+    cols, rows = _metric_rows(result)
+    w = max(len(v[0]) for v in METRICS.values())
+    lines = _head_lines(result) + [""]
+    lines.append(f"{'':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
+    lines += [f"{label:<{w}}  " + "  ".join(f"{c:>13}" for c in cells) for label, cells in rows]
+    foot = _foot_lines(result)
+    if foot and foot[0].startswith("weight bandwidth achieved"):
+        foot[0] = "\n" + foot[0]
+    return "\n".join(lines + foot)
+
+
+def _head_lines(result: dict[str, Any]) -> list[str]:
+    """Workload, machine and recipe: the lines above the table."""
     wl = result["workload"]
-    lines = [
+    return [
         f"workload {wl['name']}: {wl['description']}",
         f"  {wl['requests']} requests, {wl['prompt_tokens']} prompt / {wl['output_tokens']} output tokens, "
         f"{wl['dtype']}, repeats {wl['repeats']} (median), seed {wl['seed']}",
-        _machine_line(mach),
+        _machine_line(result["machine"]),
         f"recipe: {_recipe_str(result.get('recipe'))}",
-        "",
     ]
+
+
+def _metric_rows(result: dict[str, Any]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """``(columns, [(metric label, cells)])``: the table itself, cells formatted (ratios with an ``x``)."""
     modes = result["baseline_modes"]
     by_mode = result.get("ratios_by_mode") or {}
     extra = [m for m in by_mode if m != result.get("ratio_baseline")] if len(modes) > 1 else []
     cols = [f"HF {m}" for m in modes] + (["infopt"] if result["optimized"] else []) + \
         (["ratio"] if result["ratios"] else []) + [f"x {m}"[:13] for m in extra]
-    w = max(len(v[0]) for v in METRICS.values())
-    lines.append(f"{'':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
+    rows = []
     for key, (label, _) in METRICS.items():
         if all(key not in modes[m] for m in modes):  # a figure this run does not have (GPU memory on CPU)
             continue
@@ -80,11 +94,17 @@ def format_table(result: dict[str, Any]) -> str:
         if result["ratios"]:
             for i in range(len(cells) - len(extra) - 1, len(cells)):
                 cells[i] = cells[i] + "x" if cells[i] != "-" else "-"
-        lines.append(f"{label:<{w}}  " + "  ".join(f"{c:>13}" for c in cells))
-    bw = mach.get("bandwidth_gbs")
+        rows.append((label, cells))
+    return cols, rows
+
+
+def _foot_lines(result: dict[str, Any]) -> list[str]:
+    """Bandwidth achieved, quality, compilation and token identity: the lines below the table."""
+    lines = []
+    bw = result["machine"].get("bandwidth_gbs")
     if bw:
         b = result["baseline"]["weight_gbs"]
-        line = f"\nweight bandwidth achieved: baseline {b:.2f} GB/s ({100 * b / bw:.0f}% of {bw:.1f} GB/s)"
+        line = f"weight bandwidth achieved: baseline {b:.2f} GB/s ({100 * b / bw:.0f}% of {bw:.1f} GB/s)"
         if result["optimized"]:
             o = result["optimized"]["weight_gbs"]
             line += f", infopt {o:.2f} GB/s ({100 * o / bw:.0f}%)"
@@ -100,7 +120,43 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("exact_greedy") is not None:
         claim = " (recipe claims lossless)" if result.get("lossless_claimed") else ""
         lines.append(f"greedy outputs identical to baseline: {'yes' if result['exact_greedy'] else 'no'}{claim}")
-    return "\n".join(lines)
+    return lines
+
+
+class BenchResult(dict):
+    """A :func:`~infopt.bench.harness.run_bench` result: the plain result dict (JSON-serialisable as it is) that
+    prints as :func:`format_table` and renders as a table in a notebook.
+
+    Example:
+        >>> r = BenchResult({"machine": {}, "workload": {}})
+        >>> isinstance(r, dict) and r["machine"] == {}
+        True
+    """
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        cols, rows = _metric_rows(self)
+        head = "".join(f"<th>{escape(c)}</th>" for c in ["", *cols])
+        body = "".join("<tr><th style='text-align:left'>" + escape(label) + "</th>"
+                       + "".join(f"<td style='text-align:right'>{escape(c)}</td>" for c in cells) + "</tr>"
+                       for label, cells in rows)
+        above = "<br>".join(escape(line.strip()) for line in _head_lines(self))
+        below = "".join(f"<li>{escape(line)}</li>" for line in _foot_lines(self))
+        return (f"<div><p style='text-align:left'>{above}</p><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table>" + (f"<ul>{below}</ul>" if below else "") + "</div>")
+
+    def _repr_markdown_(self) -> str:
+        cols, rows = _metric_rows(self)
+        lines = [line.strip() + "  " for line in _head_lines(self)] + [""]
+        lines.append("| | " + " | ".join(cols) + " |")
+        lines.append("|---|" + "---:|" * len(cols))
+        lines += ["| " + label + " | " + " | ".join(cells) + " |" for label, cells in rows]
+        foot = _foot_lines(self)
+        return "\n".join(lines + ([""] + [f"- {line}" for line in foot] if foot else []))
 
 
 def _recipe_str(recipe: dict | None) -> str:
@@ -125,12 +181,18 @@ def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str | Path) -> Path:
-    """Bar chart, one panel per metric, baseline vs infopt. Needs matplotlib (``infopt[bench]``)."""
-    mpl = lazy_import("matplotlib", feature="benchmark charts (--plot)")
-    mpl.use("Agg")
-    plt = lazy_import("matplotlib.pyplot", feature="benchmark charts (--plot)")
+    """Bar chart, one panel per metric, baseline vs infopt. Needs matplotlib (``infopt[bench]``).
+
+    Drawn on a bare :class:`matplotlib.figure.Figure`, not through pyplot, so it needs no display and leaves the
+    caller's backend alone (a notebook's inline charts keep working); show the PNG with
+    ``IPython.display.Image(filename=path)``.
+    """
+    lazy_import("matplotlib", feature="benchmark charts (--plot)")
+    from matplotlib.figure import Figure
+
     keys = [k for k in METRICS if result["baseline"].get(k) is not None and not math.isnan(result["baseline"][k])]
-    fig, axes = plt.subplots(1, len(keys), figsize=(2.2 * len(keys), 3.2))
+    fig = Figure(figsize=(2.2 * len(keys), 3.2))
+    axes = fig.subplots(1, len(keys), squeeze=False)[0]
     for ax, k in zip(axes, keys, strict=True):
         names = [f"HF\n{m}" for m in result["baseline_modes"]]
         vals = [result["baseline_modes"][m][k] for m in result["baseline_modes"]]
@@ -146,7 +208,6 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
+from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, context_length, inspect_model
