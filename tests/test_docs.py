@@ -105,3 +105,78 @@ def test_every_page_is_collected():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         fences = [ln for ln in path.read_text().splitlines() if re.match(r"^\s*```", ln)]
         assert len(fences) % 2 == 0, f"{path.relative_to(ROOT)}: an unclosed ``` fence"
+
+
+# -- listings in the docs, compared with the code they list ----------------------------------------------
+
+
+def _api_all_lines():
+    """``(module, names, line)`` for each "`__all__`: ..." paragraph of docs/api.md, under its heading."""
+    lines = (ROOT / "docs/api.md").read_text().splitlines()
+    module, found = None, []
+    for i, line in enumerate(lines):
+        if m := re.match(r"^#{2,4} .*?`(infopt(?:\.\w+)*)`", line):
+            module = m[1]
+        if line.startswith("`__all__`:"):
+            para = [line]
+            for nxt in lines[i + 1:]:
+                if not nxt.strip() or nxt.startswith("#"):
+                    break
+                para.append(nxt)
+            listing = " ".join(para).split(":", 1)[1].split(". ")[0]  # up to the sentence after the list
+            found.append(pytest.param(module, re.findall(r"`([^`]+)`", listing), id=f"docs/api.md:L{i + 1}"))
+    return found
+
+
+@pytest.mark.parametrize(("module", "names"), _api_all_lines())
+def test_api_lists_each_modules_all(module, names):
+    import importlib
+
+    public = importlib.import_module(module).__all__
+    assert sorted(names) == sorted(public), (
+        f"docs/api.md lists {module}.__all__ as {names}; the code has {public} "
+        f"(missing: {sorted(set(public) - set(names))}, gone: {sorted(set(names) - set(public))})")
+
+
+def _table(page: str, heading: str) -> list[list[str]]:
+    """The rows of the first table under ``heading`` in ``page``, cells stripped of backticks."""
+    text = (ROOT / page).read_text()
+    section = text.split(heading, 1)[1].splitlines()
+    start = next(i for i, ln in enumerate(section) if ln.startswith("|"))
+    rows = []
+    for ln in section[start:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip().strip("`") for c in ln.strip("|").split(" | ")])
+    return rows[2:]  # header and --- separator
+
+
+def test_recipes_presets_table_is_presets():
+    from infopt.recipe import PRESETS
+
+    rows = {r[0]: r[2] for r in _table("docs/recipes.md", "## Presets")}
+    assert list(rows) == list(PRESETS), "docs/recipes.md's presets table lists other presets than infopt.PRESETS"
+    for name, description in rows.items():
+        assert description == PRESETS[name].description, f"docs/recipes.md: {name}'s description differs"
+
+
+def test_recipes_rules_table_is_rules():
+    from infopt.recipe import RULES
+
+    rows = _table("docs/recipes.md", "The table below lists `RULES` exactly")
+    assert [tuple(r) for r in rows] == [(r.a, r.b, r.relation, r.reason, r.fix) for r in RULES], (
+        "docs/recipes.md's rules table differs from infopt.recipe.RULES (order matters)")
+
+
+def test_recipes_stage_table_lists_the_registered_kinds():
+    from infopt.attention import BACKENDS
+    from infopt.recipe import available_steps
+
+    steps = available_steps()
+    rows = _table("docs/recipes.md", "## Canonical stage order")
+    assert [r[1] for r in rows] == list(steps), "docs/recipes.md's stage table is not infopt.core.step.STAGES"
+    for _, stage, text in rows:
+        listed = re.findall(r"`([^`]+)`", text.split("(", 1)[1]) if "(" in text else []
+        kinds = list(BACKENDS) if stage == "attention" else [k for k in steps[stage] if k]
+        if kinds:
+            assert sorted(listed) == sorted(kinds), f"docs/recipes.md: stage {stage} lists {listed}, the code {kinds}"
