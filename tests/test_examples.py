@@ -47,8 +47,10 @@ def _execute_notebook(path: Path, tmp_path: Path, **env: str):
     return nb
 
 
-def test_walkthrough_notebook_runs(tmp_path):
-    nb = _execute_notebook(EXAMPLES / "walkthrough.ipynb", tmp_path, INFOPT_WALKTHROUGH_TINY="1")
+@pytest.mark.parametrize("tiny", ["1", pytest.param("0", marks=[pytest.mark.real_model, pytest.mark.slow])],
+                         ids=["tiny", "default-model"])
+def test_walkthrough_notebook_runs(tiny, tmp_path):
+    nb = _execute_notebook(EXAMPLES / "walkthrough.ipynb", tmp_path, INFOPT_WALKTHROUGH_TINY=tiny)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
