@@ -192,11 +192,16 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
         codes, scales, zeros = decode_int4(raw, kind)
         if perm is not None:
             codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
-        return int4_layer(codes, scales, zeros, 32, opts)
-    codes, scales, _group = decode_int8(raw, kind)
-    if perm is not None:
-        codes, scales = codes[perm], scales[perm]
-    return int8_layer(codes, scales, opts)
+        layer = int4_layer(codes, scales, zeros, 32, opts)
+    else:
+        codes, scales, _group = decode_int8(raw, kind)
+        if perm is not None:
+            codes, scales = codes[perm], scales[perm]
+        layer = int8_layer(codes, scales, opts)
+    if module.bias is not None:  # read already, or filled later (a missing one is caught as still on meta)
+        layer.bias = module.bias if not module.bias.is_meta else nn.Parameter(
+            torch.empty(rows, dtype=opts.dtype, device="meta"), requires_grad=False)
+    return layer
 
 
 def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
@@ -218,6 +223,7 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
     arch = _value(reader.fields["general.architecture"])
     processor = _processor(arch, cfg, source)
     config = AutoConfig.for_model(**cfg)
+    config.name_or_path = str(path.parent)  # as from_pretrained(folder, gguf_file=...) sets it
     model = empty_model(config, opts.dtype)
     name_map = _name_map(model, arch, config.num_hidden_layers, processor, source)
     linears = {fqn: m for fqn, m in model.named_modules() if type(m) is nn.Linear}

@@ -1,0 +1,74 @@
+"""GGUF block decoding: every type against gguf-py's own dequantizer, on arbitrary bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infopt.quantize.community.gguf_blocks import BLOCKS, decode_int4, decode_int8, dequantize_blocks
+
+gguf = pytest.importorskip("gguf")
+
+# byte offsets of each block's fp16 scale fields, which must be finite for the block to mean numbers
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def _blocks(kind: str, rows: int, per_row: int, seed: int, zero_scale: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n, nbytes = BLOCKS[kind]
+    raw = rng.integers(0, 256, (rows, per_row, nbytes), dtype=np.uint8)
+    for off in _HALVES[kind]:
+        vals = (rng.standard_normal((rows, per_row)) * 0.01).astype(np.float16)
+        if zero_scale and off == 0:
+            vals[:, 0] = 0  # a block with scale 0 (Q4_1/Q4_K: its codes do not matter, only the min)
+        raw[..., off:off + 2] = vals.view(np.uint8).reshape(rows, per_row, 2)
+    return raw.reshape(rows, per_row * nbytes)
+
+
+def _reference(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).copy())
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(sorted(BLOCKS)), rows=st.integers(1, 4), per_row=st.integers(1, 3),
+       seed=st.integers(0, 2**16), zero_scale=st.booleans())
+def test_decode_matches_gguf_dequantize(kind, rows, per_row, seed, zero_scale):
+    raw = _blocks(kind, rows, per_row, seed, zero_scale)
+    ref = _reference(raw, kind)
+    t = torch.from_numpy(raw)
+    if kind in ("Q4_0", "Q4_1", "Q4_K"):
+        codes, scales, zeros = decode_int4(t, kind)
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        assert scales.shape == zeros.shape == (rows, ref.shape[1] // 32)
+        assert bool((scales != 0).all())  # the int4 layout recovers its zero points through the scales
+        w = (codes.float().view(rows, -1, 32) - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)
+    else:
+        codes, scales, group = decode_int8(t, kind)
+        assert codes.dtype == torch.int8 and group == (32 if kind == "Q8_0" else 16)
+        w = codes.float().view(rows, -1, group) * scales.unsqueeze(-1)
+    w = w.reshape(rows, -1)
+    assert w.shape == ref.shape
+    # fp32 arithmetic in another order: a few ulp of the block's largest term
+    torch.testing.assert_close(w, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) + 1e-12)
+    torch.testing.assert_close(dequantize_blocks(t, kind, torch.float32), w, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"], ids=["q4_0", "q8_0"])
+def test_blocks_from_gguf_quantize_round_trip_to_the_same_weights(kind):
+    w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    ref = _reference(raw, kind)
+    out = dequantize_blocks(torch.from_numpy(raw), kind, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_partial_block_rows_are_refused():
+    with pytest.raises(ValueError, match="whole number of 18-byte blocks"):
+        decode_int4(torch.zeros(2, 20, dtype=torch.uint8), "Q4_0")
+    with pytest.raises(ValueError, match="not an int4 block type"):
+        decode_int4(torch.zeros(1, 34, dtype=torch.uint8), "Q8_0")
+    with pytest.raises(ValueError, match="not an int8 block type"):
+        decode_int8(torch.zeros(1, 18, dtype=torch.uint8), "Q4_0")

@@ -1,0 +1,140 @@
+"""GGUF files onto int4/int8 layers: logits against transformers' own (dequantizing) GGUF loader, on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infopt.core.errors import CheckpointError
+from infopt.models import tiny_model
+from infopt.quantize import Int4Linear, Int8Linear
+from infopt.quantize.community import load_quantized
+
+from .writers import write_gguf
+
+pytest.importorskip("gguf")
+
+VOCAB = 320
+# K-quant super-blocks are 256 weights, so every input dimension is a multiple of 256
+SHAPES = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, vocab_size=VOCAB)
+
+CASES = {
+    "q4_0-embd_q8_0": {"default": "Q4_0", "token_embd": "Q8_0"},
+    "q4_1-dead_groups": {"default": "Q4_1", "token_embd": "F16"},
+    "q4_k_m-head_q6_k": {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K",
+                         "output": "Q6_K"},
+    "q8_0-head_q8_0": {"default": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"},
+    "f16-dense": {"default": "F16", "token_embd": "F16"},
+}
+EXPECT = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int8Linear, "Q6_K": Int8Linear,
+          "F16": torch.nn.Linear}
+
+
+def _write(tmp_path, types, arch="llama", **kw):
+    model = tiny_model(arch, **SHAPES)
+    return write_gguf(tmp_path / "m.gguf", model, types, arch=arch, dead_groups=True, **kw)
+
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+IDS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_gguf_types_load_exactly(tmp_path, case):
+    types = CASES[case]
+    path = _write(tmp_path, types)
+    ref = _logits(_reference(path), IDS)
+    model, tok = load_quantized(path, reference=True)
+    # the swap: each linear's type follows its tensor's ggml type
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is EXPECT[types["default"]]
+    assert type(layer.self_attn.v_proj) is EXPECT[types.get("attn_v", types["default"])]
+    assert type(layer.mlp.down_proj) is EXPECT[types.get("ffn_down", types["default"])]
+    head = model.get_output_embeddings()
+    if "output" in types:
+        assert type(head) is EXPECT[types["output"]]
+    else:  # tied: the head reads the (dense) embedding
+        assert head.weight is model.get_input_embeddings().weight
+    # the reference path computes with the file's weights in fp32: equal up to rounding
+    out = _logits(model, IDS)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    # the kernels (bf16 activations in the int4 one): the same model within bf16 noise
+    fast, _ = load_quantized(path, tokenizer=False)
+    kl = F.kl_div(F.log_softmax(_logits(fast, IDS), -1), F.log_softmax(ref, -1), log_target=True,
+                  reduction="batchmean")
+    assert kl < 1e-3
+    assert tok is not None and tok.eos_token == "<|im_end|>"
+
+
+def test_qwen2_with_biases_and_no_qk_permutation(tmp_path):
+    path = _write(tmp_path, {"default": "Q4_K", "token_embd": "Q8_0"}, arch="qwen2")
+    model, _ = load_quantized(path, reference=True, tokenizer=False)
+    q = model.model.layers[1].self_attn.q_proj
+    assert isinstance(q, Int4Linear) and q.bias is not None
+    ref = _logits(_reference(path), IDS)
+    assert (_logits(model, IDS) - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_config_and_tokenizer_match_transformers(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = _write(tmp_path, {"default": "Q4_0", "token_embd": "Q8_0"})
+    model, tok = load_quantized(path)
+    want = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name).to_dict()
+    got = model.config.to_dict()
+    for key in ("dtype", "torch_dtype", "transformers_version"):
+        want.pop(key, None)
+        got.pop(key, None)
+    assert got == want
+    ref_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    text = "the reader is fast<|im_end|> déjà"
+    assert tok(text).input_ids == ref_tok(text).input_ids
+    assert (tok.bos_token, tok.eos_token) == (ref_tok.bos_token, ref_tok.eos_token)
+
+
+def test_generate_and_bf16(tmp_path):
+    path = _write(tmp_path, {"default": "Q4_1", "token_embd": "Q8_0"})
+    model, _ = load_quantized(path, dtype=torch.bfloat16, tokenizer=False)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = model.generate(IDS[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, IDS.shape[1] + 4)
+
+
+def test_unsupported_linear_type_names_the_tensor(tmp_path):
+    path = _write(tmp_path, {"default": "Q4_0", "ffn_up": "Q5_0"})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+        load_quantized(path)
+
+
+def test_wrong_shape_and_missing_tensor(tmp_path):
+    path = _write(tmp_path, {"default": "Q4_0"}, reshape={"blk.1.ffn_up.weight": (256, 256)})
+    with pytest.raises(CheckpointError, match="shape"):
+        load_quantized(path, tokenizer=False)
+    path = _write(tmp_path, {"default": "Q4_0"}, drop=("blk.1.ffn_norm.weight",))
+    with pytest.raises(CheckpointError, match="post_attention_layernorm"):
+        load_quantized(path, tokenizer=False)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        load_quantized(bad)
+
+
+def test_architectures_whose_tensors_transformers_reshapes_are_refused():
+    from infopt.quantize.community.gguf_ckpt import _processor
+
+    with pytest.raises(CheckpointError, match="GPT2TensorProcessor"):
+        _processor("gpt2", {}, "x.gguf")
