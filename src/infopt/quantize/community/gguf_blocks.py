@@ -15,7 +15,7 @@ Q6_K       256 = 16 x 16: ``d * sc_j * (q - 32)``, q 6-bit,        int8 group 16
            ``sc_j`` int8                                           ``d * sc_j``
 =========  ====================================================  =========================================
 
-A group whose scale is zero holds one value, ``m`` (Q4_1) or ``-dmin * m_j`` (Q4_K), whatever its codes: it
+A group whose scale is zero holds one value, 0 (Q4_0), ``m`` (Q4_1) or ``-dmin * m_j`` (Q4_K), whatever its codes: it
 gets codes 0, scale ``|value| / 8`` and zero ``-8 * sign(value)`` (or scale 1, zero 0 when the value is 0), so
 the int4 layout, which needs a scale to recover its zero point, keeps it.
 
@@ -44,8 +44,13 @@ def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles_16(qs: torch.Tensor) -> torch.Tensor:
-    # qs: [R, B, 16] -> [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1)
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    # qs: uint8 [R, B, 16] -> int32 [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1);
+    # int32 because the int4 kernel's packing takes int32 codes (one conversion pass instead of two)
+    q = qs.to(torch.int32)
+    out = torch.empty(*qs.shape[:-1], 32, dtype=torch.int32)
+    torch.bitwise_and(q, 0x0F, out=out[..., :16])
+    torch.bitwise_right_shift(q, 4, out=out[..., 16:])
+    return out
 
 
 def _blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -67,8 +72,9 @@ def _affine(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
 
 
 def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K bytes -> ``(codes, scales, zeros)``: uint8 ``[R, in]`` codes 0..15, fp32 ``[R, in / 32]``
-    scales and zero points, with ``w = (code - zero) * scale`` (see the module table).
+    """Q4_0 / Q4_1 / Q4_K bytes -> ``(codes, scales, zeros)``: int32 ``[R, in]`` codes 0..15 (the int4 kernel's
+    packing input), fp32 ``[R, in / 32]`` scales and zero points, with ``w = (code - zero) * scale`` (see the module
+    table).
 
     Example:
         >>> import numpy as np
@@ -81,8 +87,7 @@ def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
     rows = b.shape[0]
     if kind == "Q4_0":
         d = _half(b, 0)
-        codes = _nibbles_16(b[..., 2:18])
-        return codes.reshape(rows, -1), d, torch.full_like(d, 8.0)
+        return _affine(_nibbles_16(b[..., 2:18]).reshape(rows, -1), d, -8.0 * d, 32)
     if kind == "Q4_1":
         codes = _nibbles_16(b[..., 4:20]).reshape(rows, -1)
         return _affine(codes, _half(b, 0), _half(b, 2), 32)
@@ -90,8 +95,8 @@ def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
         d, dmin = _half(b, 0).unsqueeze(-1), _half(b, 2).unsqueeze(-1)  # [R, B, 1]
         sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8] each
         # 128 bytes = 4 chunks of 32: low nibbles are sub-block 2c, high nibbles 2c + 1
-        qs = b[..., 16:144].reshape(rows, -1, 4, 1, 32)
-        codes = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 0x0F
+        qs = b[..., 16:144].to(torch.int32).reshape(rows, -1, 4, 1, 32)
+        codes = (qs >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 1, 2, 1)) & 0x0F
         scale = (d * sc).reshape(rows, -1)  # exact in fp32: fp16 x 6-bit
         offset = -(dmin * mn).reshape(rows, -1)
         return _affine(codes.reshape(rows, -1), scale, offset, 32)
