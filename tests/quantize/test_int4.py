@@ -131,7 +131,7 @@ def test_group_size_not_dividing_is_refused_before_mutation(llama):
     assert_state_equal(llama, snap)
 
 
-@pytest.mark.parametrize("bad", [{"group_size": 48}, {"group_size": 0}, {"symmetric": "yes"}, {"zero_point": "half"}])
+@pytest.mark.parametrize("bad", [{"group_size": 48}, {"group_size": 0}, {"group_size": 32.0}, {"symmetric": "yes"}, {"zero_point": "half"}])
 def test_bad_fields(bad):
     with pytest.raises(RecipeError, match=next(iter(bad))):
         Int4WeightOnly(**bad)

@@ -39,3 +39,14 @@ def test_existing_draft_folder_accepted(tmp_path):
     tiny_model(num_layers=1, seed=1).save_pretrained(tmp_path / "draft")
     assert DraftModel(str(tmp_path / "draft"), num_tokens=3).draft == str(tmp_path / "draft")
     assert DraftModel("default").draft == "default"
+
+
+def test_load_draft_directly_checks_the_folder(monkeypatch):
+    import transformers
+
+    from infopt.speculative.api import load_draft
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("transformers was asked")))
+    with pytest.raises(RecipeError, match="there is no folder at that path"):
+        load_draft("./drafts/missing")

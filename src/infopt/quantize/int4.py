@@ -80,7 +80,7 @@ class Int4WeightOnly(StepConfig):
     dense_prefill: bool = False
 
     def __post_init__(self):
-        if self.group_size not in KERNEL_GROUP_SIZES or isinstance(self.group_size, bool):
+        if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
             raise bad_field(self, "group_size", self.group_size, ", ".join(map(str, KERNEL_GROUP_SIZES)))
         if self.lm_head_bits not in (4, 8) or isinstance(self.lm_head_bits, bool):
             raise bad_field(self, "lm_head_bits", self.lm_head_bits, "4, 8")

@@ -58,9 +58,11 @@ def load_draft(draft: Any, *, device: str | torch.device = "cpu", dtype: torch.d
     from transformers import AutoModelForCausalLM
 
     from ..core.errors import RecipeError
+    from .config import check_draft_folder
 
+    folder = check_draft_folder(draft)  # a clear error for a name that is no local folder, before transformers
     try:
-        return AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     except (OSError, ValueError) as e:
         raise RecipeError(f"DraftModel.draft={draft!r} could not be loaded as a causal LM: {e}") from e
 
