@@ -33,7 +33,7 @@ an "example run" (one run of the real model, say: "An example run on the 2-core 
 shown as it was printed and not compared; the block above it still runs.
 
 Blocks run with a temporary folder of the page's own as the working directory, so files they write
-stay out of the repository.
+stay out of the repository, and connections off the machine are refused: the examples download nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import functools
 import io
 import re
 import shlex
+import socket
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<lang>[\w+-]*)[ \t]*
 _MARKER = re.compile(r"^\s*<!--\s*test:(?P<body>.*?)-->\s*$")
 _NUMBER = re.compile(r"(?<![A-Za-z_\d.])[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _LITERAL = re.compile(r"[\d'\"\[\]{}]|\b(?:True|False|None)\b")
+_LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 _LOADERS = re.compile(r"\bload_default\s*\(|\bload_model\s*\(")
 
 
@@ -115,7 +117,7 @@ def _parse_marker(text: str) -> tuple[str | None, dict[str, str], str | None]:
 
 def parse_page(path: Path) -> list[Block]:
     """Every fenced block of a markdown page, with its marker and the output block that follows it."""
-    rel = path.relative_to(ROOT).as_posix()
+    rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     between: list[str] = []  # the text since the last fence closed
@@ -265,13 +267,27 @@ def _tokenizer():
     return load_default_tokenizer()
 
 
-def _tiny_pair(*_args, dtype=None, device="cpu", **_kwargs):
-    import torch
-
+def _tiny_pair(dtype, device):
     from infopt.models import tiny_model
 
-    model = tiny_model("llama", max_positions=2048, dtype=dtype or torch.float32).to(device)
-    return model, _tokenizer()
+    return tiny_model("llama", max_positions=2048, dtype=dtype).to(device), _tokenizer()
+
+
+def _tiny_default(dtype=None, device="cpu", *, quantized=False):
+    """``load_default`` under ``tiny``: a 2-layer Llama with the default tokenizer's vocabulary."""
+    import torch
+
+    if quantized:
+        raise RuntimeError("load_default(quantized=True) loads the shipped int4 GGUF, which no tiny model stands in "
+                           "for: mark this block <!-- test: real_model -->")
+    return _tiny_pair(dtype or torch.float32, device)
+
+
+def _tiny_load_model(path, *, dtype=None, device="cpu"):
+    """``load_model`` under ``tiny``: the tiny model, whatever folder the doc names."""
+    import torch
+
+    return _tiny_pair(dtype or torch.float32, device)
 
 
 def _refuse_default(*_args, **_kwargs):
@@ -287,13 +303,38 @@ def _models(marker: str | None):
     if marker == "real_model":
         yield
         return
-    stand_in = _tiny_pair if marker == "tiny" else _refuse_default
+    tiny = marker == "tiny"
     saved = models.load_default, models.load_model
-    models.load_default, models.load_model = stand_in, stand_in
+    models.load_default = _tiny_default if tiny else _refuse_default
+    models.load_model = _tiny_load_model if tiny else _refuse_default
     try:
         yield
     finally:
         models.load_default, models.load_model = saved
+
+
+@contextlib.contextmanager
+def _no_network():
+    """Refuse connections off this machine while a block runs: the docs' examples download nothing."""
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def check(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOCAL_HOSTS:
+            raise OSError(f"a doc block tried to connect to {address!r}; the docs' examples must not download")
+
+    def connect(sock, address):
+        check(sock, address)
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        check(sock, address)
+        return real_connect_ex(sock, address)
+
+    socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+    try:
+        yield
+    finally:
+        socket.socket.connect, socket.socket.connect_ex = real_connect, real_connect_ex
 
 
 def run_block(block: Block, namespace: dict) -> None:
@@ -303,7 +344,7 @@ def run_block(block: Block, namespace: dict) -> None:
     namespace.setdefault("__name__", f"doc:{block.page}")
     namespace["__doc_check__"] = _check_value
     namespace["__doc_check_print__"] = _check_print
-    with _models(block.marker):
+    with _models(block.marker), _no_network():
         if block.is_doctest:
             _run_doctest(block, namespace)
         else:

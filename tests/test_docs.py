@@ -180,3 +180,105 @@ def test_recipes_stage_table_lists_the_registered_kinds():
         kinds = list(BACKENDS) if stage == "attention" else [k for k in steps[stage] if k]
         if kinds:
             assert sorted(listed) == sorted(kinds), f"docs/recipes.md: stage {stage} lists {listed}, the code {kinds}"
+
+
+# -- the collector itself ------------------------------------------------------------------------------
+
+_SAMPLE = '''# Sample
+
+<!-- test: tiny -->
+```python
+x = 2
+print(x * 21)
+```
+
+prints:
+
+```
+42
+```
+
+Sizes vary; for example:
+
+```python
+print("weights 513.1 -> 401.1 MiB")
+```
+
+```text
+weights 12.3 -> 15.4 MiB
+```
+
+<!-- test: skip -->
+```python
+raise SystemExit
+```
+
+<!-- test: fast -->
+```python
+pass
+```
+
+```python
+print("random")
+```
+
+An example run printed:
+
+```
+whatever it printed that day
+```
+
+```python
+y = 1
+```
+
+Some prose, not a lead-in.
+
+```
+not an output: the paragraph between does not end with a colon
+```
+'''
+
+
+def test_parse_markers_and_outputs(tmp_path):
+    from .doc_blocks import parse_page
+
+    page = tmp_path / "sample.md"
+    page.write_text(_SAMPLE)
+    blocks = [b for b in parse_page(page) if b.lang == "python"]
+    first, vary, skip, unknown, run, prose = blocks
+    assert first.id == "sample.md:L4" and first.marker == "tiny" and first.output == "42\n"
+    assert not first.numbers_vary and vary.numbers_vary and vary.output.startswith("weights 12.3")
+    assert "must say why" in skip.marker_error and "must name one of" in unknown.marker_error
+    assert run.example_run and run.output.startswith("whatever") and prose.output is None
+
+
+def test_run_block_compares_what_the_doc_shows(tmp_path):
+    from .doc_blocks import DocValueError, parse_page
+
+    page = tmp_path / "sample.md"
+    page.write_text(_SAMPLE)
+    first, vary, _, _, run, _ = [b for b in parse_page(page) if b.lang == "python"]
+    ns = {}
+    for block in (first, vary, run):  # 42 == 42; numbers as wildcards; an example run is not compared
+        run_block(block, ns)
+    first.output = "41\n"
+    with pytest.raises(AssertionError, match="but the doc shows"):
+        run_block(first, ns)
+    first.code, first.output = "1 + 1  # 3\nprint(2)  # 2\nlen('abc')  # three letters\n", None
+    with pytest.raises(DocValueError, match=r"`1 \+ 1` gives\s+2\s+but the doc shows\s+3"):
+        run_block(first, ns)
+    first.code = "print(2)  # 2: the answer\nlen('abc')  # three letters\n[1, 2]  # [1, ...]\n"
+    run_block(first, ns)
+
+
+def test_loading_a_model_needs_a_marker(tmp_path):
+    from .doc_blocks import Block
+
+    block = Block("sample.md", 1, "python", "from infopt.models import load_default\nmodel, tok = load_default()\n")
+    with pytest.raises(RuntimeError, match="test: tiny"):
+        run_block(block, {})
+    block.marker = "tiny"
+    ns = {}
+    run_block(block, ns)
+    assert ns["model"].config.num_hidden_layers == 2 and ns["tok"].vocab_size == 49152
