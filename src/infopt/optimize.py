@@ -248,7 +248,7 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
         ['speculative:self_draft']
-        >>> infopt.undo(m)  # attention, the generate wrapper, its counters, the report, the save hook
+        >>> infopt.undo(m)  # the generate wrapper, its counters, the drafter, the report, the save hook
         5
     """
     if gate is not None:
