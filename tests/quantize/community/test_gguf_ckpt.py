@@ -138,3 +138,14 @@ def test_architectures_whose_tensors_transformers_reshapes_are_refused():
 
     with pytest.raises(CheckpointError, match="GPT2TensorProcessor"):
         _processor("gpt2", {}, "x.gguf")
+
+
+def test_save_pretrained_reloads_with_plain_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = _write(tmp_path, {"default": "Q4_K", "attn_v": "Q6_K", "output": "Q8_0"})
+    model, tok = load_quantized(path)
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert isinstance(again.lm_head, Int8Linear) and isinstance(again.model.layers[0].mlp.up_proj, Int4Linear)
+    assert torch.equal(_logits(again, IDS), _logits(model, IDS))

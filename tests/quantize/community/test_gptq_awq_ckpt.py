@@ -183,3 +183,14 @@ def test_folders_that_are_not_community_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_cfg))
     with pytest.raises(CheckpointError, match="quant_method 'bitsandbytes'"):
         load_quantized(tmp_path)
+
+
+def test_save_pretrained_reloads_with_plain_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_packed_folder(tmp_path / "src", tiny_model("llama"), method="gptq", act_order=True)
+    model, _ = load_quantized(tmp_path / "src")
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert isinstance(again.model.layers[0].mlp.up_proj, Int4Linear)
+    assert torch.equal(_logits(again), _logits(model))

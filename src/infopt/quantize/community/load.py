@@ -125,7 +125,9 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
 
     Returns:
         ``(model, tokenizer)``; the tokenizer is None when not asked for or the folder has none. The model is in
-        eval mode; ``model.infopt_source`` says what was loaded and how long it took.
+        eval mode; ``model.infopt_source`` says what was loaded and how long it took. Its ``save_pretrained``
+        writes infopt's ``quantization_config``, so the saved folder loads back with plain ``from_pretrained``
+        (after ``import infopt``) on the same layers.
 
     Raises:
         FileNotFoundError: no such path.
@@ -152,6 +154,11 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     else:
         model, tok = _load_folder(p, fmt, opts, with_tokenizer=tokenizer)
     model = finish_model(model, device=device, source=str(p))
+    # save_pretrained then writes infopt's quantization_config, so plain from_pretrained (with import infopt) rebuilds
+    # these layers; imported here because io sits above quantize, as in quantize_
+    from ...io import install_save_hook
+
+    install_save_hook(model, step="load_quantized")
     model.infopt_source = {"path": str(p), "format": fmt, "seconds": round(time.perf_counter() - t0, 3)}
     log.info("loaded %s (%s) in %.1f s", p, fmt, model.infopt_source["seconds"])
     return model, tok
