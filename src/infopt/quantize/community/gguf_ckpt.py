@@ -40,6 +40,7 @@ SUPPORTED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "F32", "F16", 
 """GGUF tensor types a linear layer can be stored in."""
 
 _FLOAT = ("F32", "F16", "BF16")
+_ROWS_PER_SLICE = 4096  # embedding rows decoded at once: fp32 transients of 4096 x hidden, not of the whole vocabulary
 # transformers' per-architecture tensor processors that leave a quantized linear weight alone (the Gemma/Nemotron
 # ones rewrite norm weights only, which are never quantized) or permute its rows (Llama)
 _SAFE_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
@@ -137,8 +138,14 @@ def _dense(t, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
         return np.array(t.data).reshape(shape)
     if kind == "BF16":  # numpy has no bfloat16: the processors get fp32
         return _raw(t).view(torch.int16).view(torch.bfloat16).float().numpy().reshape(shape)
-    if kind in BLOCKS:
-        return dequantize_blocks(_raw(t).view(shape[0] if len(shape) > 1 else 1, -1), kind, dtype).reshape(shape)
+    if kind in BLOCKS:  # an embedding: dense in the model's dtype, decoded a slice of rows at a time
+        rows = shape[0] if len(shape) > 1 else 1
+        data = t.data.reshape(rows, -1)
+        out = torch.empty(rows, data.shape[1] // BLOCKS[kind][1] * BLOCKS[kind][0], dtype=dtype)
+        for r in range(0, rows, _ROWS_PER_SLICE):
+            out[r:r + _ROWS_PER_SLICE] = dequantize_blocks(torch.from_numpy(np.array(data[r:r + _ROWS_PER_SLICE])),
+                                                           kind, dtype)
+        return out.reshape(shape)
     from gguf import dequantize
 
     return np.asarray(dequantize(t.data, t.tensor_type)).reshape(shape)
