@@ -149,3 +149,14 @@ def test_save_pretrained_reloads_with_plain_from_pretrained(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert isinstance(again.lm_head, Int8Linear) and isinstance(again.model.layers[0].mlp.up_proj, Int4Linear)
     assert torch.equal(_logits(again, IDS), _logits(model, IDS))
+
+
+@pytest.mark.gpu
+def test_device_cuda_repacks_for_the_cuda_kernel(tmp_path):
+    path = _write(tmp_path, {"default": "Q4_K", "attn_v": "Q6_K", "token_embd": "Q8_0"})
+    ref = _logits(_reference(path), IDS)
+    model, _ = load_quantized(path, device="cuda", tokenizer=False)
+    assert model.model.layers[0].mlp.up_proj.layout == "cuda_tinygemm"
+    assert model.model.layers[0].self_attn.v_proj.weight_int8.is_cuda
+    out = _logits(model, IDS.cuda()).cpu()
+    assert F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean") < 1e-3
