@@ -16,8 +16,8 @@ if [ ! -f "$OLD/.transformers-$floor" ]; then
   old_site=$("$OLD/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   # transformers with the dependencies of that version (huggingface-hub, tokenizers, ...); torch comes from .venv
   "$VENV/bin/python" -m pip install -q --target "$old_site" "transformers==$floor" 2>&1 | grep -v '^WARNING' || true
-  "$OLD/bin/python" -c "import transformers" || { echo "check_oldest: installing transformers $floor failed" >&2; exit 2; }
   printf '%s\n%s\n' "$base_site" "$(pwd)/src" > "$old_site/zz_infopt_base.pth"
+  "$OLD/bin/python" -c "import transformers, torch" || { echo "check_oldest: installing transformers $floor failed" >&2; exit 2; }
   touch "$OLD/.transformers-$floor"
 fi
 echo "check_oldest: transformers $floor in $OLD"
