@@ -6,14 +6,14 @@ import infopt
 from infopt.core.errors import IncompatibleModelError
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly
-from infopt.quantize.export import _pack_rows, _unpack_rows, dequantize_gptq, export_gptq, gptq_tensors, load_gptq_state
+from infopt.quantize.export import _pack_rows, dequantize_gptq, export_gptq, gptq_tensors, load_gptq_state, unpack_words
 
 
 def test_pack_rows_roundtrip():
     codes = torch.randint(0, 16, (32, 24))
     words = _pack_rows(codes)
     assert words.dtype == torch.int32 and words.shape == (4, 24)
-    assert torch.equal(_unpack_rows(words), codes)
+    assert torch.equal(unpack_words(words, 4, 0).long(), codes)
 
 
 def test_layer_layout_dequantizes_to_the_same_weight():

@@ -24,7 +24,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from .int4 import Int4Linear, unpack_int4
 
-__all__ = ["export_gptq", "gptq_tensors", "dequantize_gptq", "load_gptq_state"]
+__all__ = ["export_gptq", "gptq_tensors", "dequantize_gptq", "load_gptq_state", "unpack_words"]
 
 
 def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -34,13 +34,6 @@ def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
     shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 8, 1)
     words = (c8 << shifts).sum(dim=1)  # [R/8, C] in 0..2^32-1
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
-
-
-def _unpack_rows(words: torch.Tensor) -> torch.Tensor:
-    # inverse of _pack_rows: int32 [R / 8, C] -> int64 [R, C]
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(8, dtype=torch.int64) * 4).view(1, 8, 1)
-    return ((w.unsqueeze(1) >> shifts) & 0xF).reshape(-1, words.shape[1])
 
 
 def gptq_tensors(layer: Int4Linear) -> dict[str, torch.Tensor]:
@@ -84,19 +77,35 @@ def gptq_tensors(layer: Int4Linear) -> dict[str, torch.Tensor]:
     return out
 
 
+def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unpack int32 words holding ``32 // bits`` codes each, lowest bits first, along ``dim`` (0 or 1).
+
+    ``[R, C]`` words -> ``[R * k, C]`` (dim 0) or ``[R, C * k]`` (dim 1) uint8 codes, ``k = 32 // bits``.
+
+    Example:
+        >>> unpack_words(torch.tensor([[0x00000021]], dtype=torch.int32), 4, 1)[0, :3].tolist()
+        [1, 2, 0]
+    """
+    k = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    mask = (1 << bits) - 1
+    w = words.to(torch.int32)
+    if dim == 0:
+        codes = (w.unsqueeze(1) >> shifts.view(1, k, 1)) & mask  # [R, k, C]
+        return codes.reshape(-1, words.shape[1]).to(torch.uint8)
+    codes = (w.unsqueeze(2) >> shifts.view(1, 1, k)) & mask  # [R, C, k]
+    return codes.reshape(words.shape[0], -1).to(torch.uint8)
+
+
 def _pack_cols(x: torch.Tensor) -> torch.Tensor:
     # x: [G, out] ints (may be -1 for a zero point of 0) -> int32 [G, out / 8], column c in bits 4 * (c % 8)
     return _pack_rows((x & 0xF).t().contiguous()).t().contiguous()
 
 
-def _unpack_cols(words: torch.Tensor) -> torch.Tensor:
-    return _unpack_rows(words.t().contiguous()).t().contiguous()
-
-
 def dequantize_gptq(t: dict[str, torch.Tensor]) -> torch.Tensor:
     """The fp32 weight ``[out, in]`` a GPTQ-layout tensor set stands for (the format's own arithmetic)."""
-    codes = _unpack_rows(t["qweight"]).float()  # [in, out]
-    zeros = ((_unpack_cols(t["qzeros"]) + 1) & 0xF).float()  # [G, out]
+    codes = unpack_words(t["qweight"], 4, 0).float()  # [in, out]
+    zeros = ((unpack_words(t["qzeros"], 4, 1) + 1) & 0xF).float()  # [G, out]
     g_idx = t["g_idx"].long()
     scales = t["scales"].float()
     return ((codes - zeros[g_idx]) * scales[g_idx]).t().contiguous()

@@ -11,6 +11,7 @@ from torch import nn
 
 from ...core.errors import CheckpointError
 from ..api import KERNEL_GROUP_SIZES
+from ..export import unpack_words
 from ..int4 import Int4Linear
 from ..int8 import Int8Linear
 
@@ -42,26 +43,6 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch
         raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)} for this layer and format")
     if dtype is not None and t.dtype != dtype:
         raise CheckpointError(f"{name}: dtype {t.dtype}, expected {dtype}")
-
-
-def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unpack int32 words holding ``32 // bits`` codes each, lowest bits first, along ``dim`` (0 or 1).
-
-    ``[R, C]`` words -> ``[R * k, C]`` (dim 0) or ``[R, C * k]`` (dim 1) uint8 codes, ``k = 32 // bits``.
-
-    Example:
-        >>> unpack_words(torch.tensor([[0x00000021]], dtype=torch.int32), 4, 1)[0, :3].tolist()
-        [1, 2, 0]
-    """
-    k = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    mask = (1 << bits) - 1
-    w = words.to(torch.int32)
-    if dim == 0:
-        codes = (w.unsqueeze(1) >> shifts.view(1, k, 1)) & mask  # [R, k, C]
-        return codes.reshape(-1, words.shape[1]).to(torch.uint8)
-    codes = (w.unsqueeze(2) >> shifts.view(1, 1, k)) & mask  # [R, C, k]
-    return codes.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def kernel_group(group_size: int, in_features: int) -> int:
