@@ -112,11 +112,6 @@ def _resolve(model: nn.Module, names: set[str], fqn: str) -> str | None:
                           "folder saved from another architecture?")
 
 
-def _set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent, _, child = fqn.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 class InfoptHfQuantizer(HfQuantizer):
     """Loads models whose ``quantization_config`` has ``quant_method: "infopt"`` (pre-quantized only: quantize with
     :func:`infopt.optimize` or :func:`infopt.quantize.quantize_`, not through ``from_pretrained``)."""
@@ -160,7 +155,7 @@ class InfoptHfQuantizer(HfQuantizer):
             check_checkpoint({fqn: modules[fqn] for fqn in resolved}, header)
         tied = getattr(model, "all_tied_weights_keys", None)
         for fqn, name in resolved.items():
-            _set_module(model, name, layers[fqn])
+            model.set_submodule(name, layers[fqn])
             self._built[name] = (modules[fqn], layers[fqn])
             if tied is not None:
                 # the head was saved as its own quantized copy: tying it to the embedding would fail (no .weight)
@@ -186,7 +181,7 @@ class InfoptHfQuantizer(HfQuantizer):
         for name, (spec, layer) in self._built.items():
             final = finish_layer(spec, layer)
             if final is not layer:
-                _set_module(model, name, final)
+                model.set_submodule(name, final)
         self._built.clear()
         return model
 
@@ -220,7 +215,7 @@ class InfoptHfQuantizer(HfQuantizer):
                 new.weight.data = w.to(wd)
             if bias is not None:
                 new.bias.data = bias.detach().to(wd)
-            _set_module(model, name, new.to(w.device))
+            model.set_submodule(name, new.to(w.device))
         return model
 
 

@@ -15,7 +15,7 @@ from ..export import unpack_words
 from ..int4 import Int4Linear
 from ..int8 import Int8Linear
 
-__all__ = ["LoadOptions", "empty_model", "set_module", "set_dense", "finish_model", "int4_layer", "int8_layer",
+__all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_layer", "int8_layer",
            "unpack_words", "read_json", "kernel_group", "check_shape"]
 
 
@@ -88,13 +88,6 @@ def empty_model(config, dtype: torch.dtype) -> nn.Module:
 
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def set_module(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    """Put ``module`` at ``fqn`` (its parent's attribute), in place of what was there."""
-    parent_name, _, child = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
 
 
 def set_dense(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...core.availability import require
 from ...core.errors import CheckpointError
-from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense, set_module
+from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense
 from .gguf_blocks import BLOCKS, Int4Blocks, decode_int4, decode_int8, dequantize_blocks
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "SUPPORTED_LINEAR_TYPES"]
@@ -253,7 +253,7 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
             perm = None
             if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 perm = _qk_perm(linears[owner].out_features, heads["q" if ".attn_q." in t.name else "k"])
-            set_module(model, owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
+            model.set_submodule(owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
             continue
         weights = _dense(t, opts.dtype)
         if isinstance(weights, np.ndarray):

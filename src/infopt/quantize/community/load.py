@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...core.errors import CheckpointError
-from .common import LoadOptions, empty_model, finish_model, set_dense, set_module
+from .common import LoadOptions, empty_model, finish_model, set_dense
 from .gptq_ckpt import AWQFormat, GPTQFormat, SafetensorsFolder, awq_layer, gptq_layer, read_quant_config
 
 __all__ = ["load_quantized", "detect_format", "FORMATS"]
@@ -81,7 +81,7 @@ def _load_folder(folder: Path, method: str, opts: LoadOptions, *, with_tokenizer
         if not isinstance(linear, nn.Linear):
             raise CheckpointError(f"{prefix}: a quantized tensor for a {type(linear).__name__}, not a linear layer; "
                                   "infopt rebuilds nn.Linear layers")
-        set_module(model, prefix, build(tensors, prefix, fmt, linear.in_features, linear.out_features, opts))
+        model.set_submodule(prefix, build(tensors, prefix, fmt, linear.in_features, linear.out_features, opts))
     owned = set(prefixes)
     for key in tensors.keys():
         if key.rpartition(".")[0] not in owned:
