@@ -83,7 +83,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
         rows, cols = torch.tensor(masked, dtype=torch.long, device=scores.device).unbind(1)
         scores = scores.clone() if scores is logits else scores
         scores[rows, cols] = -float("inf")
-    picks = [scores.argmax(-1)]  # [S]: one batched argmax serves every greedy row
+    tokens = scores.argmax(-1)  # [S]: one batched argmax serves every greedy row
     sampled = [i for i, p in enumerate(params) if p.do_sample]
     if sampled:
         races = []
@@ -96,9 +96,5 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
             dev = g.device if g is not None else x.device
             race = torch.empty(x.shape, dtype=x.dtype, device=dev).exponential_(1.0, generator=g).to(x.device)
             races.append(x - race.log())
-        picks.append(torch.stack(races).argmax(-1))  # [len(sampled)]
-    flat = torch.cat(picks).tolist()  # the one device -> host copy of the step
-    out = flat[:len(params)]
-    for j, i in enumerate(sampled):
-        out[i] = flat[len(params) + j]
-    return [int(t) for t in out]
+        tokens[torch.tensor(sampled, device=tokens.device)] = torch.stack(races).argmax(-1)
+    return tokens.tolist()  # the one device -> host copy of the step
