@@ -70,19 +70,14 @@ setup() {
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1 \
     || { echo "gpu_lane: pip install -e . failed (see $LOGS/install.log)" >&2; tail -20 "$LOGS/install.log"; exit 2; }
   "$PY" - "$RESULTS/env.json" <<'EOF'
-import importlib.metadata as md, json, subprocess, sys
-import torch, transformers
+import importlib.metadata as md, json, sys
+from infopt.bench import machine_info
 def version(name):
     try:
         return md.version(name)
     except md.PackageNotFoundError:
         return None
-p = torch.cuda.get_device_properties(0)
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip()
-env = {"gpu": p.name, "capability": list(torch.cuda.get_device_capability(0)), "memory_gib": round(p.total_memory / 2**30, 1),
-       "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-       "python": sys.version.split()[0],
+env = {**machine_info("cuda"),
        "packages": {n: version(n) for n in ("triton", "accelerate", "safetensors", "gguf", "bitsandbytes", "flash-attn",
                                             "pytest", "pytest-xdist", "hypothesis")}}
 json.dump(env, open(sys.argv[1], "w"), indent=1)
