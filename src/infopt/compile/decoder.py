@@ -224,8 +224,6 @@ class _GraphNotHeld(RuntimeError):
     """Raised by the compiler callback when one shape compiles more than :data:`MAX_GRAPHS_PER_SHAPE` graphs."""
 
 
-def _shape_name(key: tuple | None) -> str:
-    if key is None:
-        return "an unknown shape"
+def _shape_name(key: tuple) -> str:
     b, length, padded = key
     return f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}"
