@@ -39,8 +39,8 @@ import json, statistics, sys, time
 import torch
 import infopt
 from infopt.compile import Compile, compile_stats
-from infopt.compile.decoder import CompiledDecoder
-from infopt.core.decode import set_decode_step
+from infopt.compile.decoder import CompiledForwards
+from infopt.generate import set_part
 from infopt.models import load_default
 
 pre, comp = json.loads(sys.argv[1])
@@ -50,7 +50,7 @@ if comp is not None and not pre:
     steps.append({"compile": comp})
 infopt.optimize(model, steps)
 if comp is not None and pre:  # compiled, but keep the attention backend the recipe chose
-    set_decode_step(model, CompiledDecoder(model, Compile(**comp)))
+    set_part(model, "forwards", CompiledForwards(Compile(**comp)), step="compile")
 ids = tok("The history of the Roman empire, told briefly:", return_tensors="pt").input_ids
 t0 = time.perf_counter()
 model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)

@@ -4,7 +4,7 @@ import torch
 import infopt
 from infopt.attention import Attention
 from infopt.core.errors import IncompatibleModelError, MissingBackendError, QualityGateError, RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.core.patch import has_patches
 from infopt.kvcache import Static
 from infopt.models import tiny_model

@@ -10,7 +10,7 @@ from torch import nn
 
 from .core.availability import require
 from .core.errors import IncompatibleModelError, QualityGateError, RecipeError
-from .core.generation import routing_stats
+from .generate import routing_stats
 from .core.introspect import inspect_model, param_bytes
 from .core.patch import get_handle, set_attr
 from .core.patch import undo as _undo_patches
@@ -248,8 +248,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
         ['speculative:self_draft']
-        >>> infopt.undo(m)  # the generate wrapper, its counters, the drafter, the report, the save hook
-        5
+        >>> infopt.undo(m)  # the generate wrapper, its decoder, the speculative part, the drafter, the report, the save hook
+        6
     """
     if gate is not None:
         check_gate(gate)
@@ -268,14 +268,17 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     if new_report:
         report = OptimizationReport(model=model, memory_before=param_bytes(model))
     applied: list[StepReport] = []
+    after: list = []  # run once every step is applied (a compile warm-up through the final decode loop)
     try:
         for step in r.steps:
             ctx = ApplyContext(info=info, steps=r.steps, fallbacks=list(fallbacks.get(step.key, [])),
-                               tokenizer=tokenizer, calibration=calibration, rebuild=rebuild)
+                               tokenizer=tokenizer, calibration=calibration, rebuild=rebuild, after=after)
             t0 = time.perf_counter()
             TRANSFORMS[type(step)](model, step, ctx)
             applied.append(StepReport(step.key, step.to_dict(), time.perf_counter() - t0, ctx.notes, ctx.fallbacks,
                                       ctx.stats))
+        for fn in after:
+            fn()
     except BaseException:
         for rec in reversed(handle.records[mark:]):
             rec.revert()

@@ -76,10 +76,6 @@ RULES: tuple[Rule, ...] = (
     Rule("compile", "kvcache:static", "requires",
          "a compiled forward over a growing KV cache sees a new shape every token and recompiles each time",
          "add kvcache.Static(max_length=...) to the recipe (it is applied before compile)"),
-    Rule("compile", "speculative", "conflicts",
-         "the compiled graph is the one-token decode step of the static-cache loop, while the speculative loop "
-         "verifies several tokens per round on its own caches, so the graph would never run",
-         "drop compile when using speculative decoding (or drop speculative to decode through the compiled step)"),
     Rule("compile", "attention[backend=flex]", "conflicts",
          "flex attention compiles its own kernels; compiling the whole forward around it is not supported here",
          "use attention backend 'sdpa' with compile, or drop compile"),
@@ -101,7 +97,8 @@ RULES: tuple[Rule, ...] = (
          "already folded into its int blocks",
          "use kvcache static (or no kvcache step) with speculative decoding"),
     Rule("speculative", "kvcache:paged", "conflicts",
-         "the speculative loop verifies on its own croppable caches, so the paged cache's blocks would go unused",
+         "speculative decoding rolls rejected draft tokens back, while the paged cache's full blocks are shared "
+         "through the prefix cache as soon as they fill, so a rejected token cannot be taken back",
          "use kvcache static (or no kvcache step) with speculative decoding"),
     Rule("speculative", "batching", "conflicts",
          "the batching engine runs its own decode loop, which does not speculate",

@@ -11,7 +11,7 @@ import torch
 import infopt
 from infopt.batching import Batching, DynamicBatcher, SamplingParams, StaticBatcher, batching_engine, enable_
 from infopt.core.errors import RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.kvcache import Paged, Static
 from infopt.models import tiny_model
 from tests.batching.helpers import start_queued

@@ -3,9 +3,8 @@ import torch
 
 import infopt
 from infopt.compile import Compile, compile_stats, warmup
-from infopt.core.decode import decode_step_for
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import decoder_for, routing_stats
 from infopt.kvcache import Static
 from infopt.models import tiny_model
 
@@ -19,7 +18,7 @@ def test_reduce_overhead_needs_cuda(llama):
     before = {k: v.clone() for k, v in llama.state_dict().items()}
     with pytest.raises(IncompatibleModelError, match="CUDA graphs"):
         infopt.optimize(llama, [Static(max_length=64), Compile(mode="reduce-overhead")])
-    assert decode_step_for(llama) is None and "generate" not in llama.__dict__
+    assert decoder_for(llama) is None and "generate" not in llama.__dict__
     assert all(torch.equal(v, before[k]) for k, v in llama.state_dict().items())
 
 
@@ -48,7 +47,7 @@ def test_warmup_lengths_capped_at_static_max_length(llama):
 def test_warmup_batch_must_match_fixed_batch(llama):
     with pytest.raises(IncompatibleModelError, match="batch_size=2"):
         infopt.optimize(llama, [Static(max_length=64, batch_size=2), Compile(backend="eager")])
-    assert decode_step_for(llama) is None
+    assert decoder_for(llama) is None
 
 
 def test_warmup_needs_compile_step(llama):
@@ -56,11 +55,22 @@ def test_warmup_needs_compile_step(llama):
         warmup(llama)
 
 
-def test_compile_conflicts_with_speculative(llama):
-    from infopt.speculative import PromptLookup
+def test_compile_with_speculative_verifies_and_drafts_through_compiled_graphs():
+    """compile + static + speculative: the verify widths and the draft model's steps run compiled graphs (one per
+    token bucket), warmed while the recipe is applied; greedy output stays plain generate's."""
+    from infopt.speculative import SelfDraft, stats
 
-    with pytest.raises(RecipeError, match="speculative"):
-        infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager"), PromptLookup()])
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(backend="eager"), SelfDraft(quantize="int8", num_tokens=3)])
+    cs = compile_stats(m)
+    assert cs.warmed_up and any("4 tokens" in s for s in cs.shapes), cs.shapes  # verify: pending + 3 drafts
+    assert routing_stats(m).infopt == 0  # warm-up calls are not user calls
+    calls = cs.calls
+    for p in _prompts():
+        assert torch.equal(m.generate(p, max_new_tokens=20, do_sample=False),
+                           ref.generate(p, max_new_tokens=20, do_sample=False))
+    assert cs.calls > calls and cs.compiles_after_warmup == 0 and cs.eager_calls == 0
+    assert stats(m)["rounds"] > 0 and routing_stats(m).loops == {"speculative": 3}
 
 
 def _prompts():
@@ -80,7 +90,7 @@ def test_inductor_decode_token_identical_counts_and_undo():
         assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
                            ref.generate(p, max_new_tokens=12, do_sample=False))
     assert stats.compiles_after_warmup == 0 and stats.calls >= 3 * 11
-    assert routing_stats(m).infopt == 4  # the warm-up call and the three above
+    assert routing_stats(m).infopt == 3 and routing_stats(m).loops == {"lean": 3}  # the warm-up is not a user call
 
     long = torch.randint(3, 1000, (1, 250))  # 250 + 12 tokens: the 512 bucket, not warmed
     assert torch.equal(m.generate(long, max_new_tokens=12, do_sample=False),
@@ -88,7 +98,7 @@ def test_inductor_decode_token_identical_counts_and_undo():
     assert stats.compiles_after_warmup == 1 and stats.shapes[-1] == "batch 1, cache 512, unpadded"
 
     infopt.undo(m)
-    assert decode_step_for(m) is None and compile_stats(m) is None
+    assert decoder_for(m) is None and compile_stats(m) is None
     assert torch.equal(m.generate(_prompts()[0], max_new_tokens=5, do_sample=False),
                        ref.generate(_prompts()[0], max_new_tokens=5, do_sample=False))
 
@@ -163,7 +173,7 @@ def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch
     monkeypatch.setattr(cs, "_cxx_compiler", lambda: None)
     with pytest.raises(IncompatibleModelError, match="C\\+\\+ compiler"):
         infopt.optimize(llama, [Static(max_length=64), Compile()])
-    assert decode_step_for(llama) is None and "generate" not in llama.__dict__
+    assert decoder_for(llama) is None and "generate" not in llama.__dict__
     infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none
 
 

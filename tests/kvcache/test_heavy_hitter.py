@@ -4,7 +4,7 @@ import torch
 import infopt
 from infopt.attention import Attention
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.core.introspect import inspect_model
 from infopt.eval import assert_same_tokens, greedy_outputs
 from infopt.kvcache import HeavyHitter, use_

@@ -4,7 +4,7 @@ import torch
 import infopt
 from infopt.attention import PAGED_IMPL, set_backend_
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.kvcache import OutOfBlocks, Paged, PagedCache, paged_pool, use_, use_paged_
 from infopt.models import tiny_model
 from infopt.recipe import Recipe

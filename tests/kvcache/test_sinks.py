@@ -3,7 +3,7 @@ import torch
 
 import infopt
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.eval import assert_same_tokens, greedy_outputs
 from infopt.kvcache import Sinks, use_
 from infopt.kvcache.sinks_cache import SinkCache, rerotate, rope_inv_freq

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from infopt.core.errors import RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.kvcache import Static, use_
 from infopt.models import tiny_model
 

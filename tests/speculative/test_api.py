@@ -5,7 +5,7 @@ import torch
 
 import infopt
 from infopt.core.errors import RecipeError
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.models import tiny_model
 from infopt.recipe import Recipe
 from infopt.speculative import DraftModel, PromptLookup, SelfDraft, build_self_draft, enable_, stats

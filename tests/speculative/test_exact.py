@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import infopt
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.models import tiny_model
 from infopt.speculative import DraftModel, PromptLookup, SelfDraft, enable_, stats
 

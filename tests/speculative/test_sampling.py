@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infopt.core.generation import routing_stats
+from infopt.generate import routing_stats
 from infopt.models import tiny_model
 from infopt.speculative import DraftModel, PromptLookup, Warp, enable_, stats, verify_sample, warp_logits
 

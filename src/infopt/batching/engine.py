@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..attention.paged import PAGED_IMPL
-from ..core.decode import takes_logits_to_keep
+from ..generate import takes_logits_to_keep
 from ..core.introspect import inspect_model
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache

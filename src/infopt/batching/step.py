@@ -9,23 +9,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.decode import call_generation_config, call_input_ids, nondefault_fields
-from ..core.generation import Unsupported, route_generate
 from ..core.introspect import ModelInfo
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..kvcache.paged import Paged, left_padding
+from ..generate import LoopPart, Unsupported, set_part
+from ..kvcache.paged import Paged
 from .engine import Engine
 from .params import SamplingParams
 
 __all__ = ["Batching", "enable_", "batching_engine"]
-
-# generate() keywords the engine path understands; any other goes to the original generate
-_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample", "temperature",
-           "top_k", "top_p", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "generation_config",
-           "stop_strings", "tokenizer", "num_beams", "num_return_sequences", "min_length"}
-_SAMPLING_FIELDS = ("do_sample", "stop_strings")
-
 
 def _pos(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
@@ -91,43 +83,35 @@ def batching_engine(model: nn.Module) -> Engine | None:
     return _ENGINES.get(model)
 
 
-class _EngineGenerate:
-    def __init__(self, model: nn.Module, engine: Engine):
-        self.model = model
-        self.engine = engine
+class EnginePart(LoopPart):
+    """The batching engine as a part of the model's decoder: each row of a call becomes one request."""
 
-    def __call__(self, original, *args, **kwargs):
-        input_ids = call_input_ids(args, kwargs, _KWARGS)
-        if kwargs.get("use_cache") is False:
-            raise Unsupported("use_cache=False")
-        gc = call_generation_config(self.model, kwargs)
-        bad = nondefault_fields(gc, allow=_SAMPLING_FIELDS)
-        if bad:
-            raise Unsupported(bad[0])
-        if getattr(gc, "use_cache", True) is False:
-            raise Unsupported("use_cache=False")
-        ids = input_ids.detach().cpu()
-        rows = [ids[b, p:].tolist() for b, p in enumerate(left_padding(self.model, input_ids, kwargs, gc))]
-        width = input_ids.shape[1]
-        new = int(gc.max_new_tokens) if gc.max_new_tokens is not None else \
-            int(gc.max_length if gc.max_length is not None else 20) - width
-        if new <= 0:
-            raise Unsupported("no new tokens requested")
-        eos = gc.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos.tolist() if torch.is_tensor(eos) else (eos or []))
-        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
-        stop = gc.stop_strings or ()
-        if stop and self.engine.tokenizer is None:
+    def __init__(self, engine: Engine, key: str):
+        self.engine, self.key = engine, key
+
+    def serve(self, call, decoder) -> torch.Tensor:
+        if call.lean_reason is not None:
+            raise Unsupported(call.lean_reason)
+        if call.streamer is not None:
+            raise Unsupported("a streamer (the engine streams through Engine.stream)")
+        if call.left_pads is None:
+            raise Unsupported("attention_mask is not left padding (or pad tokens without an attention_mask)")
+        if call.min_p is not None:
+            raise Unsupported(f"min_p={call.min_p}")
+        if call.stop_strings and self.engine.tokenizer is None:
             raise Unsupported("stop_strings without a tokenizer given to the batching step")
-        sample = bool(gc.do_sample)
-        params = SamplingParams(
-            max_new_tokens=new, min_new_tokens=min(int(gc.min_new_tokens or 0), new),
-            temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
-            top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p or 1.0) if sample else 1.0,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop), eos_token_ids=tuple(eos),
-        )
+        input_ids = call.input_ids
+        ids = input_ids.detach().cpu()
+        rows = [ids[b, p:].tolist() for b, p in enumerate(call.left_pads)]
+        pad = call.pad_token_id
         if len(rows) > 1 and pad is None:
             raise Unsupported("a batch without pad_token_id or eos_token_id to pad finished rows")
+        sample = call.do_sample
+        params = SamplingParams(
+            max_new_tokens=call.max_new_tokens, min_new_tokens=call.min_new_tokens,
+            temperature=call.temperature if sample else 0.0, top_k=(call.top_k or 0) if sample else 0,
+            top_p=call.top_p if sample else 1.0, stop=call.stop_strings, eos_token_ids=call.eos_token_ids,
+        )
         try:
             handles = [self.engine.submit(r, params) for r in rows]
         except ValueError as e:
@@ -150,7 +134,7 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     Each row of a (left-)padded batch becomes one request; the output is laid out as ``generate``'s
     (prompt columns as given, then generated tokens, finished rows padded). Calls the engine does not
     serve (beam search, streamers, logits processors, right padding, ...) go to the original
-    ``generate``; :func:`infopt.core.generation.routing_stats` counts them. :func:`infopt.undo` removes it.
+    ``generate``; :func:`infopt.generate.routing_stats` counts them. :func:`infopt.undo` removes it.
 
     Args:
         model: a transformers causal LM with full causal attention.
@@ -176,7 +160,7 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     key = step or config.key
     engine = Engine(model, tokenizer, max_batch_tokens=config.max_batch_tokens, max_seqs=config.max_seqs,
                     kv=kv or config.paged(), chunked_prefill=config.chunked_prefill)
-    route_generate(model, _EngineGenerate(model, engine), step=key)
+    set_part(model, "engine", EnginePart(engine, key), step=key)
     _ENGINES[model] = engine
 
     def close():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.decode import decode_step_for, takes_logits_to_keep
+from ..generate import Forward, decoder_for, rollback, static_length
 
 log = logging.getLogger("infopt.compile")
 
@@ -31,7 +31,12 @@ MAX_GRAPHS_PER_SHAPE = 2
 global state such as grad mode). More means the graph cannot hold: dynamo guards on a value that changes every
 token (some models' sliding-window masks do), and each token would otherwise recompile until a hard error."""
 
-__all__ = ["CompileStats", "CompiledDecoder", "compile_stats", "mode_options", "isolated_compile"]
+MAX_TOKENS = 16
+"""Widest call compiled: one-token decode and verify/draft-catch-up widths up to this bucket. Wider calls (a draft
+model's first pass over the prompt) change width from call to call and run eagerly, like the prompt."""
+
+__all__ = ["CompileStats", "CompiledForwards", "CompiledForward", "compile_stats", "mode_options", "isolated_compile",
+           "token_bucket"]
 
 
 @dataclass
@@ -68,8 +73,9 @@ class CompileStats:
 
 def compile_stats(model: nn.Module) -> CompileStats | None:
     """The :class:`CompileStats` of a model optimized with a ``compile`` step, or None."""
-    dec = decode_step_for(model)
-    return dec.stats if isinstance(dec, CompiledDecoder) else None
+    dec = decoder_for(model)
+    forwards = dec.forwards if dec is not None else None
+    return forwards.stats if isinstance(forwards, CompiledForwards) else None
 
 
 def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str, Any]:
@@ -117,32 +123,62 @@ def isolated_compile(fn, *, name: str, **kwargs):
     return torch.compile(types.MethodType(copy, owner) if owner is not None else copy, **kwargs)
 
 
-class CompiledDecoder:
-    """A :data:`~infopt.core.decode.DecodeStep` that runs the model's one-token forward compiled.
+def token_bucket(k: int) -> int:
+    """The compiled width for ``k`` new tokens: the next power of two (a verify of ``k`` tokens runs the graph of
+    its bucket, padded; so adaptive draft lengths compile a few graphs, not one per length).
+
+    Example:
+        >>> [token_bucket(k) for k in (1, 2, 3, 5, 9)]
+        [1, 2, 4, 8, 16]
+    """
+    return 1 << max(0, k - 1).bit_length()
+
+
+class CompiledForwards:
+    """The ``forwards`` part a compile step gives a model's decoder: one :class:`CompiledForward` per module
+    (the model, and a speculative draft beside it), sharing one :class:`CompileStats`.
 
     Args:
-        model: the (already patched) model.
-        config: the :class:`~infopt.compile.Compile` step: its ``mode``, ``fullgraph``, ``dynamic``,
-            ``backend`` and ``cpp_wrapper``.
+        config: the :class:`~infopt.compile.Compile` step.
     """
 
-    def __init__(self, model: nn.Module, config):
-        self.model = model
+    def __init__(self, config):
         self.config = config
         self.stats = CompileStats()
+        self._told_cold = False
+
+    def __call__(self, model: nn.Module) -> CompiledForward:
+        return CompiledForward(model, self)
+
+
+class CompiledForward(Forward):
+    """A :class:`~infopt.generate.forward.Forward` whose fixed-shape calls run compiled graphs.
+
+    ``step`` over a static cache (one-token decode, k-token verify, a draft model's steps) runs one graph per
+    ``(batch, token bucket, cache length, padded or not)``; a verify of ``k`` tokens is padded to its
+    :func:`token_bucket` (the padding slots are rolled back after the forward). The prompt, and anything over a
+    cache that is not static, runs eagerly.
+    """
+
+    compiled = True
+
+    def __init__(self, model: nn.Module, owner: CompiledForwards):
+        super().__init__(model)
+        self.owner = owner
+        self.config = owner.config
+        self.stats = owner.stats
         self._fns: dict[tuple, Any] = {}
-        self._keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
         self._device = next(model.parameters()).device
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
-        self._told_cold = False
 
     # -- the compiled function ---------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
+        kw = {"logits_to_keep": input_ids.shape[1]} if self.keeps else {}
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
-                         attention_mask=attention_mask, past_key_values=cache, use_cache=True, **self._keep)
-        return out.logits[:, -1].float()
+                         attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kw)
+        return out.logits[:, -input_ids.shape[1]:].float()
 
     def _compiler(self, gm: torch.fx.GraphModule, example_inputs):
         key = self._key
@@ -152,8 +188,8 @@ class CompiledDecoder:
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
-        if self.stats.warmed_up and not self._told_cold:
-            self._told_cold = True
+        if self.stats.warmed_up and not self.owner._told_cold:
+            self.owner._told_cold = True
             log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
                         "the compile once; list the batch sizes and lengths your calls use in Compile("
                         "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
@@ -177,30 +213,51 @@ class CompiledDecoder:
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
         if fn is None:
-            b, length, padded = key
-            fn = isolated_compile(self._forward, name=f"decode_b{b}_l{length}_{'padded' if padded else 'unpadded'}",
+            b, k, length, padded = key
+            fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
                                   backend=self._compiler, fullgraph=self.config.fullgraph, dynamic=self.config.dynamic)
             self._fns[key] = fn
             self.stats.shapes.append(_shape_name(key))
         return fn
 
-    def __call__(self, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
-        key = (int(input_ids.shape[0]), int(cache.get_max_length()), attention_mask is not None)
+    def step(self, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
+        length = static_length(cache)
+        B, k = input_ids.shape
+        kb = token_bucket(k)
+        start = int(cache_position[0])
+        if length is None or kb > MAX_TOKENS or start + kb > length:  # not a decode shape (or no room to pad): eager
+            return super().step(input_ids, position_ids, cache_position, attention_mask, cache)
+        pad = kb - k
+        if pad:  # [B, kb]: the last token repeated at the next positions; its slots are rolled back below
+            more = torch.arange(1, pad + 1, device=input_ids.device)
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], dim=1)
+            cache_position = torch.cat([cache_position, cache_position[-1:] + more])
+        if attention_mask is not None and attention_mask.shape[1] != length:  # [B, length]: one width per graph
+            wide = attention_mask.new_ones(B, length)
+            w = min(length, attention_mask.shape[1])
+            wide[:, :w] = attention_mask[:, :w]
+            attention_mask = wide
+        key = (B, kb, length, attention_mask is not None)
         args = (input_ids, position_ids, cache_position, attention_mask, cache)
         if key in self._eager:
             self.stats.eager_calls += 1
-            return self._forward(*args)
-        fn = self._compiled(key)
-        self._key = key
-        try:
-            out = fn(*args)
-        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
-            # dynamo traces without running the model, so the cache is as it was: run this token eagerly, and
-            # this shape from now on. A failed compile never fails the user's call.
-            self._fall_back(key, e)
-            self.stats.eager_calls += 1
-            return self._forward(*args)
-        self.stats.calls += 1
+            out = self._forward(*args)
+        else:
+            fn = self._compiled(key)
+            self._key = key
+            try:
+                out = fn(*args)
+                self.stats.calls += 1
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+                # dynamo traces without running the model, so the cache is as it was: run this step eagerly, and
+                # this shape from now on. A failed compile never fails the user's call.
+                self._fall_back(key, e)
+                self.stats.eager_calls += 1
+                out = self._forward(*args)
+        if pad:
+            rollback(cache, pad)
+            out = out[:, :k]
         return out
 
     def _fall_back(self, key: tuple, error: BaseException) -> None:
@@ -217,7 +274,7 @@ class CompiledDecoder:
         warnings.warn(f"infopt compile: the decode step for {_shape_name(key)} could not hold a compiled graph "
                       f"({type(cause).__name__}: {reason[:200]}); that shape now decodes eagerly (same tokens, "
                       "without the compiled speed-up). compile_stats(model).eager_shapes lists such shapes",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=4)
 
 
 class _GraphNotHeld(RuntimeError):
@@ -225,5 +282,6 @@ class _GraphNotHeld(RuntimeError):
 
 
 def _shape_name(key: tuple) -> str:
-    b, length, padded = key
-    return f"batch {b}, cache {length}, {'padded' if padded else 'unpadded'}"
+    b, k, length, padded = key
+    tokens = "" if k == 1 else f"{k} tokens, "
+    return f"batch {b}, {tokens}cache {length}, {'padded' if padded else 'unpadded'}"

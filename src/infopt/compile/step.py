@@ -8,11 +8,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.decode import set_decode_step
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .decoder import CompiledDecoder, CompileStats, compile_stats
+from ..generate import decoder_for, set_part, uncounted
+from .decoder import CompiledForwards, CompileStats, compile_stats
 
 __all__ = ["Compile", "compile_", "warmup"]
 
@@ -113,20 +113,22 @@ class Compile(StepConfig):
         return []
 
 
-def compile_(model: nn.Module, config: Compile | None = None, *, step: str | None = None) -> CompiledDecoder:
-    """Route ``model``'s lean-loop decode tokens through a compiled forward (undo restores eager decoding).
+def compile_(model: nn.Module, config: Compile | None = None, *, step: str | None = None) -> CompiledForwards:
+    """Run ``model``'s fixed-shape decode forwards compiled (undo restores eager decoding).
 
-    ``model.generate`` must already decode through infopt's static cache (``kvcache.Static``); calls
-    it hands to ``transformers``' own loop (beams, penalties, processors) stay eager. Does not warm up:
-    see :func:`warmup`.
+    Every loop of ``model.generate`` calls one forward: the one-token decode of the greedy/sampling loop, the
+    k-token verify and the draft model's steps of speculative decoding. Over a static cache
+    (``kvcache.Static``) those calls have fixed shapes and run compiled graphs; calls that
+    ``transformers``' own loop serves (logits processors, penalties) stay eager. Does not warm up: see
+    :func:`warmup`.
 
     Returns:
-        The :class:`~infopt.compile.decoder.CompiledDecoder` (its ``stats`` count the compiles).
+        The :class:`~infopt.compile.decoder.CompiledForwards` (its ``stats`` count the compiles).
     """
     config = config or Compile()
-    dec = CompiledDecoder(model, config)
-    set_decode_step(model, dec, step=step or config.key)  # undo drops it, and its graphs with it
-    return dec
+    forwards = CompiledForwards(config)
+    set_part(model, "forwards", forwards, step=step or config.key)  # undo drops it, and its graphs with it
+    return forwards
 
 
 @torch.no_grad()
@@ -136,7 +138,9 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
 
     Each length stands for its 256-token static-cache bucket; a call whose prompt + new tokens fall in
     a warmed bucket, with a warmed batch size, never compiles. ``padded`` also warms the graphs for
-    left-padded batches (an ``attention_mask`` with zeros).
+    left-padded batches (an ``attention_mask`` with zeros). With speculative decoding in the recipe, the
+    calls run through the speculative loop, so its verify widths and the draft's steps compile too.
+    Warm-up calls are not counted in :func:`~infopt.generate.routing_stats`.
 
     Returns:
         The model's :class:`~infopt.compile.decoder.CompileStats` (``warmed_up`` set).
@@ -155,19 +159,25 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     device = next(model.parameters()).device
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
-    new = 3  # two decode steps: the second shows a call of the same shape does not compile again
-    for b in batch_sizes:
-        for length in lengths:
-            cache = bucket_length(min(length, limit), limit)
-            start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
-            prompt = max(1, min(start + 1, cache - new))
-            for pad in (False, True) if padded else (False,):
-                ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
-                mask = torch.ones_like(ids)
-                if pad:
-                    mask[0, 0] = 0
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=token)
+    spec = decoder_for(model).speculative is not None
+    new = 3 if not spec else 24  # decode steps: the later ones show a call of the same shape does not compile again
+    with uncounted(model):
+        for b in batch_sizes:
+            for length in lengths:
+                cache = bucket_length(min(length, limit), limit)
+                start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
+                prompt = max(1, min(start + 1, cache - new))
+                if spec:  # room for the drafts, and a prompt long enough to draft from
+                    prompt = max(start + 1, min(start + 48, cache - 2 * new - 40))
+                for pad in (False, True) if padded else (False,):
+                    ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
+                    if spec:  # a repeating prompt, so drafts get accepted and several verify widths run
+                        ids = (torch.arange(prompt, device=device) % 7 + token).expand(b, prompt).contiguous()
+                    mask = torch.ones_like(ids)
+                    if pad:
+                        mask[0, 0] = 0
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, pad_token_id=token)
     stats.warmed_up = True
     return stats
 
@@ -182,13 +192,17 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
                          "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
-    if config.warmup_batch_sizes and config.warmup_lengths:
+    if not (config.warmup_batch_sizes and config.warmup_lengths):
+        ctx.notes.append(f"decode step compiled lazily (mode={config.mode}, backend={config.backend}); "
+                         "the first call of each shape compiles")
+        return
+
+    def warm():
         stats = warmup(model, batch_sizes=config.warmup_batch_sizes, lengths=config.warmup_lengths)
         ctx.notes.append(
-            f"decode step compiled (mode={config.mode}, backend={config.backend}): {stats.compiles} graph(s) in "
+            f"decode forwards compiled (mode={config.mode}, backend={config.backend}): {stats.compiles} graph(s) in "
             f"{stats.seconds:.1f} s for batch {list(config.warmup_batch_sizes)} x cache "
             f"{list(config.warmup_lengths)}; other shapes compile on first use"
         )
-    else:
-        ctx.notes.append(f"decode step compiled lazily (mode={config.mode}, backend={config.backend}); "
-                         "the first call of each shape compiles")
+
+    ctx.after.append(warm)  # once every step is applied, so the warm-up runs the loop the calls will run

@@ -376,6 +376,8 @@ class ApplyContext:
         rebuild: True when a saved model is being rebuilt (:func:`infopt.load_optimized`): steps
             that calibrate only build modules of the right structure, because the saved weights
             are loaded over them.
+        after: callables run once every step of the recipe is applied (a compile warm-up that must run
+            the decode loop the later steps install), shared by all the recipe's steps.
     """
 
     info: ModelInfo | None = None
@@ -386,3 +388,4 @@ class ApplyContext:
     tokenizer: Any = None
     calibration: Any = None
     rebuild: bool = False
+    after: list = field(default_factory=list)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError, RecipeError
-from ..core.generation import SAMPLING_ONLY_KWARGS, Unsupported
 from ..core.step import StepConfig
+from ..generate import CachePart, Unsupported
 
-__all__ = ["use_", "register_use", "USE_FUNCTIONS", "CacheBytes", "cache_bytes", "generate_input_ids",
+__all__ = ["use_", "register_use", "USE_FUNCTIONS", "CacheBytes", "cache_bytes", "FreshCache",
            "require_full_attention"]
 
 # config class -> use_(model, config, *, step=None); filled by @register_use beside each kind
@@ -35,7 +35,7 @@ def use_(model: nn.Module, config: StepConfig, *, step: str | None = None) -> nn
 
     Dispatches on the config type: :class:`~infopt.kvcache.Static`, :class:`~infopt.kvcache.Quantized`,
     :class:`~infopt.kvcache.Sinks`, :class:`~infopt.kvcache.HeavyHitter`, :class:`~infopt.kvcache.Paged`.
-    Calls a cache cannot serve (beam search, say) go to the original ``generate``; :func:`infopt.core.generation.routing_stats`
+    Calls a cache cannot serve (beam search, say) go to the original ``generate``; :func:`infopt.generate.routing_stats`
     counts them and gives the reasons. :func:`infopt.undo` restores the original ``generate``.
 
     Args:
@@ -64,36 +64,28 @@ def use_(model: nn.Module, config: StepConfig, *, step: str | None = None) -> nn
     return fn(model, config, step=step)
 
 
-def generate_input_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, padding: bool = True) -> torch.Tensor:
-    """The ``input_ids`` of a ``generate`` call a cache kind can serve, or :class:`Unsupported` with the reason.
+class FreshCache(CachePart):
+    """A cache part that builds a new cache per call with ``config.new_cache(model)`` (quantized, sinks,
+    heavy-hitter).
 
-    Refused: no ``input_ids`` tensor, a caller-supplied ``past_key_values`` or ``cache_implementation``,
-    ``use_cache=False``, beam search and the other strategies of
-    :data:`~infopt.core.generation.SAMPLING_ONLY_KWARGS`, and (with ``padding=False``) an
-    ``attention_mask`` holding zeros.
+    Args:
+        model: the model.
+        config: the kvcache step config.
+        key: the recipe step key.
+        padding: serve left-padded batches (an evicting cache keeps no padding map, so it refuses them).
+        check: ``check(call)`` raising :class:`~infopt.generate.Unsupported` for calls it cannot serve.
     """
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    if input_ids is None or not torch.is_tensor(input_ids):
-        raise Unsupported("no input_ids tensor")
-    if kwargs.get("past_key_values") is not None:
-        raise Unsupported("caller supplied past_key_values")
-    for k in SAMPLING_ONLY_KWARGS:
-        v = kwargs.get(k)
-        if v not in (None, 1, False, 0):
-            raise Unsupported(f"{k}={v}")
-    gc = kwargs.get("generation_config") or model.generation_config
-    if getattr(gc, "num_beams", 1) not in (None, 1):
-        raise Unsupported("beam search")
-    impl = kwargs.get("cache_implementation", getattr(gc, "cache_implementation", None))
-    if impl is not None:
-        raise Unsupported(f"cache_implementation={impl!r}")
-    if kwargs.get("use_cache", getattr(gc, "use_cache", True)) is False:
-        raise Unsupported("use_cache=False")
-    if not padding:
-        mask = kwargs.get("attention_mask")
-        if torch.is_tensor(mask) and not bool(mask.bool().all()):
+
+    def __init__(self, model: nn.Module, config: StepConfig, key: str, *, padding: bool = True,
+                 check: Callable[[Any], None] | None = None):
+        self.model, self.config, self.key, self.padding, self.check = model, config, key, padding, check
+
+    def open(self, call, slots=None):
+        if not self.padding and call.padded:
             raise Unsupported("padded batch (attention_mask holds zeros); an evicting cache keeps no padding map")
-    return input_ids
+        if self.check is not None:
+            self.check(call)
+        return self.config.new_cache(self.model)
 
 
 def require_full_attention(model: nn.Module, what: str) -> None:

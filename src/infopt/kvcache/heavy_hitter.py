@@ -9,11 +9,11 @@ import torch  # noqa: F401  (the docstring examples use it)
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.generation import Unsupported, route_generate
+from ..generate import Unsupported, set_part
 from ..core.introspect import FAMILIES, ModelInfo, inspect_model
 from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import generate_input_ids, register_use, require_full_attention
+from .api import FreshCache, register_use, require_full_attention
 
 __all__ = ["HeavyHitter", "use_"]
 
@@ -135,13 +135,11 @@ def use_(model: nn.Module, config: HeavyHitter, *, step: str | None = None) -> n
     for module in _attention_modules(model, info):
         register_hook(model, module, attention_weights_hook, kind="forward", step=key, with_kwargs=True)
 
-    def handler(original, *args, **kwargs):
-        generate_input_ids(model, args, kwargs, padding=False)
+    def check(call):
         if model.config._attn_implementation != "eager":
             raise Unsupported(f"attention backend {model.config._attn_implementation} returns no attention weights")
-        return original(*args, past_key_values=config.new_cache(model), **kwargs)
 
-    route_generate(model, handler, step=key)
+    set_part(model, "cache", FreshCache(model, config, key, padding=False, check=check), step=key)
     return model
 
 

@@ -10,7 +10,6 @@ holding the prefix and passes it to the original ``generate`` with the full ``in
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,17 +19,15 @@ from torch import nn
 from ..attention.paged import FLASH_PAGE_MULTIPLE, PAGED_IMPL
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
-from ..core.generation import Unsupported, route_generate
 from ..core.introspect import ModelInfo, _text_config, inspect_model
-from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import generate_input_ids, register_use, require_full_attention
+from ..generate import CachePart, Unsupported, decoder_for, set_part
+from .api import register_use, require_full_attention
 from .blocks import OutOfBlocks
 from .paged_cache import PagedCache
 from .pool import KVBlockPool
-from .static import generation_lengths
 
-__all__ = ["Paged", "use_paged_", "paged_pool", "left_padding"]
+__all__ = ["Paged", "PagedPart", "use_paged_", "paged_pool"]
 
 
 def _positive_int(v) -> bool:
@@ -105,79 +102,47 @@ class Paged(StepConfig):
         return []
 
 
-class _PagedGenerate:
-    """The pool one model's ``generate`` calls share (and so the prefix cache), and the per-call handler."""
+class PagedPart(CachePart):
+    """The paged-cache part of a model's decoder: the pool every call shares (and so the prefix cache).
 
-    def __init__(self, model: nn.Module, config: Paged):
+    Calls run in transformers' loop on a :class:`~infopt.kvcache.paged_cache.PagedCache` that already holds
+    the cached prefix, so ``generate`` runs the model only on the rest of each prompt.
+    """
+
+    lean = False  # generate slices off the prefix the cache reports as cached; infopt's loops run the whole prompt
+
+    def __init__(self, model: nn.Module, config: Paged, key: str):
         self.model = model
         self.config = config
+        self.key = key
         self.pool = KVBlockPool(inspect_model(model).num_layers, config.num_blocks or 0, config.block_size,
                                 prefix_caching=config.prefix_caching, growable=config.num_blocks is None)
         self.last_cache: PagedCache | None = None
+        self._caches: dict[int, PagedCache] = {}  # per open call (calls may come from several threads)
 
-    def __call__(self, original, *args, **kwargs):
+    def open(self, call, slots=None):
         model = self.model
-        input_ids = generate_input_ids(model, args, kwargs)  # the checks every cache kind shares
-        if input_ids.ndim != 2:
-            raise Unsupported("no 2-D input_ids tensor")
-        if kwargs.get("inputs_embeds") is not None:
-            raise Unsupported("inputs_embeds")
-        gc = kwargs.get("generation_config") or model.generation_config
-        if (kwargs.get("num_return_sequences") or getattr(gc, "num_return_sequences", 1) or 1) != 1:
+        gc = call.generation_config
+        if (getattr(gc, "num_return_sequences", 1) or 1) != 1:
             raise Unsupported("num_return_sequences > 1")
-        for k in ("assistant_model", "prompt_lookup_num_tokens"):
-            if kwargs.get(k) is not None or getattr(gc, k, None) is not None:
-                raise Unsupported(k)
         if model.config._attn_implementation != PAGED_IMPL:
             raise Unsupported(f"attention backend is {model.config._attn_implementation}, not paged")
-        pads = left_padding(model, input_ids, kwargs, gc)
-        prompt, total = generation_lengths(model, input_ids, kwargs)
-        rows = [input_ids[b, p:].tolist() for b, p in enumerate(pads)]
+        if call.left_pads is None:
+            raise Unsupported("attention_mask is not left padding (or pad tokens without an attention_mask)")
+        ids = call.input_ids
+        rows = [ids[b, p:].tolist() for b, p in enumerate(call.left_pads)]
         cache = PagedCache(self.pool, config=model.config)
         try:
-            cache.start_padded(rows, pads, max(0, total - prompt))
+            cache.start_padded(rows, list(call.left_pads), call.max_new_tokens)
         except OutOfBlocks as e:
             raise Unsupported(f"pool too small: {e}") from None
-        self.last_cache = cache
-        try:
-            out = original(*args, past_key_values=cache, **kwargs)
-        except BaseException:
-            cache.finish_padded(None)
-            raise
-        cache.finish_padded(out if torch.is_tensor(out) else getattr(out, "sequences", None))
-        return out
+        self.last_cache = self._caches[id(call)] = cache
+        return cache
 
-
-def left_padding(model: nn.Module, input_ids: torch.Tensor, kwargs: dict, gc) -> list[int]:
-    """Padding columns per row of a ``generate`` call, from its ``attention_mask`` (which must be left padding).
-
-    Raises:
-        Unsupported: a mask that is not ``[batch, prompt]`` left padding, a row of padding only, or pad
-            tokens without a mask (``generate`` would infer one).
-    """
-    mask = kwargs.get("attention_mask")
-    batch, width = input_ids.shape
-    if mask is None:
-        # generate infers a mask from pad tokens when pad != eos; rather than guess the same way, decline
-        pad = kwargs.get("pad_token_id", getattr(gc, "pad_token_id", None))
-        eos = kwargs.get("eos_token_id", getattr(gc, "eos_token_id", None))
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-            raise Unsupported("pad tokens without an attention_mask")
-        return [0] * batch
-    if not torch.is_tensor(mask) or tuple(mask.shape) != (batch, width):
-        raise Unsupported("attention_mask is not [batch, prompt]")
-    m = mask.detach().to("cpu").bool()
-    real = m.sum(1)
-    if bool((real == 0).any()):
-        raise Unsupported("a row is all padding")
-    pads = width - real
-    if not torch.equal(m, torch.arange(width)[None, :] >= pads[:, None]):
-        raise Unsupported("attention_mask is not left padding")
-    return pads.tolist()
-
-
-_STATES: weakref.WeakKeyDictionary[nn.Module, _PagedGenerate] = weakref.WeakKeyDictionary()
+    def close(self, call, out):
+        cache = self._caches.pop(id(call), None)
+        if cache is not None:
+            cache.finish_padded(out)
 
 
 def paged_pool(model: nn.Module) -> KVBlockPool | None:
@@ -190,8 +155,9 @@ def paged_pool(model: nn.Module) -> KVBlockPool | None:
         >>> paged_pool(m).allocator.num_used  # every block released when the call ended
         0
     """
-    state = _STATES.get(model)
-    return state.pool if state is not None else None
+    dec = decoder_for(model)
+    part = dec.cache if dec is not None else None
+    return part.pool if isinstance(part, PagedPart) else None
 
 
 @register_use(Paged)
@@ -201,7 +167,7 @@ def use_paged_(model: nn.Module, config: Paged | None = None, *, step: str | Non
     Switches the attention backend to ``paged`` when it is not already (recorded for undo). Calls the
     paged cache cannot serve (beam search, several return sequences, assisted decoding, a
     caller-supplied cache, right padding, a fixed pool too small) go to the original ``generate``;
-    :func:`infopt.core.generation.routing_stats` counts them.
+    :func:`infopt.generate.routing_stats` counts them.
 
     Args:
         model: a transformers causal LM with full causal attention.
@@ -221,10 +187,7 @@ def use_paged_(model: nn.Module, config: Paged | None = None, *, step: str | Non
         from ..attention.backends import set_backend_
 
         set_backend_(model, "paged", step=key)
-    state = _PagedGenerate(model, config)
-    route_generate(model, state, step=key)
-    _STATES[model] = state
-    record_custom(model, "paged KV pool", lambda: _STATES.pop(model, None), step=key)
+    set_part(model, "cache", PagedPart(model, config, key), step=key)
     return model
 
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.generation import route_generate
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from ..generate import set_part
 from ..quantize.fp8 import fp8_dtype
-from .api import generate_input_ids, register_use, require_full_attention
+from .api import FreshCache, register_use, require_full_attention
 
 __all__ = [
     "Quantized",
@@ -291,7 +291,7 @@ def use_(model: nn.Module, config: Quantized, *, step: str | None = None) -> nn.
     """Make ``model.generate`` decode with a fresh :class:`Quantized` cache per call, in place.
 
     Calls it cannot serve (beam search and the strategies of
-    :data:`~infopt.core.generation.SAMPLING_ONLY_KWARGS`, a caller-supplied ``past_key_values`` or
+    :data:`~infopt.generate.BEAM_KWARGS`, a caller-supplied ``past_key_values`` or
     ``cache_implementation``, ``use_cache=False``) go to the original ``generate``. Left-padded batches are served.
 
     Args:
@@ -314,11 +314,8 @@ def use_(model: nn.Module, config: Quantized, *, step: str | None = None) -> nn.
     info = inspect_model(model)
     config.check(model, info, (config,))
 
-    def handler(original, *args, **kwargs):
-        generate_input_ids(model, args, kwargs, padding=True)
-        return original(*args, past_key_values=config.new_cache(model), **kwargs)
-
-    route_generate(model, handler, step=step or config.key)
+    key = step or config.key
+    set_part(model, "cache", FreshCache(model, config, key), step=key)
     return model
 
 

@@ -9,11 +9,11 @@ import torch  # noqa: F401  (the docstring examples use it)
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.generation import route_generate
+from ..generate import set_part
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import generate_input_ids, register_use, require_full_attention
+from .api import FreshCache, register_use, require_full_attention
 
 __all__ = ["Sinks", "use_", "SUPPORTED_ROPE_TYPES"]
 
@@ -136,11 +136,7 @@ def use_(model: nn.Module, config: Sinks, *, step: str | None = None) -> nn.Modu
     key = step or config.key
     register_hook(model, model, position_hook, kind="forward_pre", step=key, with_kwargs=True)
 
-    def handler(original, *args, **kwargs):
-        generate_input_ids(model, args, kwargs, padding=False)
-        return original(*args, past_key_values=config.new_cache(model), **kwargs)
-
-    route_generate(model, handler, step=key)
+    set_part(model, "cache", FreshCache(model, config, key, padding=False), step=key)
     return model
 
 

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ..core.decode import decode_step_for, greedy_decode, plan_greedy
-from ..core.generation import Unsupported, route_generate
 from ..core.introspect import context_length, inspect_model
-from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import generate_input_ids, register_use
+from ..generate import CachePart, Unsupported, decoder_for, set_part
+from .api import register_use
 
-__all__ = ["Static", "use_", "generation_lengths", "bucket_length", "static_max_length"]
+__all__ = ["Static", "StaticCaches", "use_", "bucket_length", "static_max_length"]
 
 
 @register_step
@@ -83,17 +81,6 @@ def resolved_max_length(model: nn.Module, config: Static) -> int:
     return min(int(context_length(model) or DEFAULT_CAP), DEFAULT_CAP)
 
 
-def generation_lengths(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
-    """``(prompt_length, total_length)`` a generate call will reach, from its kwargs and generation config."""
-    gc = kwargs.get("generation_config") or model.generation_config
-    prompt = input_ids.shape[-1]
-    new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
-    if new is not None:
-        return prompt, prompt + int(new)
-    total = kwargs.get("max_length", getattr(gc, "max_length", None) or 20)
-    return prompt, int(total)
-
-
 BUCKET = 256
 
 
@@ -113,37 +100,50 @@ def bucket_length(needed: int, max_length: int, bucket: int = BUCKET) -> int:
     return min(max_length, -(-needed // bucket) * bucket)
 
 
-class _StaticCacheHolder:
-    """Owns the current cache allocation and hands it out, reset, per call (reallocating on a new
-    batch size or length bucket)."""
+class StaticCaches(CachePart):
+    """The static-cache part of a model's decoder: one allocation per model (the target, and a speculative draft
+    beside it), handed out reset per call and reallocated on a new batch size or length bucket."""
 
-    def __init__(self, model: nn.Module, config: Static):
+    croppable = True
+
+    def __init__(self, model: nn.Module, config: Static, key: str):
         self.model = model
         self.config = config
+        self.key = key
         self.max_length = resolved_max_length(model, config)
-        self.cache = None
-        self.key: tuple[int, int] | None = None
+        self._held: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], object]] = \
+            weakref.WeakKeyDictionary()
 
-    def get(self, batch: int, needed: int):
+    def _get(self, model: nn.Module, batch: int, needed: int):
         from transformers import StaticCache
 
-        key = (batch, bucket_length(needed, self.max_length))
-        if self.cache is None or self.key != key:
-            self.cache = None  # free the old allocation first
-            self.cache = StaticCache(config=self.model.config, max_cache_len=key[1])
-            self.key = key
-        else:
-            self.cache.reset()
-        return self.cache
+        key = (batch, bucket_length(min(needed, self.max_length), self.max_length))
+        held = self._held.get(model)
+        if held is not None and held[0] == key:
+            held[1].reset()
+            return held[1]
+        self._held.pop(model, None)  # free the old allocation first
+        cache = StaticCache(config=model.config, max_cache_len=key[1])
+        self._held[model] = (key, cache)
+        return cache
 
+    def open(self, call, slots=None):
+        total = call.total_length
+        if total > self.max_length:
+            raise Unsupported(f"length {total} > max_length {self.max_length}")
+        if self.config.batch_size is not None and call.batch != self.config.batch_size:
+            raise Unsupported(f"batch {call.batch} != batch_size {self.config.batch_size}")
+        return self._get(self.model, call.batch, max(total, slots or 0))
 
-_HOLDERS: weakref.WeakKeyDictionary[nn.Module, _StaticCacheHolder] = weakref.WeakKeyDictionary()
+    def cache_for(self, model, batch, slots):
+        return self._get(model, batch, slots)
 
 
 def static_max_length(model: nn.Module) -> int | None:
     """The longest call (prompt + new tokens) ``model``'s static cache serves, or None without one."""
-    holder = _HOLDERS.get(model)
-    return None if holder is None else holder.max_length
+    dec = decoder_for(model)
+    part = dec.cache if dec is not None else None
+    return part.max_length if isinstance(part, StaticCaches) else None
 
 
 @register_use(Static)
@@ -152,36 +152,15 @@ def use_(model: nn.Module, config: Static, *, step: str | None = None) -> nn.Mod
 
     Calls the static cache cannot serve (beam search, a caller-supplied ``past_key_values``, a
     length over ``max_length``, a batch size other than a fixed ``batch_size``) go to the original
-    ``generate``; :func:`infopt.core.generation.routing_stats` counts them.
+    ``generate``; :func:`infopt.generate.routing_stats` counts them. Calls infopt's loops do not serve
+    (logits processors, penalties) run in transformers' loop on the static cache.
 
     Returns:
         The same model.
     """
     inspect_model(model)  # refuses unsupported architectures
-    holder = _StaticCacheHolder(model, config)
-    _HOLDERS[model] = holder
-    record_custom(model, "static cache", lambda: _HOLDERS.pop(model, None), step=step or config.key)
-
-    def handler(original, *args, **kwargs):
-        input_ids = generate_input_ids(model, args, kwargs)
-        _, total = generation_lengths(model, input_ids, kwargs)
-        if total > holder.max_length:
-            raise Unsupported(f"length {total} > max_length {holder.max_length}")
-        batch = input_ids.shape[0]
-        if config.batch_size is not None and batch != config.batch_size:
-            raise Unsupported(f"batch {batch} != batch_size {config.batch_size}")
-        # outside the caller's inference_mode, whichever loop runs: the reused cache (allocated here, filled
-        # lazily by the first forward) must not be inference tensors, which a later call could not reset; and a
-        # compiled decode step sees the same global state on every call (one graph)
-        with torch.inference_mode(False):
-            cache = holder.get(batch, total)
-            try:
-                call = plan_greedy(model, args, kwargs, sampling=True)
-            except Unsupported:  # beams, penalties, processors, ...: transformers' loop, still on the static cache
-                return original(*args, past_key_values=cache, **kwargs)
-            return greedy_decode(model, call, cache, step=decode_step_for(model), cache_length=holder.key[1])
-
-    route_generate(model, handler, step=step or config.key)
+    key = step or config.key
+    set_part(model, "cache", StaticCaches(model, config, key), step=key)
     return model
 
 

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.generation import Unsupported, route_generate
+from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
 from ..core.introspect import inspect_model
 from ..core.patch import get_handle, record_custom
 from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
 from .config import DraftModel, PromptLookup, SelfDraft
-from .drafters import Drafter, LookupDrafter, ModelDrafter, croppable
-from .loop import Controller, SpecStats, plan_call, speculative_decode
+from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .loop import Controller, SpecStats, speculative_decode
 
 __all__ = ["enable_", "stats", "build_self_draft", "load_draft"]
 
@@ -173,43 +173,44 @@ def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, A
                       f"{config!r}")
 
 
-class _CacheMaker:
-    """Target caches for each call: dynamic, or static (reused, sized in buckets) when ``static`` is given."""
+class SpeculativePart(LoopPart):
+    """The speculative loop as a part of the target's decoder: drafts with ``drafter``, verifies through the
+    decoder's forward (compiled beside a compile step) on the decoder's cache (static beside ``kvcache.Static``)."""
 
-    def __init__(self, model: nn.Module, static: StepConfig | None):
-        self.model, self.static = model, static
-        self.cache, self.key = None, None
+    def __init__(self, config: StepConfig, drafter: Drafter, stats: SpecStats, key: str):
+        self.config, self.drafter, self.stats, self.key = config, drafter, stats, key
 
-    def get(self, batch: int, needed: int):
-        from transformers import DynamicCache, StaticCache
+    def serve(self, call, decoder) -> torch.Tensor:
+        cap = self.config.cap
+        B, T, N = call.batch, call.prompt_length, call.max_new_tokens
+        needed = T + N + (0 if B == 1 else N) + cap + 2
+        cache = decoder.open_cache(call, needed)
+        out = None
+        try:
+            if cache.layers and not croppable(cache):
+                raise Unsupported("a cache that cannot roll back")
+            capacity = static_length(cache)
+            controller = Controller(self.config.fixed_tokens, cap, self.drafter.draft_cost, VERIFY_COST,
+                                    self.drafter.prior_acceptance, self.drafter.probe_every)
+            out = speculative_decode(call, cache, decoder.forward_for(), self.drafter, controller, self.stats,
+                                     capacity=capacity, decoder=decoder)
+        finally:
+            decoder.close_cache(call, out)
+        return out
 
-        if self.static is None:
-            return DynamicCache(config=self.model.config), None
-        from ..kvcache.static import bucket_length, resolved_max_length
 
-        limit = resolved_max_length(self.model, self.static)
-        key = (batch, bucket_length(min(needed, limit), limit))
-        if self.cache is None or self.key != key:
-            self.cache = None
-            self.cache = StaticCache(config=self.model.config, max_cache_len=key[1])
-            self.key = key
-        else:
-            self.cache.reset()
-        return self.cache, key[1]
-
-
-def enable_(model: nn.Module, config: StepConfig, *, static: StepConfig | None = None,
-            step: str | None = None) -> dict[str, Any]:
+def enable_(model: nn.Module, config: StepConfig, *, step: str | None = None) -> dict[str, Any]:
     """Make ``model.generate`` decode speculatively with ``config``, in place (:func:`infopt.undo` reverts).
 
     Greedy calls and sampling calls (temperature, top-k, top-p) run in infopt's speculative loop; anything
-    else (beam search, logits processors, repetition penalty, ...) goes to the original ``generate`` and
-    :func:`infopt.core.generation.routing_stats` counts it.
+    else (beam search, logits processors, repetition penalty, ...) goes to the original ``generate`` (or to
+    transformers' loop on the recipe's KV cache) and :func:`infopt.generate.routing_stats` counts it. Verification
+    runs on the model's KV cache step when it has one (a static cache rolls back by moving its fill point) and
+    through its compiled forward when it has a compile step.
 
     Args:
         model: a transformers causal LM.
         config: :class:`DraftModel`, :class:`PromptLookup` or :class:`SelfDraft`.
-        static: a ``kvcache.Static`` config to verify on a static cache (rolled back by moving its fill point).
         step: recipe step key for the report (default ``config.key``).
 
     Returns:
@@ -231,28 +232,9 @@ def enable_(model: nn.Module, config: StepConfig, *, static: StepConfig | None =
     drafter, facts = _drafter(model, config)
     spec_stats = SpecStats()
     _STATS[model] = spec_stats
-    caches = _CacheMaker(model, static)
-    cap = config.cap
-
-    def handler(original, *args, **kwargs):
-        from ..kvcache.api import generate_input_ids
-
-        input_ids = generate_input_ids(model, args, kwargs)
-        spec = plan_call(model, args, kwargs)
-        B, T = input_ids.shape
-        needed = T + spec.greedy.max_new_tokens + (0 if B == 1 else spec.greedy.max_new_tokens) + cap + 2
-        cache, capacity = caches.get(B, needed)
-        if capacity is not None and capacity < T + spec.greedy.max_new_tokens:
-            raise Unsupported(f"length {T + spec.greedy.max_new_tokens} > static max_length {capacity}")
-        if cache.layers and not croppable(cache):
-            raise Unsupported("a cache that cannot roll back")
-        controller = Controller(config.fixed_tokens, cap, drafter.draft_cost, VERIFY_COST,
-                                drafter.prior_acceptance, drafter.probe_every)
-        return speculative_decode(model, spec, cache, drafter, controller, spec_stats, capacity=capacity)
-
-    route_generate(model, handler, step=step or config.key)
-    record_custom(model, "speculative drafter and stats",
-                  lambda: (_STATS.pop(model, None), facts.clear()), step=step or config.key)
+    key = step or config.key
+    set_part(model, "speculative", SpeculativePart(config, drafter, spec_stats, key), step=key)
+    record_custom(model, "speculative drafter and stats", lambda: (_STATS.pop(model, None), facts.clear()), step=key)
     return facts
 
 
@@ -261,7 +243,7 @@ def _static_step(steps) -> StepConfig | None:
 
 
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
-    facts = enable_(model, config, static=_static_step(ctx.steps))
+    facts = enable_(model, config)
     live = _STATS[model]
 
     class _LiveStats(dict):

@@ -14,39 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..core.decode import takes_logits_to_keep
+from ..generate import Forward, croppable, rollback
 from .sampling import warp_logits
 
 __all__ = ["Drafter", "LookupDrafter", "ModelDrafter", "rollback", "croppable"]
-
-
-def croppable(cache) -> bool:
-    """True when every layer of ``cache`` can drop its newest tokens (dynamic or static full-attention layers)."""
-    from transformers.cache_utils import DynamicLayer, StaticLayer
-
-    return all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers)
-
-
-def rollback(cache, n: int) -> None:
-    """Drop the newest ``n`` tokens of ``cache``: a dynamic layer slices its tensors, a static layer moves its
-    write position back (stale slots past it are masked as the future and overwritten next).
-
-    transformers' own ``StaticCache`` has no ``crop`` (and ``generate`` refuses assisted decoding with it,
-    transformers issue #32946); moving the fill counter back is all a rollback needs there.
-    """
-    if n <= 0:
-        return
-    from transformers.cache_utils import StaticLayer
-
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False):
-            continue
-        if type(layer) is StaticLayer:
-            layer.cumulative_length.sub_(n)
-        else:
-            layer.crop(-n)
-
-
 
 
 class Drafter:
@@ -59,8 +30,9 @@ class Drafter:
     #: plain rounds between probes when drafting does not pay (a model drafter's probe also catches its cache up)
     probe_every: int = 32
 
-    def begin(self, state) -> None:
-        """A new ``generate`` call starts (the target's prefill is done)."""
+    def begin(self, state, decoder=None) -> None:
+        """A new ``generate`` call starts (the target's prefill is done); ``decoder`` is the target's
+        :class:`~infopt.generate.Decoder` (None when the loop runs outside one)."""
 
     def propose(self, state, k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft up to ``k`` tokens per row.
@@ -142,20 +114,34 @@ class ModelDrafter(Drafter):
         self.draft_cost = draft_cost
         self.confidence = confidence
         self.cache = None
+        self.forward: Forward | None = None
         self.length = 0  # slots the draft cache holds
 
-    def begin(self, state) -> None:
-        from transformers import DynamicCache
+    def begin(self, state, decoder=None) -> None:
+        """Open the draft's cache (the target's cache kind where it can: static beside static) and its forward
+        (compiled beside a compiled target)."""
+        B, S = state.slot_ids.shape
+        if decoder is not None:
+            self.cache = decoder.cache_for(self.draft, B, S)
+            self.forward = decoder.forward_for(self.draft)
+        else:
+            from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.draft.config)
+            self.cache, self.forward = DynamicCache(config=self.draft.config), Forward(self.draft)
+        if not croppable(self.cache):
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.draft.config)
         self.length = 0
 
     def _forward(self, state, ids, positions, end):
-        kw = {"logits_to_keep": 1} if takes_logits_to_keep(self.draft) else {}
-        mask = state.slot_mask[:, :end] if state.use_mask else None
-        out = self.draft(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
-                         use_cache=True, **kw)
-        return out.logits[:, -1].to(torch.float32)  # [B, V_draft]
+        k = ids.shape[1]
+        mask = state.slot_mask if state.use_mask else None
+        if k == end:  # the first pass over the prompt: a prefill (its width changes from call to call)
+            return self.forward.prefill(ids, positions, mask[:, :end] if mask is not None else None,
+                                        self.cache)[:, -1].float()
+        cache_position = torch.arange(end - k, end, device=ids.device)
+        return self.forward.step(ids, positions, cache_position, mask, self.cache)[:, -1]  # [B, V_draft] fp32
 
     def propose(self, state, k):
         B = state.out.shape[0]

@@ -11,53 +11,35 @@ rate and the drafter's relative cost (:class:`Controller`); at 0 the round is a 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..core.decode import GreedyCall, plan_greedy, sampling_field, takes_logits_to_keep
-from ..core.generation import Unsupported
-from .drafters import Drafter, rollback
+from ..generate import Forward, GenerateCall, Unsupported, positions_of, rollback
+from .drafters import Drafter
 from .sampling import Warp, verify_greedy, verify_sample, warp_logits
 
-__all__ = ["SpecCall", "plan_call", "State", "Controller", "SpecStats", "speculative_decode"]
+__all__ = ["warp_of", "State", "Controller", "SpecStats", "speculative_decode"]
 
 
-@dataclass
-class SpecCall:
-    """A ``generate`` call the speculative loop serves: the greedy plan plus the sampling warp (None: greedy)."""
-
-    greedy: GreedyCall
-    warp: Warp | None
-
-
-def plan_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> SpecCall:
-    """Resolve a ``generate`` call for the speculative loop (greedy, or sampling with temperature/top-k/top-p).
+def warp_of(call: GenerateCall) -> Warp | None:
+    """The sampling warp of a call (None: greedy).
 
     Raises:
-        Unsupported: anything else (beams, logits processors, repetition penalty, ...), with the reason.
+        Unsupported: settings the speculative loop does not sample with (``min_p``, ``temperature <= 0``,
+            ``stop_strings``).
     """
-    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    for k, v in kwargs.items():
-        if k in ("do_sample", "temperature", "top_k", "top_p", "min_p"):
-            setattr(gc, k, v)
-    warp = None
-    if getattr(gc, "do_sample", False):
-        if getattr(gc, "min_p", None) is not None:
-            raise Unsupported(f"min_p={gc.min_p}")
-        temperature = float(sampling_field(gc, "temperature"))
-        if temperature <= 0:
-            raise Unsupported(f"temperature={temperature}")
-        top_k = sampling_field(gc, "top_k")  # unset: generate's default 50, so the distribution is generate's
-        warp = Warp(temperature=temperature, top_k=int(top_k) if top_k else None,
-                    top_p=float(sampling_field(gc, "top_p")))
-        gc.do_sample = False
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("do_sample", "temperature", "top_k", "top_p")}
-        kwargs["generation_config"] = gc
-    return SpecCall(plan_greedy(model, args, kwargs), warp)
+    if call.stop_strings:
+        raise Unsupported("stop_strings")
+    if not call.do_sample:
+        return None
+    if call.min_p is not None:
+        raise Unsupported(f"min_p={call.min_p}")
+    if call.temperature <= 0:
+        raise Unsupported(f"temperature={call.temperature}")
+    call.warpers()  # refuses what transformers would warp with and this loop would not (top_h)
+    return Warp(temperature=call.temperature, top_k=call.top_k, top_p=call.top_p)
 
 
 @dataclass
@@ -222,18 +204,21 @@ def _pick(scores: torch.Tensor, warp: Warp | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def speculative_decode(model: nn.Module, spec: SpecCall, cache, drafter: Drafter, controller: Controller,
-                       stats: SpecStats, capacity: int | None = None) -> torch.Tensor:
-    """Generate for ``spec`` with ``drafter`` proposing and ``model`` verifying, on ``cache`` (empty, croppable).
+def speculative_decode(call: GenerateCall, cache, forward: Forward, drafter: Drafter, controller: Controller,
+                       stats: SpecStats, capacity: int | None = None, decoder=None) -> torch.Tensor:
+    """Generate for ``call`` with ``drafter`` proposing and ``forward`` (the target's) verifying, on ``cache``
+    (empty, croppable).
 
     Args:
         capacity: cache slots available (a static cache's length); None: unbounded.
+        decoder: the model's :class:`~infopt.generate.Decoder`, which a model drafter asks for its forward and
+            cache.
 
     Returns:
         ``[B, T + n]`` token ids as ``generate`` returns them (``n <= max_new_tokens``; shorter when every row
         hit EOS). Greedy output is token-identical to ``generate``'s.
     """
-    call = spec.greedy
+    warp = warp_of(call)
     ids = call.input_ids
     B, T = ids.shape
     N = call.max_new_tokens
@@ -250,31 +235,27 @@ def speculative_decode(model: nn.Module, spec: SpecCall, cache, drafter: Drafter
     slot_ids = torch.zeros(B, S + 1, dtype=torch.long, device=dev)
     slot_pos = torch.zeros(B, S + 1, dtype=torch.long, device=dev)
     slot_ids[:, :T] = ids
+    positions = positions_of(call)  # [B, T]
     if mask is not None:
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, T]
         slot_mask[:, :T] = mask
-    else:
-        positions = torch.arange(T, device=dev).unsqueeze(0).expand(B, T)
     slot_pos[:, :T] = positions
-    use_mask = mask is not None and not bool(mask.all())  # no padding: generate drops the mask too
-    keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
+    use_mask = call.padded  # no padding: generate drops the mask too
     streamer = call.streamer
     if streamer is not None:
         streamer.put(ids.cpu())
-    logits = model(input_ids=ids, attention_mask=slot_mask[:, :T] if use_mask else None, position_ids=positions,
-                   past_key_values=cache, use_cache=True, **keep).logits
+    logits = forward.prefill(ids, positions, slot_mask[:, :T] if use_mask else None, cache)
     vocab = logits.shape[-1]
     state = State(out=out, ends=torch.full((B,), T, dtype=torch.long, device=dev), slot_ids=slot_ids,
                   slot_pos=slot_pos, slot_mask=slot_mask, length=T, pending=ids[:, -1], next_pos=positions[:, -1] + 1,
-                  use_mask=use_mask, warp=spec.warp, vocab=vocab, n_out=torch.zeros(B, dtype=torch.long, device=dev),
-                  min_new=call.min_new_tokens, eos=call.eos_token_ids)
+                  use_mask=use_mask, warp=warp, vocab=vocab, n_out=torch.zeros(B, dtype=torch.long, device=dev),
+                  min_new=call.min_new_tokens, eos=call.eos_tensor())
     scores = logits[:, -1].to(torch.float32)
     state.mask_eos(scores, 0)
-    tok = _pick(scores, spec.warp)
+    tok = _pick(scores, warp)
     out[:, T] = tok
     if streamer is not None:
         streamer.put(tok.cpu())
-    eos = call.eos_token_ids
+    eos = call.eos_tensor()
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)
     if eos is not None:
         unfinished &= ~torch.isin(tok, eos)
@@ -284,7 +265,7 @@ def speculative_decode(model: nn.Module, spec: SpecCall, cache, drafter: Drafter
     stats.calls += 1
     stats.tokens += B
     stats.target_forwards += 1
-    drafter.begin(state)
+    drafter.begin(state, decoder)
     rows = torch.arange(B, device=dev)
     try:
         while True:
@@ -307,16 +288,14 @@ def speculative_decode(model: nn.Module, spec: SpecCall, cache, drafter: Drafter
             slot_ids[:, C:C + kk + 1] = inp
             slot_pos[:, C:C + kk + 1] = pos
             slot_mask[:, C:C + kk + 1] = 1
-            keep_k = {"logits_to_keep": kk + 1} if keep else {}
-            logits = model(input_ids=inp, position_ids=pos, attention_mask=slot_mask[:, :C + kk + 1] if state.use_mask
-                           else None, past_key_values=cache, use_cache=True, **keep_k).logits
-            scores = logits[:, -(kk + 1):].to(torch.float32)  # [B, kk + 1, V]
+            scores = forward.step(inp, pos, torch.arange(C, C + kk + 1, device=dev),
+                                  slot_mask if state.use_mask else None, cache)  # [B, kk + 1, V] fp32
             state.mask_eos(scores, None)
-            if spec.warp is None:
+            if warp is None:
                 accepted, targets = verify_greedy(scores, draft, lengths)
                 bonus = targets[rows, accepted]
             else:
-                p = warp_logits(scores, spec.warp).softmax(dim=-1)
+                p = warp_logits(scores, warp).softmax(dim=-1)
                 accepted, bonus = verify_sample(p, q, draft, lengths)
             new = torch.cat([draft, bonus[:, None]], dim=1)
             new[rows, accepted] = bonus

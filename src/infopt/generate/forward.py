@@ -1,0 +1,103 @@
+"""The forward every decode loop calls: prompt, one-token decode and k-token verify go through one object.
+
+:class:`Forward` runs the model eagerly. The ``compile`` step supplies a subclass that runs the fixed-shape
+calls (decode and verify over a static cache) through compiled graphs; the loops do not know which they got.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+__all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback"]
+
+_TAKES: dict[type, bool] = {}
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """True when ``model.forward`` accepts ``logits_to_keep`` (so only the needed positions reach the head)."""
+    t = type(model)
+    if t not in _TAKES:
+        _TAKES[t] = "logits_to_keep" in inspect.signature(t.forward).parameters
+    return _TAKES[t]
+
+
+def static_length(cache) -> int | None:
+    """The fixed length of a cache whose layers are all static (what a compiled step needs), else None."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, StaticLayer) for layer in layers):
+        return None
+    return int(cache.get_max_length())
+
+
+class Forward:
+    """Eager forwards of ``model`` for the decode loops.
+
+    Args:
+        model: a transformers causal LM.
+    """
+
+    compiled = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.keeps = takes_logits_to_keep(model)
+
+    def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                cache, keep: int = 1) -> torch.Tensor:
+        """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions."""
+        kw = {"logits_to_keep": keep} if self.keeps else {}
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True, **kw).logits
+        return logits[:, -keep:]
+
+    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """``k`` new tokens per row after the cached ones: fp32 logits ``[B, k, V]``.
+
+        Args:
+            input_ids, position_ids: ``[B, k]``.
+            cache_position: ``[k]`` cache slots the tokens take.
+            attention_mask: ``[B, W]`` over the cache slots (``W`` at least the filled length plus ``k``; a static
+                cache's full length for a fixed shape), or None when no row has padding or holes.
+            cache: the transformers ``Cache``.
+        """
+        k = input_ids.shape[1]
+        kw = {"logits_to_keep": k} if self.keeps else {}
+        if attention_mask is not None:  # eager: the mask up to the last new slot, as generate passes it
+            attention_mask = attention_mask[:, : int(cache_position[-1]) + 1]
+        # the model derives the cache slots itself, as in generate (an evicting cache maps them its own way)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True, **kw)
+        return out.logits[:, -k:].float()
+
+
+def croppable(cache) -> bool:
+    """True when every layer of ``cache`` can drop its newest tokens (dynamic or static full-attention layers)."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    return all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers)
+
+
+def rollback(cache, n: int) -> None:
+    """Drop the newest ``n`` tokens of ``cache``: a dynamic layer slices its tensors, a static layer moves its
+    write position back (stale slots past it are masked as the future and overwritten next).
+
+    transformers' own ``StaticCache`` has no ``crop`` (and ``generate`` refuses assisted decoding with it,
+    transformers issue #32946); moving the fill counter back is all a rollback needs there.
+    """
+    if n <= 0:
+        return
+    from transformers.cache_utils import StaticLayer
+
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        if type(layer) is StaticLayer:
+            layer.cumulative_length.sub_(n)
+        else:
+            layer.crop(-n)

@@ -1,0 +1,95 @@
+"""The greedy/sampling loop: one forward per token, preallocated output, no per-token logits-processor objects.
+
+``transformers``' ``generate`` builds logits processors, stopping criteria and model-input dicts every
+token; for a small model on a CPU that bookkeeping is a visible part of each token's time. This loop
+does only what greedy decoding needs, with the same arithmetic as ``generate`` (positions from the
+attention mask, the mask dropped when it has no padding, fp32 argmax of the last position's logits,
+``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Sampling
+calls (temperature, top-k, top-p, min-p) use transformers' own warpers and ``torch.multinomial`` on the
+global generator in ``generate``'s order, so a seeded call draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .call import GenerateCall, Unsupported
+from .forward import Forward, static_length
+
+__all__ = ["lean_decode", "positions_of"]
+
+
+def positions_of(call: GenerateCall) -> torch.Tensor:
+    """``[B, T]`` position ids of the prompt: from the attention mask (left padding counts from each row's first
+    real token, as ``generate`` does), else ``0 .. T-1``."""
+    ids, mask = call.input_ids, call.attention_mask
+    if mask is not None:
+        return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    B, T = ids.shape
+    return torch.arange(T, device=ids.device).unsqueeze(0).expand(B, T)
+
+
+@torch.no_grad()  # not inference_mode: a cache allocated lazily here must stay writable by later calls (reset)
+def lean_decode(call: GenerateCall, cache, forward: Forward) -> torch.Tensor:
+    """Greedy or sampled decoding of ``call`` on ``cache`` (empty; filled in place) through ``forward``.
+
+    Returns:
+        ``[B, T + n]`` token ids, ``n <= max_new_tokens`` (shorter when every row hit EOS), as ``generate``
+        returns them.
+
+    Raises:
+        Unsupported: ``stop_strings`` (the batching engine and transformers' loop serve them).
+    """
+    if call.stop_strings:
+        raise Unsupported("stop_strings")
+    warpers = call.warpers()
+    ids = call.input_ids
+    B, T = ids.shape
+    N = call.max_new_tokens
+    out = torch.empty(B, T + N, dtype=ids.dtype, device=ids.device)
+    out[:, :T] = ids
+    positions = positions_of(call)
+    full_mask = None
+    if call.padded:
+        # a fixed width for a static cache (positions past the current token are causally masked anyway)
+        width = static_length(cache) or (T + N)
+        full_mask = torch.ones(B, max(width, T + N), dtype=call.attention_mask.dtype, device=ids.device)
+        full_mask[:, :T] = call.attention_mask
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+    cache_position = torch.tensor([T], device=ids.device)  # cache slot of the next decode token
+    unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
+    eos = call.eos_tensor()
+    pad = call.pad_token_id
+    streamer = call.streamer
+    if streamer is not None:
+        streamer.put(ids.cpu())
+
+    logits = forward.prefill(ids, positions, full_mask[:, :T] if full_mask is not None else None, cache)[:, -1]
+    n = 0
+    while True:
+        scores = logits.to(dtype=torch.float32, copy=True)  # [B, V]; a copy: processors write in place
+        if eos is not None and n < call.min_new_tokens:
+            scores[:, eos] = -float("inf")
+        if warpers is None:
+            tok = scores.argmax(dim=-1)  # [B]
+        else:
+            scores = warpers(out[:, : T + n], scores)
+            tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if eos is not None and pad is not None:
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+        out[:, T + n] = tok
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        n += 1
+        if eos is not None:
+            unfinished &= ~torch.isin(tok, eos)
+            if not bool(unfinished.any()):
+                break
+        if n == N:
+            break
+        logits = forward.step(tok[:, None], next_pos, cache_position, full_mask, cache)[:, -1]
+        cache_position = cache_position + 1
+        next_pos = next_pos + 1
+    if streamer is not None:
+        streamer.end()
+    return out[:, : T + n]

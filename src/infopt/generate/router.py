@@ -1,0 +1,275 @@
+"""The one wrapper on ``model.generate``: parse the call once, run one loop over the parts the steps supplied.
+
+The first step that changes decoding installs a :class:`Decoder` on the model (wrapping the instance's
+``generate`` once, recorded so :func:`infopt.undo` removes it); each step then sets its part:
+
+- ``cache``: a :class:`CachePart` (kvcache: static, quantized, paged, sinks, heavy-hitter);
+- ``forwards``: a factory of :class:`~infopt.generate.forward.Forward` per module (compile supplies compiled ones);
+- ``speculative``: a :class:`LoopPart` that drafts and verifies (speculative);
+- ``engine``: a :class:`LoopPart` that schedules rows as requests (batching).
+
+A call is parsed into a :class:`~infopt.generate.call.GenerateCall` once. The engine serves it when present,
+else the speculative loop, else the greedy/sampling loop; a call those loops cannot serve runs in
+transformers' own loop on the cache part's cache, and a call nothing serves goes to the original ``generate``,
+counted once with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.patch import record_custom, wrap_method
+from .call import GenerateCall, Unsupported, parse_call
+from .forward import Forward
+from .lean import lean_decode
+
+__all__ = ["RoutingStats", "routing_stats", "Decoder", "decoder_for", "install", "set_part", "uncounted", "CachePart",
+           "LoopPart"]
+
+
+@dataclass
+class RoutingStats:
+    """How a model's ``generate`` calls were served since it was optimized.
+
+    Attributes:
+        infopt: calls an infopt path served; ``loops`` says which (``lean``, ``speculative``, ``engine``,
+            ``transformers+cache``: transformers' loop on an infopt cache).
+        original: calls handed to the original ``generate``; ``reasons`` counts why.
+    """
+
+    infopt: int = 0
+    original: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    loops: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"infopt": self.infopt, "original": self.original, "reasons": dict(self.reasons),
+                "loops": dict(self.loops)}
+
+
+class CachePart:
+    """A KV cache kind the decoder opens per call.
+
+    Attributes:
+        key: the recipe step that supplied it.
+        croppable: the cache can drop its newest tokens (speculative rollback).
+        lean: infopt's loops may decode on it; False leaves every call to transformers' loop on the cache.
+    """
+
+    key = "kvcache"
+    croppable = False
+    lean = True
+
+    def open(self, call: GenerateCall, slots: int | None = None):
+        """An empty cache for ``call`` with room for ``slots`` positions (default ``call.total_length``).
+
+        Raises:
+            Unsupported: a call this cache kind cannot serve, with the reason.
+        """
+        raise NotImplementedError
+
+    def close(self, call: GenerateCall, out) -> None:
+        """The call ended with ``out`` (None when it failed)."""
+
+    def cache_for(self, model: nn.Module, batch: int, slots: int):
+        """A cache of the same kind for another model (a speculative draft); default a dynamic cache."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+
+class LoopPart:
+    """A decode loop a step supplies (speculative decoding, the batching engine)."""
+
+    key = "loop"
+
+    def serve(self, call: GenerateCall, decoder: Decoder) -> torch.Tensor:
+        """Generate for ``call``, or raise :class:`Unsupported` with the reason."""
+        raise NotImplementedError
+
+
+class Decoder:
+    """The parts one model's ``generate`` calls are served with, and the counts of how they were served."""
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+        self.cache: CachePart | None = None
+        self.speculative: LoopPart | None = None
+        self.engine: LoopPart | None = None
+        self.forwards: Callable[[nn.Module], Forward] | None = None
+        self._forwards: weakref.WeakKeyDictionary[nn.Module, Forward] = weakref.WeakKeyDictionary()
+        self.stats = RoutingStats()
+        self.counting = True
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
+
+    def forward_for(self, model: nn.Module | None = None) -> Forward:
+        """The forward the loops call for ``model`` (default: the decoder's model): compiled when a compile step
+        supplied the factory, else eager. One per module, kept across calls."""
+        model = self.model if model is None else model
+        fwd = self._forwards.get(model)
+        if fwd is None:
+            fwd = self.forwards(model) if self.forwards is not None else Forward(model)
+            self._forwards[model] = fwd
+        return fwd
+
+    def open_cache(self, call: GenerateCall, slots: int | None = None):
+        """The cache part's cache for ``call``, or a dynamic cache when no kvcache step is present."""
+        if self.cache is not None:
+            return self.cache.open(call, slots)
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def close_cache(self, call: GenerateCall, out) -> None:
+        if self.cache is not None:
+            self.cache.close(call, out)
+
+    def cache_for(self, model: nn.Module, batch: int, slots: int):
+        """A cache for another model decoding beside this one (a draft), of the cache part's kind where it can."""
+        if self.cache is not None:
+            return self.cache.cache_for(model, batch, slots)
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+    # -- serving ----------------------------------------------------------------------------------------------
+    def __call__(self, original, args: tuple, kwargs: dict):
+        try:
+            call = parse_call(self.model, args, kwargs)
+            with torch.inference_mode(False), torch.no_grad():
+                # outside a caller's inference_mode: a reused cache must not become inference tensors a later
+                # call could not reset, and a compiled step sees the same global state on every call
+                out, loop = self._serve(original, call)
+        except Unsupported as why:
+            refused = str(why)
+        else:
+            refused = None
+        if refused is not None:  # outside the except block: the reason never shows in a user's traceback
+            if self.counting:
+                self.stats.original += 1
+                self.stats.reasons[refused] += 1
+            return original(*args, **kwargs)
+        if self.counting:
+            self.stats.infopt += 1
+            self.stats.loops[loop] += 1
+        return out
+
+    def _serve(self, original, call: GenerateCall):
+        if self.engine is not None:
+            return self.engine.serve(call, self), "engine"
+        reason = call.lean_reason
+        if reason is None and (self.cache is None or self.cache.lean):
+            try:
+                if self.speculative is not None:
+                    return self.speculative.serve(call, self), "speculative"
+                return self._lean(call), "lean"
+            except Unsupported as why:
+                reason = str(why)
+        if self.cache is None:
+            raise Unsupported(reason)
+        # transformers' own loop, on the cache part's cache (processors, penalties, extra outputs, ...)
+        cache = self.cache.open(call)
+        out = None
+        try:
+            out = original(*call.args, past_key_values=cache, **call.kwargs)
+        finally:
+            self.cache.close(call, out if torch.is_tensor(out) else getattr(out, "sequences", None))
+        return out, "transformers+cache"
+
+    def _lean(self, call: GenerateCall) -> torch.Tensor:
+        cache = self.open_cache(call)
+        out = None
+        try:
+            out = lean_decode(call, cache, self.forward_for())
+        finally:
+            self.close_cache(call, out)
+        return out
+
+
+_DECODERS: weakref.WeakKeyDictionary[nn.Module, Decoder] = weakref.WeakKeyDictionary()
+
+
+def decoder_for(model: nn.Module) -> Decoder | None:
+    """The :class:`Decoder` serving ``model.generate``, or None when no decoding step is applied."""
+    return _DECODERS.get(model)
+
+
+def install(model: nn.Module, *, step: str) -> Decoder:
+    """The model's :class:`Decoder`, wrapping ``model.generate`` on first use (recorded for undo under ``step``)."""
+    dec = _DECODERS.get(model)
+    if dec is not None:
+        return dec
+    dec = Decoder(model)
+
+    def make(original):
+        def generate(*args, **kwargs):
+            return dec(original, args, kwargs)
+
+        generate.__doc__ = getattr(original, "__doc__", None)
+        generate.__wrapped__ = original  # type: ignore[attr-defined]
+        return generate
+
+    wrap_method(model, "generate", make, step=step)
+    _DECODERS[model] = dec
+    record_custom(model, "generate decoder", lambda: _DECODERS.pop(model, None), step=step)
+    return dec
+
+
+def set_part(model: nn.Module, name: str, part: Any, *, step: str) -> Decoder:
+    """Give ``model``'s decoder its ``name`` part (``cache``, ``forwards``, ``speculative``, ``engine``).
+
+    Raises:
+        ValueError: an unknown part name, or a part of that name already set by another step.
+    """
+    if name not in ("cache", "forwards", "speculative", "engine"):
+        raise ValueError(f"unknown decoder part {name!r}; use cache, forwards, speculative or engine")
+    dec = install(model, step=step)
+    if getattr(dec, name) is not None:
+        raise ValueError(f"the model's generate already has a {name} part; call infopt.undo(model) first")
+    setattr(dec, name, part)
+    if name == "forwards":
+        dec._forwards.clear()
+
+    def remove():
+        setattr(dec, name, None)
+        dec._forwards.clear()
+
+    record_custom(model, f"generate {name} part", remove, step=step)
+    return dec
+
+
+def routing_stats(model: nn.Module) -> RoutingStats:
+    """The :class:`RoutingStats` of ``model`` (zeros for a model whose ``generate`` infopt does not serve).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> routing_stats(tiny_model()).as_dict()
+        {'infopt': 0, 'original': 0, 'reasons': {}, 'loops': {}}
+    """
+    dec = _DECODERS.get(model)
+    return dec.stats if dec is not None else RoutingStats()
+
+
+@contextlib.contextmanager
+def uncounted(model: nn.Module):
+    """Calls made inside (warm-ups while a recipe is applied) are not counted in :func:`routing_stats`."""
+    dec = _DECODERS.get(model)
+    if dec is None:
+        yield
+        return
+    before, dec.counting = dec.counting, False
+    try:
+        yield
+    finally:
+        dec.counting = before

@@ -1,0 +1,95 @@
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from infopt.generate import Forward, Unsupported, lean_decode, parse_call
+from infopt.models import tiny_model
+
+
+def greedy_decode(m, call, cache):
+    return lean_decode(call, cache, Forward(m))
+
+
+def _batch():
+    # two left-padded rows and one full row
+    ids = torch.tensor([[0, 0, 5, 17, 400, 23], [0, 9, 8, 7, 6, 5], [11, 12, 13, 14, 15, 16]])
+    mask = (torch.arange(6)[None] >= torch.tensor([[2], [1], [0]])).long()
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_matches_generate(arch, cache):
+    m = tiny_model(arch)
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = m.generate(ids, **kwargs)
+    # an EOS the model actually produces mid-way, so rows finish at different steps
+    eos = int(ref[0, 6 + 3])
+    ref = m.generate(ids, eos_token_id=eos, **kwargs)
+    call = parse_call(m, (ids,), dict(eos_token_id=eos, **kwargs))
+    c = DynamicCache() if cache == "dynamic" else StaticCache(config=m.config, max_cache_len=32)
+    out = greedy_decode(m, call, c)
+    assert torch.equal(out, ref)
+
+
+def test_min_new_tokens_and_max_length():
+    m = tiny_model()
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    eos = int(m.generate(ids, max_new_tokens=3, do_sample=False)[0, 5])
+    for kw in (dict(min_new_tokens=6, max_new_tokens=10), dict(max_length=12)):
+        kw = dict(kw, eos_token_id=eos, do_sample=False)
+        ref = m.generate(ids, **kw)
+        assert torch.equal(greedy_decode(m, parse_call(m, (ids,), kw), DynamicCache()), ref)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"num_beams": 2}, "num_beams=2"), ({"assistant_model": object()}, "assistant_model"),
+    ({"max_new_tokens": 0}, "no new tokens"), ({"use_cache": False}, "use_cache=False"),
+    ({"past_key_values": DynamicCache()}, "past_key_values"),
+])
+def test_calls_no_infopt_path_serves_are_refused_with_the_reason(kwargs, reason):
+    m = tiny_model()
+    with pytest.raises(Unsupported, match=reason):
+        parse_call(m, (torch.tensor([[1, 2, 3]]),), dict(kwargs))
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"output_scores": True, "return_dict_in_generate": True},
+                                                         "output_scores"),
+    ({"logits_processor": []}, "logits_processor"),
+])
+def test_calls_for_transformers_loop_carry_the_reason(kwargs, reason):
+    call = parse_call(tiny_model(), (torch.tensor([[1, 2, 3]]),), dict(kwargs))
+    assert reason in call.lean_reason
+
+
+def test_parse_resolves_lengths_padding_and_sampling_once():
+    m = tiny_model()
+    ids = torch.tensor([[0, 0, 5, 6], [1, 2, 3, 4]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    call = parse_call(m, (), dict(input_ids=ids, attention_mask=mask, max_length=10, do_sample=True, top_p=0.9,
+                                  eos_token_id=[7, 8], pad_token_id=None))
+    assert (call.max_new_tokens, call.total_length, call.left_pads, call.padded) == (6, 10, (2, 0), True)
+    assert (call.top_k, call.top_p, call.eos_token_ids, call.pad_token_id) == (50, 0.9, (7, 8), 7)
+    right = parse_call(m, (ids,), dict(attention_mask=mask.flip(1), max_new_tokens=2))
+    assert right.left_pads is None and right.padded
+
+
+def test_streamer_sees_what_generate_shows():
+    class Rec:
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, v):
+            self.seen.append(v.tolist())
+
+        def end(self):
+            self.ended = True
+
+    m = tiny_model()
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    a, b = Rec(), Rec()
+    ref = m.generate(ids, max_new_tokens=5, do_sample=False, streamer=a)
+    out = greedy_decode(m, parse_call(m, (ids,), dict(max_new_tokens=5, do_sample=False, streamer=b)), DynamicCache())
+    assert torch.equal(out, ref) and a.seen == b.seen and b.ended
