@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from .int4 import Int4Linear, unpack_int4
+from .int4 import Int4Linear
+from .primitives import unpack_int4
 
 __all__ = ["export_gptq", "gptq_tensors", "dequantize_gptq", "load_gptq_state", "unpack_words"]
 

@@ -16,6 +16,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.step import StepConfig, bad_field, register_step
 from .api import quantize_targets, register_quantizer
+from .primitives import choose_qparams, dequantize, quantize
 
 __all__ = ["FP8", "FP8Linear", "fp8_supported", "fp8_dtype", "quantize_fp8", "dequantize_fp8", "FP8_MAX",
            "GRANULARITIES", "KERNELS"]
@@ -98,18 +99,27 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tenso
     if granularity not in GRANULARITIES:
         raise ValueError(f"quantize_fp8 granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
     x32 = x.float()
-    if granularity == "row":
-        amax = x32.abs().amax(dim=-1, keepdim=True)  # [..., 1]
-    else:
-        amax = x32.abs().amax().reshape(1)  # [1]
-    scale = amax.clamp(min=1e-12) / FP8_MAX
-    codes = (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(fp8_dtype())
-    return codes, scale
+    # row: one block per row ([..., 1] scales); tensor: one block
+    block = (*([1] * (x32.dim() - 1)), x32.shape[-1]) if granularity == "row" else tuple(x32.shape)
+    scale, _ = choose_qparams(x32, block, qmin=-FP8_MAX, qmax=FP8_MAX, symmetric=True, min_range=1e-12)
+    codes = quantize(x32, block, scale, qmin=-FP8_MAX, qmax=FP8_MAX, dtype=fp8_dtype())
+    return codes, (scale if granularity == "row" else scale.reshape(1))
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`: ``codes * scale`` as ``dtype`` (the product is taken in fp32)."""
-    return (codes.float() * scale.float()).to(dtype)
+    """Inverse of :func:`quantize_fp8`: ``codes * scale`` as ``dtype`` (the product is taken in fp32).
+
+    Args:
+        codes: float8_e4m3fn ``[..., n]``.
+        scale: ``[..., 1]`` (one per row) or ``[1]`` (one for the tensor).
+        dtype: the result's dtype.
+
+    Example:
+        >>> dequantize_fp8(*quantize_fp8(torch.tensor([[2.0, -1.0]]))).tolist()
+        [[2.0, -1.0]]
+    """
+    block = tuple(codes.shape) if scale.numel() == 1 else (*([1] * (codes.dim() - 1)), codes.shape[-1])
+    return dequantize(codes, block, scale).to(dtype)
 
 
 @register_step

@@ -41,6 +41,7 @@ from .layerwise import (
     quantize_layerwise,
     set_weight,
 )
+from .primitives import dequantize
 
 __all__ = ["GPTQ", "GPTQResult", "gptq_quantize"]
 
@@ -204,7 +205,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, bits: int = 4, group_size
                 scales[:, col // gs], zeros[:, col // gs] = scale, zero
             wc = w1[:, i]
             q = grid.quantize(wc, scale, zero)
-            dq = (q - zero) * scale
+            dq = dequantize(q, (1,), scale, zero)  # [out]
             codes[:, col], deq[:, col] = q, dq
             e = (wc - dq) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]

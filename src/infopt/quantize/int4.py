@@ -26,9 +26,11 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
+from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
            "cuda_inner_k_tiles", "layout_for"]
+# pack_int4 / unpack_int4 are infopt.quantize.primitives' (the portable layout is their default), named here too
 
 
 
@@ -131,7 +133,7 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = Fa
 
     Returns:
         ``(codes, scales, zeros)``: uint8 ``[out, in]`` in 0..15, fp32 ``[out, G]``, fp32 ``[out, G]``,
-        with ``w ~= (codes - zeros) * scales`` per group.
+        with ``w ~= (codes - zeros) * scales`` per group. Scales are at least ``1e-8``.
 
     Example:
         >>> w = torch.randn(16, 64)
@@ -140,41 +142,12 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = Fa
         ...      <= s.max() / 2 + 1e-6)
         True
     """
-    out_f, in_f = w.shape
-    g = w.detach().float().reshape(out_f, in_f // group_size, group_size)
-    if symmetric:
-        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8)
-        zero = torch.full_like(scale, 8.0)
-    elif zero_point == "int":
-        lo = g.amin(-1).clamp(max=0.0)
-        hi = g.amax(-1).clamp(min=0.0)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        zero = torch.round(-lo / scale).clamp(0, 15)
-    else:
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        zero = -lo / scale
-    codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-    return codes.reshape(out_f, in_f).to(torch.uint8), scale, zero
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """``[out, in]`` codes 0..15 -> uint8 ``[out, in // 2]`` (even column in the low nibble).
-
-    Example:
-        >>> c = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
-        >>> pack_int4(c).tolist(), unpack_int4(pack_int4(c)).tolist() == c.tolist()
-        ([[33, 15]], True)
-    """
-    c = codes.to(torch.uint8)
-    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: uint8 ``[out, in // 2]`` -> codes ``[out, in]``."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+    w32 = w.detach().float()
+    block = group_block(w32.shape, group_size)  # (1, group_size)
+    # a symmetric grid's zero point is the middle code, 8
+    domain = "int" if symmetric else zero_point
+    scale, zero = choose_qparams(w32, block, qmin=0, qmax=15, symmetric=symmetric, zero_domain=domain, eps=1e-8)
+    return quantize(w32, block, scale, zero, qmin=0, qmax=15), scale, zero
 
 
 def cuda_inner_k_tiles(in_features: int) -> int | None:
@@ -328,8 +301,7 @@ class Int4Linear(nn.Module):
             if tiles is None:
                 raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of 32, which the "
                                  "CUDA int4 kernel needs; build the layer with layout='plain'")
-            pairs = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-            packed = torch._convert_weight_to_int4pack(pairs.contiguous(), tiles)
+            packed = torch._convert_weight_to_int4pack(pack_int4(codes, order="high_first"), tiles)
         # (c - z) * s == (c - 8) * s + (8 - z) * s; the kernel takes bf16, so derive the offset from the bf16
         # scale: then a save (which recovers z from both) and reload repacks the very same values
         s16 = scales.to(torch.bfloat16).float()
@@ -417,9 +389,7 @@ class Int4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight ``[out, in]`` in the layer's input order (``in_perm`` undone)."""
         q, s, z = self._portable()
-        codes = unpack_int4(q).float()
-        g = self.group_size
-        w = (codes - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
+        w = dequantize(unpack_int4(q), (1, self.group_size), s, z)  # [out, in]
         if self.in_perm is not None:
             out = torch.empty_like(w)
             out[:, self.in_perm] = w
@@ -438,9 +408,7 @@ class Int4Linear(nn.Module):
         if dense:
             y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)
         elif self.layout == "plain":
-            q, s, z = self.qweight, self.scales, self.zeros
-            g = self.group_size
-            w = (unpack_int4(q).to(x.dtype) - z.to(x.dtype).repeat_interleave(g, 1)) * s.to(x.dtype).repeat_interleave(g, 1)
+            w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
             y = F.linear(x, w)
         else:
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

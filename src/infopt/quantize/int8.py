@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.step import StepConfig, bad_field, register_step
 from .api import register_quantizer
+from .primitives import choose_qparams, dequantize, group_block, quantize
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "quantize_int8_per_channel"]
@@ -83,14 +84,18 @@ def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) ->
         group_size: None for one scale per row.
 
     Returns:
-        ``(q, scale)``: ``q`` int8 ``[out, in]``; ``scale`` fp32 ``[out]`` (``w ~= q * scale[:, None]``),
-        or ``[out, in // group_size]`` with a group size.
+        ``(q, scale)``: ``q`` int8 ``[out, in]`` in -127..127; ``scale`` fp32 ``[out]`` (``w ~= q * scale[:, None]``),
+        or ``[out, in // group_size]`` with a group size; ``absmax / 127``, an all-zero row's absmax taken as 1e-12.
+
+    Example:
+        >>> q, s = quantize_int8_per_channel(torch.tensor([[1.0, -2.0], [0.5, 0.25]]))
+        >>> q.tolist(), s.shape
+        ([[64, -127], [127, 64]], torch.Size([2]))
     """
     w32 = w.detach().float()
-    out_f, in_f = w32.shape
-    g = w32.reshape(out_f, 1 if group_size is None else in_f // group_size, -1)
-    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [out, G]
-    q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(out_f, in_f)
+    block = group_block(w32.shape, group_size)  # (1, group_size or in)
+    scale, _ = choose_qparams(w32, block, qmin=-127, qmax=127, symmetric=True, min_range=1e-12)  # [out, G]
+    q = quantize(w32, block, scale, qmin=-127, qmax=127, dtype=torch.int8)
     return q, (scale[:, 0] if group_size is None else scale)
 
 
@@ -158,10 +163,7 @@ class Int8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float weight ``[out, in]`` these int8 values stand for."""
-        s = self.weight_scale
-        if self.group_size is None:
-            return self.weight_int8.float() * s[:, None]
-        return self.weight_int8.float() * s.float().repeat_interleave(self.group_size, 1)
+        return dequantize(self.weight_int8, group_block(self.weight_int8.shape, self.group_size), self.weight_scale)
 
     def _scale(self, dtype: torch.dtype) -> torch.Tensor:
         s = self._scale_cache.get(dtype)

@@ -23,6 +23,7 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import StepConfig, bad_field
 from .api import KERNEL_GROUP_SIZES, Target, check_group_size
+from .primitives import choose_qparams, dequantize, group_block, quantize
 
 __all__ = [
     "GROUP_SIZES",
@@ -51,12 +52,19 @@ BATCH_TOKENS = 8192
 # -- integer grids ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Grid:
-    """The integer grid weights are rounded to.
+    """The integer grid GPTQ and AWQ round weights to (the formulas are :mod:`infopt.quantize.primitives`').
 
     4 bits: codes 0..15 with a per-group zero point (fitted from min/max, or fixed at 8 when
-    ``symmetric``; the same formulas as :func:`infopt.quantize.int4.quantize_int4_grouped`).
-    8 bits: always symmetric (``Int8Linear`` has no zero points): codes are stored shifted by 127,
-    0..254, so ``code - 127`` is the int8 value in -127..127.
+    ``symmetric``; the same formulas as :func:`infopt.quantize.int4.quantize_int4_grouped` with
+    ``zero_point="int"``). 8 bits: always symmetric (``Int8Linear`` has no zero points): codes are stored
+    shifted by 127, 0..254, so ``code - 127`` is the int8 value in -127..127. Scales are at least ``1e-8``.
+
+    Example:
+        >>> codes, scales, zeros = Grid(4).rtn(torch.tensor([[-1.0, 0.0, 2.0, 6.5]]), 4)
+        >>> codes.tolist(), scales.tolist(), zeros.tolist()
+        ([[0.0, 2.0, 6.0, 15.0]], [[0.5]], [[2.0]])
+        >>> Grid.dequantize(codes, scales, zeros, 4).tolist()
+        [[-1.0, 0.0, 2.0, 6.5]]
     """
 
     bits: int
@@ -68,36 +76,28 @@ class Grid:
 
     def fit(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``w``: ``[..., k]`` (one group per row) -> ``(scale, zero)``, each ``[...]`` fp32."""
-        w = w.float()
-        if self.bits == 8:
-            scale = (w.abs().amax(-1) / 127.0).clamp(min=1e-8)
-            return scale, torch.full_like(scale, 127.0)
-        if self.symmetric:
-            scale = (w.abs().amax(-1) / 7.5).clamp(min=1e-8)
-            return scale, torch.full_like(scale, 8.0)
-        lo = w.amin(-1).clamp(max=0.0)
-        hi = w.amax(-1).clamp(min=0.0)
-        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
-        return scale, torch.round(-lo / scale).clamp(0, 15)
+        scale, zero = choose_qparams(w, group_block(w.shape), qmin=0, qmax=self.maxq,
+                                     symmetric=self.bits == 8 or self.symmetric, eps=1e-8)  # [..., 1]
+        return scale.squeeze(-1), zero.squeeze(-1)
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """Codes (float, 0..maxq) of ``w`` on the grid ``(scale, zero)`` (broadcast against ``w``)."""
-        return torch.round(w / scale + zero).clamp_(0, self.maxq)
+        if scale.shape != w.shape:  # given per element
+            scale, zero = scale.expand_as(w), zero.expand_as(w)
+        return quantize(w, (1,) * w.dim(), scale, zero, qmin=0, qmax=self.maxq, dtype=torch.float32)
 
     def rtn(self, w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Round-to-nearest of ``w`` ``[out, in]`` per group -> ``(codes [out, in], scales [out, G], zeros [out, G])``."""
-        out_f, in_f = w.shape
-        g = w.float().reshape(out_f, in_f // group_size, group_size)
-        scale, zero = self.fit(g)
-        codes = self.quantize(g, scale[..., None], zero[..., None])
-        return codes.reshape(out_f, in_f), scale, zero
+        w = w.float()
+        block = group_block(w.shape, group_size)
+        scale, zero = choose_qparams(w, block, qmin=0, qmax=self.maxq, symmetric=self.bits == 8 or self.symmetric,
+                                     eps=1e-8)
+        return quantize(w, block, scale, zero, qmin=0, qmax=self.maxq, dtype=torch.float32), scale, zero
 
     @staticmethod
     def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         """``(codes - zeros) * scales`` per group: ``[out, in]`` fp32."""
-        out_f, in_f = codes.shape
-        g = codes.float().reshape(out_f, in_f // group_size, group_size)
-        return ((g - zeros[..., None]) * scales[..., None]).reshape(out_f, in_f)
+        return dequantize(codes, group_block(codes.shape, group_size), scales, zeros)
 
 
 def build_quantized(grid: Grid, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,

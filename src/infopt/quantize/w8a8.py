@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .primitives import choose_qparams, dequantize, quantize
+
 __all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "KERNELS"]
 
 KERNELS: tuple[str, ...] = ("auto", "int_mm", "float")
@@ -60,7 +62,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x: ``[m, k]`` floating point.
 
     Returns:
-        ``(q, scale)``: ``q`` int8 ``[m, k]``, ``scale`` fp32 ``[m, 1]`` with ``x ~= q * scale``.
+        ``(q, scale)``: ``q`` int8 ``[m, k]`` in -127..127, ``scale`` fp32 ``[m, 1]`` with ``x ~= q * scale``
+        (``absmax / 127``, an all-zero row's absmax taken as 1e-12: the formula of
+        :func:`~infopt.quantize.int8.quantize_int8_per_channel`).
 
     Example:
         >>> q, s = quantize_per_token(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))
@@ -68,9 +72,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ([[64, -127], [0, 0]], True)
     """
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)  # [m, 1]
-    q = (x32 / scale).round_().clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    block = (1, x32.shape[-1])
+    scale, _ = choose_qparams(x32, block, qmin=-127, qmax=127, symmetric=True, min_range=1e-12)  # [m, 1]
+    return quantize(x32, block, scale, qmin=-127, qmax=127, dtype=torch.int8), scale
 
 
 class W8A8Linear(nn.Module):
@@ -170,7 +174,7 @@ class W8A8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float weight ``[out, in]`` these int8 values stand for (``input_scale`` not applied)."""
-        return self.weight_int8.float() * self.weight_scale[:, None]
+        return dequantize(self.weight_int8, (1, self.in_features), self.weight_scale)
 
     def _use_int_mm(self, x2: torch.Tensor) -> bool:
         if self.kernel == "float":
