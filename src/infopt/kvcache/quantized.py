@@ -14,7 +14,9 @@ from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import set_part
 from ..quantize.fp8 import fp8_dtype
+from ..quantize.primitives import pack_int4, scale_dtype_for, unpack_int4
 from .api import FreshCache, register_use, require_full_attention
+from .quantized_cache import QuantizedKVCache, dequantize_groups, quantize_groups
 
 __all__ = [
     "Quantized",
@@ -26,6 +28,8 @@ __all__ = [
     "bytes_per_token",
     "DTYPES",
 ]
+# quantize_groups / dequantize_groups live beside the cache that stores their codes (quantized_cache), pack_int4 /
+# unpack_int4 in infopt.quantize.primitives; this module named them first
 
 AXES = ("channel", "token")
 DTYPES = ("int", "fp8")
@@ -162,101 +166,10 @@ class Quantized(StepConfig):
     def new_cache(self, model: nn.Module):
         """A fresh :class:`~infopt.kvcache.quantized_cache.QuantizedKVCache` for ``model`` (for ``generate(past_key_values=...)``
         or a hand-written loop)."""
-        from .quantized_cache import QuantizedKVCache
-
         return QuantizedKVCache(model.config, self)
 
 
-# -- quantization primitives -------------------------------------------------------------------------
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Pack uint8 values in ``[0, 15]`` two per byte along the last dim (even index in the low nibble).
-
-    Example:
-        >>> pack_int4(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8))
-        tensor([[33, 15]], dtype=torch.uint8)
-    """
-    if q.shape[-1] % 2:
-        raise ValueError(f"pack_int4 needs an even last dimension, got shape {tuple(q.shape)}")
-    return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``[..., n]`` bytes to ``[..., 2n]`` values in ``[0, 15]``."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
-
-
-def _grouped(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
-    # x: [..., T, D] -> channel: [..., T/G, G, D] (groups of tokens per channel); token: [..., T, D/G, G]
-    *lead, t, d = x.shape
-    if axis == "channel":
-        return x.reshape(*lead, t // group_size, group_size, d)
-    return x.reshape(*lead, t, d // group_size, group_size)
-
-
-def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str,
-                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of ``x: [..., T, D]`` in groups.
-
-    Args:
-        x: the tensor; ``T`` a multiple of ``group_size`` for ``axis="channel"``, ``D`` for ``"token"``.
-        bits: 8 or 4 (4-bit codes are packed two per byte along ``D``).
-        group_size: elements sharing one scale and zero-point.
-        axis: ``"channel"``: a scale per channel per group of tokens, shape ``[..., T/G, D]``;
-            ``"token"``: a scale per token per group of channels, ``[..., T, D/G]``.
-        scale_dtype: dtype scales and zero-points are stored in.
-
-    Returns:
-        ``(codes, scale, zero)``: ``codes`` uint8 ``[..., T, D]`` (``[..., T, D/2]`` for 4 bits);
-        ``x ~= codes * scale + zero`` with an error of at most ``scale / 2`` per element.
-
-    Raises:
-        ValueError: a dimension not divisible by ``group_size``.
-
-    Example:
-        >>> x = torch.randn(1, 2, 64, 16)
-        >>> codes, scale, zero = quantize_groups(x, 8, 16, "token")
-        >>> codes.shape, scale.shape
-        (torch.Size([1, 2, 64, 16]), torch.Size([1, 2, 64, 1]))
-        >>> bool(((dequantize_groups(codes, scale, zero, 8, 16, "token") - x).abs() <= scale.repeat_interleave(16, -1) / 2 + 1e-6).all())
-        True
-    """
-    t, d = x.shape[-2], x.shape[-1]
-    if (axis == "channel" and t % group_size) or (axis == "token" and d % group_size):
-        raise ValueError(f"quantize_groups: shape {tuple(x.shape)} does not split into groups of {group_size} "
-                         f"along the {'token' if axis == 'channel' else 'channel'} dimension")
-    qmax = (1 << bits) - 1
-    g = _grouped(x.float(), group_size, axis)
-    red = -2 if axis == "channel" else -1  # the dimension a group spans
-    lo = g.amin(dim=red, keepdim=True)
-    hi = g.amax(dim=red, keepdim=True)
-    # quantize with the stored (rounded) scale and zero so dequantization matches what was encoded
-    scale = ((hi - lo) / qmax).to(scale_dtype)
-    zero = lo.to(scale_dtype)
-    s = scale.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code 0, value = zero exactly
-    codes = ((g - zero.float()) / s).round_().clamp_(0, qmax).to(torch.uint8).reshape(x.shape)
-    if bits == 4:
-        codes = pack_int4(codes)
-    return codes, scale.squeeze(red), zero.squeeze(red)
-
-
-def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
-                      axis: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_groups`: ``codes * scale + zero`` as ``dtype``, shape ``[..., T, D]``."""
-    q = unpack_int4(codes) if bits == 4 else codes
-    red = -2 if axis == "channel" else -1
-    g = _grouped(q, group_size, axis).float()
-    out = g * scale.unsqueeze(red).float() + zero.unsqueeze(red).float()
-    return out.reshape(q.shape).to(dtype)
-
-
-def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Scales and zero-points: float16 for a float16 cache, float32 otherwise (bfloat16 is too coarse for a zero-point)."""
-    return torch.float16 if dtype == torch.float16 else torch.float32
+# -- accounting ----------------------------------------------------------------------------------------
 
 
 def bytes_per_token(info: ModelInfo, config: Quantized) -> tuple[float, int]:

@@ -1,15 +1,93 @@
-"""The transformers ``Cache`` behind :class:`~infopt.kvcache.Quantized` (imported on first use: it needs transformers)."""
+"""The transformers ``Cache`` behind :class:`~infopt.kvcache.Quantized`, and the KV layout of its codes.
+
+It imports nothing from :mod:`infopt.kvcache.quantized` (the config imports this module), and takes its
+formulas from :mod:`infopt.quantize.primitives`.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..quantize.fp8 import dequantize_fp8, quantize_fp8
+from ..quantize.primitives import (
+    choose_qparams,
+    dequantize,
+    group_block,
+    pack_int4,
+    quantize,
+    scale_dtype_for,
+    unpack_int4,
+)
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
-from .quantized import Quantized, dequantize_groups, quantize_groups, scale_dtype_for
 
-__all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
+if TYPE_CHECKING:
+    from .quantized import Quantized
+
+__all__ = ["QuantizedKVCache", "QuantizedKVLayer", "quantize_groups", "dequantize_groups"]
+
+
+# -- the KV layout: KIVI groups along tokens (per channel) or channels (per token) ------------------------
+def _kv_block(shape: torch.Size, group_size: int, axis: str) -> tuple[int, ...]:
+    # x: [..., T, D]; "channel": a scale per channel per group of tokens; "token": per token per group of channels
+    return group_block(shape, group_size, -2 if axis == "channel" else -1)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str,
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of ``x: [..., T, D]`` in groups (codes ``0..2^bits-1``, the zero point
+    the group's minimum: ``zero_domain="value"`` of :func:`~infopt.quantize.primitives.choose_qparams`).
+
+    Args:
+        x: the tensor; ``T`` a multiple of ``group_size`` for ``axis="channel"``, ``D`` for ``"token"``.
+        bits: 8 or 4 (4-bit codes are packed two per byte along ``D``, low nibble first).
+        group_size: elements sharing one scale and zero-point.
+        axis: ``"channel"``: a scale per channel per group of tokens, shape ``[..., T/G, D]``;
+            ``"token"``: a scale per token per group of channels, ``[..., T, D/G]``.
+        scale_dtype: dtype scales and zero-points are stored in.
+
+    Returns:
+        ``(codes, scale, zero)``: ``codes`` uint8 ``[..., T, D]`` (``[..., T, D/2]`` for 4 bits);
+        ``x ~= codes * scale + zero`` with an error of at most ``scale / 2`` per element.
+
+    Raises:
+        ValueError: a dimension not divisible by ``group_size``.
+
+    Example:
+        >>> x = torch.randn(1, 2, 64, 16)
+        >>> codes, scale, zero = quantize_groups(x, 8, 16, "token")
+        >>> codes.shape, scale.shape
+        (torch.Size([1, 2, 64, 16]), torch.Size([1, 2, 64, 1]))
+        >>> bool(((dequantize_groups(codes, scale, zero, 8, 16, "token") - x).abs() <= scale.repeat_interleave(16, -1) / 2 + 1e-6).all())
+        True
+    """
+    t, d = x.shape[-2], x.shape[-1]
+    if (axis == "channel" and t % group_size) or (axis == "token" and d % group_size):
+        raise ValueError(f"quantize_groups: shape {tuple(x.shape)} does not split into groups of {group_size} "
+                         f"along the {'token' if axis == 'channel' else 'channel'} dimension")
+    qmax = (1 << bits) - 1
+    block = _kv_block(x.shape, group_size, axis)
+    # no floor: a constant group gets scale 0 and codes 0, and dequantizes to its value exactly. The codes are
+    # computed from the stored (rounded) scale and zero, so dequantization matches what was encoded
+    scale, zero = choose_qparams(x, block, qmin=0, qmax=qmax, symmetric=False, zero_domain="value",
+                                 scale_dtype=scale_dtype)
+    codes = quantize(x, block, scale, zero, qmin=0, qmax=qmax, zero_domain="value")
+    return (pack_int4(codes) if bits == 4 else codes), scale, zero
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+                      axis: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_groups`: ``codes * scale + zero``, computed in fp32, as ``dtype``, shape ``[..., T, D]``.
+
+    Example:
+        >>> x = torch.full((1, 1, 4, 8), 3.25)
+        >>> torch.equal(dequantize_groups(*quantize_groups(x, 4, 4, "channel"), 4, 4, "channel"), x)
+        True
+    """
+    q = unpack_int4(codes) if bits == 4 else codes
+    return dequantize(q, _kv_block(q.shape, group_size, axis), scale, zero, zero_domain="value").to(dtype)
 
 
 class _Growing:
@@ -234,6 +312,7 @@ class QuantizedKVCache(Cache):
         quantized: the :class:`~infopt.kvcache.Quantized` settings.
 
     Example:
+        >>> from infopt.kvcache import Quantized
         >>> from infopt.models import tiny_model
         >>> m = tiny_model(hidden_size=128, num_heads=2, num_kv_heads=1)
         >>> cache = QuantizedKVCache(m.config, Quantized(bits=4, residual_length=64))
