@@ -72,36 +72,42 @@ def group_block(shape: Sequence[int], group_size: int | None = None, axis: int =
     return tuple(size if i == axis else 1 for i in range(len(shape)))
 
 
-def _grid(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
-    # the shape of scales / zero points: one entry per block
-    if len(block_size) != len(shape) or any(b <= 0 or n % b for n, b in zip(shape, block_size, strict=True)):
+def _grid(shape: Sequence[int], block_size: Sequence[int]) -> tuple[tuple[int, ...], bool]:
+    """The shape of scales / zero points (one entry per block), and whether every dimension is per element or
+    whole, so that a tensor of that shape broadcasts against ``x`` as it is (plain loops: this runs per call on
+    hot paths such as W8A8's per-token activations)."""
+    if len(block_size) != len(shape):
         raise ValueError(f"block_size {tuple(block_size)} does not tile a tensor of shape {tuple(shape)}: give one "
                          "positive divisor per dimension")
-    return tuple(n // b for n, b in zip(shape, block_size, strict=True))
+    grid = []
+    direct = True
+    for n, b in zip(shape, block_size, strict=True):
+        if b <= 0 or n % b:
+            raise ValueError(f"block_size {tuple(block_size)} does not tile a tensor of shape {tuple(shape)}: give "
+                             "one positive divisor per dimension")
+        grid.append(n // b)
+        direct = direct and (b == 1 or n == b)
+    return tuple(grid), direct
 
 
-def _direct(grid: tuple[int, ...], block_size: Sequence[int]) -> bool:
-    # every dimension per element or whole: a tensor of the grid shape broadcasts against x as it is
-    return all(b == 1 or n == 1 for n, b in zip(grid, block_size, strict=True))
-
-
-def _blocked(x: torch.Tensor, grid: tuple[int, ...], block_size: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+def _blocked(x: torch.Tensor, grid: tuple[int, ...], direct: bool, block_size: Sequence[int]
+             ) -> tuple[torch.Tensor, list[int]]:
     """``x`` viewed so that a tensor of the grid shape, viewed by ``_per_block``, broadcasts over each block, and
     the dimensions one block spans in that view."""
-    if _direct(grid, block_size):
+    if direct:
         return x, [i for i, b in enumerate(block_size) if b != 1]
     # [n0, b0, n1, b1, ...]: each block's elements in the odd dimensions
     view = [d for n, b in zip(grid, block_size, strict=True) for d in (n, b)]
     return x.reshape(view), [2 * i + 1 for i, b in enumerate(block_size) if b != 1]
 
 
-def _per_block(p: torch.Tensor, grid: tuple[int, ...], block_size: Sequence[int]) -> torch.Tensor:
+def _per_block(p: torch.Tensor, grid: tuple[int, ...], direct: bool) -> torch.Tensor:
     # a scale / zero of the grid shape, viewed to broadcast against _blocked(x)
     if p.shape != grid:
         if p.numel() != math.prod(grid):
             raise ValueError(f"a scale or zero point of shape {tuple(p.shape)} does not match the block grid {grid}")
         p = p.reshape(grid)
-    return p if _direct(grid, block_size) else p.reshape([d for n in grid for d in (n, 1)])
+    return p if direct else p.reshape([d for n in grid for d in (n, 1)])
 
 
 # -- qparams ---------------------------------------------------------------------------------------------
@@ -150,12 +156,13 @@ def choose_qparams(x: torch.Tensor, block_size: Sequence[int], *, qmin: float, q
     if symmetric and zero_domain != "int":
         raise ValueError(f"a symmetric mapping has an integer zero point (the middle code); got zero_domain="
                          f"{zero_domain!r}")
-    grid = _grid(x.shape, block_size)
-    xb, dims = _blocked(x.float(), grid, block_size)
+    grid, direct = _grid(x.shape, block_size)
+    xb, dims = _blocked(x.float(), grid, direct, block_size)
 
     def reduce(t, fn):
         # [grid]: fn over each block (exact: max and min do not round, whatever the order)
-        return fn(t, dim=dims, keepdim=True).reshape(grid) if dims else t.reshape(grid)
+        r = fn(t, dim=dims, keepdim=True) if dims else t
+        return r if r.shape == grid else r.reshape(grid)
 
     span = float(qmax - qmin)
     if symmetric:
@@ -175,14 +182,17 @@ def choose_qparams(x: torch.Tensor, block_size: Sequence[int], *, qmin: float, q
                 zero = zero + qmin
             if zero_domain == "int":
                 zero = torch.round(zero).clamp(qmin, qmax)
-    return scale.to(scale_dtype), None if zero is None else zero.to(scale_dtype)
+    if scale.dtype != scale_dtype:
+        scale, zero = scale.to(scale_dtype), None if zero is None else zero.to(scale_dtype)
+    return scale, zero
 
 
 def _floored(r: torch.Tensor, div: float, eps: float | None, min_range: float | None) -> torch.Tensor:
+    # r: a fresh [grid] tensor (a reduction or a difference), so it is updated in place
     if min_range is not None:
-        r = r.clamp(min=min_range)
-    s = r / div
-    return s if eps is None else s.clamp(min=eps)
+        r = r.clamp_(min=min_range)
+    s = r.div_(div)
+    return s if eps is None else s.clamp_(min=eps)
 
 
 # -- quantize / dequantize ---------------------------------------------------------------------------------
@@ -220,16 +230,16 @@ def quantize(x: torch.Tensor, block_size: Sequence[int], scale: torch.Tensor, ze
         >>> q.tolist(), dequantize(q, (1, 4), s, z).tolist()
         ([[0, 2, 6, 15]], [[-1.0, 0.0, 2.0, 6.5]])
     """
-    grid = _grid(x.shape, block_size)
-    xb, _ = _blocked(x.float(), grid, block_size)
-    s = _per_block(scale, grid, block_size).float()
+    grid, direct = _grid(x.shape, block_size)
+    xb, _ = _blocked(x.float(), grid, direct, block_size)
+    s = _per_block(scale, grid, direct).float()
     if zero is None:
         q = xb / s
     elif zero_domain == "value":
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = (xb - _per_block(zero, grid, block_size).float()) / s
+        q = (xb - _per_block(zero, grid, direct).float()) / s
     else:
-        q = xb / s + _per_block(zero, grid, block_size).float()
+        q = (xb / s).add_(_per_block(zero, grid, direct).float())
     if not _is_float8(dtype):
         q = q.round_()
     q = q.clamp_(qmin, qmax)
@@ -261,15 +271,15 @@ def dequantize(codes: torch.Tensor, block_size: Sequence[int], scale: torch.Tens
         >>> dequantize(torch.tensor([[0, 8, 15]], dtype=torch.uint8), (1, 3), torch.tensor([0.5]), torch.tensor([8.]))
         tensor([[-4.0000,  0.0000,  3.5000]])
     """
-    grid = _grid(codes.shape, block_size)
-    q, _ = _blocked(codes.to(dtype), grid, block_size)
-    s = _per_block(scale, grid, block_size).to(dtype)
+    grid, direct = _grid(codes.shape, block_size)
+    q, _ = _blocked(codes.to(dtype), grid, direct, block_size)
+    s = _per_block(scale, grid, direct).to(dtype)
     if zero is None:
         out = q * s
     elif zero_domain == "value":
-        out = q * s + _per_block(zero, grid, block_size).to(dtype)
+        out = (q * s).add_(_per_block(zero, grid, direct).to(dtype))
     else:
-        out = (q - _per_block(zero, grid, block_size).to(dtype)) * s
+        out = (q - _per_block(zero, grid, direct).to(dtype)).mul_(s)
     return out if out.shape == codes.shape else out.reshape(codes.shape)
 
 
