@@ -17,6 +17,7 @@ counted once with its reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -144,17 +145,40 @@ class Decoder:
         return DynamicCache(config=model.config)
 
     # -- serving ----------------------------------------------------------------------------------------------
-    def __call__(self, original, args: tuple, kwargs: dict):
+    def generate(self, original, *args, **kwargs):
+        """Serve one ``model.generate(*args, **kwargs)`` call (the wrapper is this method with ``original`` bound).
+
+        Kept flat on purpose: a served call reaches the model's forward through this frame, the loop and the
+        forward object (docs/architecture.md shows the stack).
+        """
+        refused = None
         try:
             call = parse_call(self.model, args, kwargs)
+            # outside a caller's inference_mode: a reused cache must not become inference tensors a later call could
+            # not reset, and a compiled step sees the same global state on every call
             with torch.inference_mode(False), torch.no_grad():
-                # outside a caller's inference_mode: a reused cache must not become inference tensors a later
-                # call could not reset, and a compiled step sees the same global state on every call
-                out, loop = self._serve(original, call)
+                if self.engine is not None:
+                    out, loop = self.engine.serve(call, self), "engine"
+                else:
+                    out, loop = None, None
+                    reason = call.lean_reason
+                    if reason is None and (self.cache is None or self.cache.lean):
+                        try:
+                            if self.speculative is not None:
+                                out, loop = self.speculative.serve(call, self), "speculative"
+                            else:
+                                cache = self.open_cache(call)
+                                try:
+                                    out = lean_decode(call, cache, self.forward_for())
+                                finally:
+                                    self.close_cache(call, out)
+                                loop = "lean"
+                        except Unsupported as why:
+                            reason = str(why)
+                    if loop is None:
+                        out, loop = self._transformers_loop(original, call, reason), "transformers+cache"
         except Unsupported as why:
             refused = str(why)
-        else:
-            refused = None
         if refused is not None:  # outside the except block: the reason never shows in a user's traceback
             if self.counting:
                 self.stats.original += 1
@@ -165,35 +189,16 @@ class Decoder:
             self.stats.loops[loop] += 1
         return out
 
-    def _serve(self, original, call: GenerateCall):
-        if self.engine is not None:
-            return self.engine.serve(call, self), "engine"
-        reason = call.lean_reason
-        if reason is None and (self.cache is None or self.cache.lean):
-            try:
-                if self.speculative is not None:
-                    return self.speculative.serve(call, self), "speculative"
-                return self._lean(call), "lean"
-            except Unsupported as why:
-                reason = str(why)
+    def _transformers_loop(self, original, call: GenerateCall, reason: str | None):
+        """transformers' own loop on the cache part's cache (processors, penalties, extra outputs, ...)."""
         if self.cache is None:
             raise Unsupported(reason)
-        # transformers' own loop, on the cache part's cache (processors, penalties, extra outputs, ...)
         cache = self.cache.open(call)
         out = None
         try:
             out = original(*call.args, past_key_values=cache, **call.kwargs)
         finally:
             self.cache.close(call, out if torch.is_tensor(out) else getattr(out, "sequences", None))
-        return out, "transformers+cache"
-
-    def _lean(self, call: GenerateCall) -> torch.Tensor:
-        cache = self.open_cache(call)
-        out = None
-        try:
-            out = lean_decode(call, cache, self.forward_for())
-        finally:
-            self.close_cache(call, out)
         return out
 
 
@@ -213,9 +218,7 @@ def install(model: nn.Module, *, step: str) -> Decoder:
     dec = Decoder(model)
 
     def make(original):
-        def generate(*args, **kwargs):
-            return dec(original, args, kwargs)
-
+        generate = functools.partial(dec.generate, original)  # no frame of its own
         generate.__doc__ = getattr(original, "__doc__", None)
         generate.__wrapped__ = original  # type: ignore[attr-defined]
         return generate
