@@ -292,3 +292,17 @@ def test_cold_shape_compile_is_announced_once(caplog):
     cold = [r for r in caplog.records if "the warm-up did not cover" in r.getMessage()]
     assert len(cold) == 1 and "batch 1, cache 512, unpadded" in cold[0].getMessage()
     assert compile_stats(m).compiles_after_warmup == 2
+
+
+def test_compile_static_and_sampling_draw_generates_tokens_for_a_seed():
+    """Sampling calls decode through the compiled step too, drawing the same tokens as plain generate."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(backend="eager")])
+    calls = compile_stats(m).calls
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20)
+    for p in _prompts():
+        torch.manual_seed(5)
+        a = ref.generate(p, **kw)
+        torch.manual_seed(5)
+        assert torch.equal(m.generate(p, **kw), a)
+    assert compile_stats(m).calls >= calls + 3 * 11 and routing_stats(m).loops == {"lean": 3}

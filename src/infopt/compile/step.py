@@ -178,8 +178,41 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
                         mask[0, 0] = 0
                     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                    do_sample=False, pad_token_id=token)
+    if spec:
+        _warm_widths(model, batch_sizes, [bucket_length(min(n, limit), limit) for n in lengths], token)
     stats.warmed_up = True
     return stats
+
+
+def _warm_widths(model: nn.Module, batch_sizes, cache_lengths, token: int) -> None:
+    """Compile every verify width a speculative round can use (one graph per token bucket) and the draft model's
+    one- and two-token steps, by calling the forwards directly on the static caches real calls will reuse."""
+    from ..generate import rollback
+    from ..kvcache.static import StaticCaches
+    from .decoder import token_bucket
+
+    dec = decoder_for(model)
+    if not isinstance(dec.cache, StaticCaches):
+        return
+    part = dec.speculative
+    targets = [(model, sorted({token_bucket(k) for k in range(1, part.config.cap + 2)}))]
+    draft = getattr(part.drafter, "draft", None)
+    if draft is not None:
+        targets.append((draft, [1, 2]))  # a draft step, and a catch-up after a fully accepted round
+    device = next(model.parameters()).device
+    for mod, widths in targets:
+        fwd = dec.forward_for(mod)
+        for b in batch_sizes:
+            for length in cache_lengths:
+                cache = dec.cache.cache_for(mod, b, length)  # the allocation real calls of this shape reuse
+                ids = torch.full((b, 1), token, dtype=torch.long, device=device)
+                fwd.prefill(ids, torch.zeros_like(ids), None, cache)
+                for k in widths:
+                    if 1 + k > length:
+                        continue
+                    pos = torch.arange(1, 1 + k, device=device)
+                    fwd.step(ids.expand(b, k), pos.expand(b, k), pos, None, cache)
+                    rollback(cache, k)
 
 
 @register_transform(Compile)
