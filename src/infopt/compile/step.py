@@ -211,7 +211,8 @@ def _warm_widths(model: nn.Module, batch_sizes, cache_lengths, token: int) -> No
                     if 1 + k > length:
                         continue
                     pos = torch.arange(1, 1 + k, device=device)
-                    fwd.step(ids.expand(b, k), pos.expand(b, k), pos, None, cache)
+                    # contiguous, as the loops pass them: a graph is specialised on strides
+                    fwd.step(ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, None, cache)
                     rollback(cache, k)
 
 
