@@ -253,3 +253,12 @@ def test_gate_ranges(gate, needle):
 def test_gate_edges_accepted():
     Recipe.parse({"steps": [], "gate": {"min_top1": 1, "max_kl": 0, "max_ppl_ratio": 1.0}})
     Recipe.parse({"steps": [], "gate": {"min_top1": 0.0}})
+
+
+def test_docs_rules_table_is_generated_from_rules():
+    from pathlib import Path
+
+    from infopt.recipe import rules_markdown
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    assert rules_markdown() in doc, "docs/recipes.md's rules table is stale: paste infopt.recipe.rules_markdown()"

@@ -23,7 +23,7 @@ from . import speculative as _speculative  # noqa: F401
 from .core.errors import RecipeError, did_you_mean
 from .core.step import STAGES, STEP_TYPES, StepConfig
 
-__all__ = ["Recipe", "Rule", "RULES", "PRESETS", "Preset", "available_steps", "check_rules", "check_gate"]
+__all__ = ["Recipe", "Rule", "RULES", "rules_markdown", "PRESETS", "Preset", "available_steps", "check_rules", "check_gate"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,18 @@ RULES: tuple[Rule, ...] = (
          "and tensor parallelism does not slice their fp8 weights and scales",
          "use quantize int8 (weight-only) with parallel tensor, or parallel pipeline with fp8"),
 )
+
+
+def rules_markdown(rules: Iterable[Rule] = RULES) -> str:
+    """The rules as the Markdown table docs/recipes.md shows (a test keeps the two equal).
+
+    Example:
+        >>> rules_markdown().splitlines()[0]
+        '| a | b | relation | reason | fix |'
+    """
+    rows = ["| a | b | relation | reason | fix |", "|---|---|---|---|---|"]
+    rows += [f"| `{r.a}` | `{r.b}` | {r.relation} | {r.reason} | {r.fix} |" for r in rules]
+    return "\n".join(rows)
 
 
 def check_rules(steps: Iterable[StepConfig], rules: Iterable[Rule] = RULES) -> None:

@@ -61,12 +61,10 @@ class CachePart:
 
     Attributes:
         key: the recipe step that supplied it.
-        croppable: the cache can drop its newest tokens (speculative rollback).
         lean: infopt's loops may decode on it; False leaves every call to transformers' loop on the cache.
     """
 
     key = "kvcache"
-    croppable = False
     lean = True
 
     def open(self, call: GenerateCall, slots: int | None = None):

@@ -104,8 +104,6 @@ class StaticCaches(CachePart):
     """The static-cache part of a model's decoder: one allocation per model (the target, and a speculative draft
     beside it), handed out reset per call and reallocated on a new batch size or length bucket."""
 
-    croppable = True
-
     def __init__(self, model: nn.Module, config: Static, key: str):
         self.model = model
         self.config = config
