@@ -486,3 +486,12 @@ def test_primitives_import_only_torch():
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
     assert roots <= {"torch", "math", "collections", "__future__"}, roots
     assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+
+
+@pytest.mark.parametrize("name", INPUTS)
+def test_w8a8_fast_path_equals_the_primitives(name):
+    """quantize_per_token writes the per-row case out for speed; it must give the primitives' bits."""
+    x = INPUTS[name]().float()
+    block = (1, x.shape[-1])
+    scale, _ = choose_qparams(x, block, qmin=-127, qmax=127, symmetric=True, min_range=1e-12)
+    assert_bitwise(quantize_per_token(x), (quantize(x, block, scale, qmin=-127, qmax=127, dtype=torch.int8), scale))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .primitives import choose_qparams, dequantize, quantize
+from .primitives import dequantize
 
 __all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "KERNELS"]
 
@@ -71,10 +71,11 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> q.tolist(), s.flatten().tolist()[1] > 0
         ([[64, -127], [0, 0]], True)
     """
+    # the per-row case of primitives.choose_qparams / quantize written out: this runs on every call of every
+    # layer, and the general block-shape path costs ~6 us more per call (tests assert both give the same bits)
     x32 = x.float()
-    block = (1, x32.shape[-1])
-    scale, _ = choose_qparams(x32, block, qmin=-127, qmax=127, symmetric=True, min_range=1e-12)  # [m, 1]
-    return quantize(x32, block, scale, qmin=-127, qmax=127, dtype=torch.int8), scale
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)  # [m, 1]
+    return (x32 / scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 class W8A8Linear(nn.Module):
