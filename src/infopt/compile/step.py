@@ -138,8 +138,9 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
 
     Each length stands for its 256-token static-cache bucket; a call whose prompt + new tokens fall in
     a warmed bucket, with a warmed batch size, never compiles. ``padded`` also warms the graphs for
-    left-padded batches (an ``attention_mask`` with zeros). With speculative decoding in the recipe, the
-    calls run through the speculative loop, so its verify widths and the draft's steps compile too.
+    left-padded batches (an ``attention_mask`` with zeros). With speculative decoding in the recipe, every
+    verify width bucket and the draft's one- and two-token steps are compiled directly on the caches real
+    calls reuse (a warm-up call's drafts need not reach every width).
     Warm-up calls are not counted in :func:`~infopt.generate.routing_stats`.
 
     Returns:
@@ -160,19 +161,15 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
     spec = decoder_for(model).speculative is not None
-    new = 3 if not spec else 24  # decode steps: the later ones show a call of the same shape does not compile again
+    new = 3  # two decode steps: the second shows a call of the same shape does not compile again
     with uncounted(model):
         for b in batch_sizes:
             for length in lengths:
                 cache = bucket_length(min(length, limit), limit)
                 start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
                 prompt = max(1, min(start + 1, cache - new))
-                if spec:  # room for the drafts, and a prompt long enough to draft from
-                    prompt = max(start + 1, min(start + 48, cache - 2 * new - 40))
                 for pad in (False, True) if padded else (False,):
                     ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
-                    if spec:  # a repeating prompt, so drafts get accepted and several verify widths run
-                        ids = (torch.arange(prompt, device=device) % 7 + token).expand(b, prompt).contiguous()
                     mask = torch.ones_like(ids)
                     if pad:
                         mask[0, 0] = 0
