@@ -4,8 +4,8 @@ import torch
 import infopt
 from infopt.attention import Attention
 from infopt.core.errors import IncompatibleModelError, MissingBackendError, QualityGateError, RecipeError
-from infopt.generate import routing_stats
 from infopt.core.patch import has_patches
+from infopt.generate import routing_stats
 from infopt.kvcache import Static
 from infopt.models import tiny_model
 from infopt.quantize import Int8Linear, Int8WeightOnly

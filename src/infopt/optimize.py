@@ -10,11 +10,11 @@ from torch import nn
 
 from .core.availability import require
 from .core.errors import IncompatibleModelError, QualityGateError, RecipeError
-from .generate import routing_stats
 from .core.introspect import inspect_model, param_bytes
 from .core.patch import get_handle, set_attr
 from .core.patch import undo as _undo_patches
 from .core.step import TRANSFORMS, ApplyContext, StepConfig
+from .generate import routing_stats
 from .recipe import PRESETS, Recipe, check_gate, check_rules
 
 __all__ = ["optimize", "undo", "validate", "OptimizationReport", "StepReport"]

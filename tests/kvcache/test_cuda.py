@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import infopt
-from infopt.generate import routing_stats
 from infopt.eval import assert_same_tokens, greedy_outputs
+from infopt.generate import routing_stats
 from infopt.kvcache import Paged, Quantized, Static, paged_pool, use_, use_paged_
 from infopt.models import tiny_model
 

@@ -4,9 +4,9 @@ import torch
 import infopt
 from infopt.attention import Attention
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.generate import routing_stats
 from infopt.core.introspect import inspect_model
 from infopt.eval import assert_same_tokens, greedy_outputs
+from infopt.generate import routing_stats
 from infopt.kvcache import HeavyHitter, use_
 from infopt.kvcache.heavy_hitter_cache import HeavyHitterLayer
 from infopt.models import tiny_model

@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 
 import infopt
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.generate import routing_stats
 from infopt.core.introspect import inspect_model
 from infopt.eval import assert_same_tokens, greedy_outputs
+from infopt.generate import routing_stats
 from infopt.kvcache import Quantized, use_
 from infopt.kvcache.quantized import bytes_per_token, dequantize_groups, pack_int4, quantize_groups, unpack_int4
 from infopt.models import tiny_model

@@ -3,8 +3,8 @@ import torch
 
 import infopt
 from infopt.core.errors import IncompatibleModelError, RecipeError
-from infopt.generate import routing_stats
 from infopt.eval import assert_same_tokens, greedy_outputs
+from infopt.generate import routing_stats
 from infopt.kvcache import Sinks, use_
 from infopt.kvcache.sinks_cache import SinkCache, rerotate, rope_inv_freq
 from infopt.models import tiny_model

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ..attention.paged import PAGED_IMPL
-from ..generate import takes_logits_to_keep
 from ..core.introspect import inspect_model
+from ..generate import takes_logits_to_keep
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget

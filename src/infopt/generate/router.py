@@ -136,11 +136,7 @@ class Decoder:
 
     def cache_for(self, model: nn.Module, batch: int, slots: int):
         """A cache for another model decoding beside this one (a draft), of the cache part's kind where it can."""
-        if self.cache is not None:
-            return self.cache.cache_for(model, batch, slots)
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
+        return (self.cache or CachePart()).cache_for(model, batch, slots)
 
     # -- serving ----------------------------------------------------------------------------------------------
     def generate(self, original, *args, **kwargs):

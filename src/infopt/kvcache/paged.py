@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from ..attention.paged import FLASH_PAGE_MULTIPLE, PAGED_IMPL
@@ -60,7 +59,7 @@ class Paged(StepConfig):
         RecipeError: a non-positive or non-integer size, a non-bool ``prefix_caching``.
 
     Example:
-        >>> import infopt
+        >>> import infopt, torch
         >>> from infopt.models import tiny_model
         >>> m = infopt.optimize(tiny_model(), [Paged(block_size=16)])
         >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape
@@ -149,6 +148,7 @@ def paged_pool(model: nn.Module) -> KVBlockPool | None:
     """The :class:`~infopt.kvcache.pool.KVBlockPool` a model's ``generate`` calls use, or None.
 
     Example:
+        >>> import torch
         >>> from infopt.models import tiny_model
         >>> m = use_paged_(tiny_model(), Paged())
         >>> _ = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)

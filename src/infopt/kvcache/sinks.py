@@ -9,10 +9,10 @@ import torch  # noqa: F401  (the docstring examples use it)
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..generate import set_part
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from ..generate import set_part
 from .api import FreshCache, register_use, require_full_attention
 
 __all__ = ["Sinks", "use_", "SUPPORTED_ROPE_TYPES"]

@@ -6,7 +6,6 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from ..core.introspect import context_length, inspect_model
@@ -37,7 +36,7 @@ class Static(StepConfig):
         RecipeError: non-positive max_length or batch_size.
 
     Example:
-        >>> import infopt
+        >>> import infopt, torch
         >>> from infopt.models import tiny_model
         >>> m = infopt.optimize(tiny_model(), [Static(max_length=64)])
         >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False).shape

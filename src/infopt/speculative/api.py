@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
 from ..core.introspect import inspect_model
 from ..core.patch import get_handle, record_custom
 from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
+from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
 from .config import DraftModel, PromptLookup, SelfDraft
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .loop import Controller, SpecStats, speculative_decode
