@@ -116,7 +116,6 @@ class PagedPart(CachePart):
         self.key = key
         self.pool = KVBlockPool(inspect_model(model).num_layers, config.num_blocks or 0, config.block_size,
                                 prefix_caching=config.prefix_caching, growable=config.num_blocks is None)
-        self.last_cache: PagedCache | None = None
         self._caches: dict[int, PagedCache] = {}  # per open call (calls may come from several threads)
 
     def open(self, call, slots=None):
@@ -135,7 +134,7 @@ class PagedPart(CachePart):
             cache.start_padded(rows, list(call.left_pads), call.max_new_tokens)
         except OutOfBlocks as e:
             raise Unsupported(f"pool too small: {e}") from None
-        self.last_cache = self._caches[id(call)] = cache
+        self._caches[id(call)] = cache
         return cache
 
     def close(self, call, out):
