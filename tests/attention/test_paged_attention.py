@@ -4,7 +4,8 @@ import torch.nn.functional as F
 
 import infopt
 from infopt.attention import PAGED_IMPL, Attention, PagedAttentionMetadata, set_backend_
-from infopt.attention.paged import bind, kernel_calls, paged_attention_forward
+from infopt.attention.paged import bind, kernel_calls, paged_attention_forward, set_cpu_kernel
+from infopt.core import extensions
 from infopt.core.errors import RecipeError
 from infopt.kvcache import Paged, PagedCache
 from infopt.models import tiny_model
@@ -110,13 +111,23 @@ def _ran(before: dict[str, int]) -> dict[str, int]:
 def test_kernel_calls_name_the_kernel_each_layer_ran():
     m = tiny_model("llama")
     infopt.optimize(m, [Paged(block_size=256)])
+    prompt = torch.tensor([[1, 17, 400, 23, 9, 1200, 5]])
+    cpu = extensions.load("paged_attention")
     before = kernel_calls()
-    m.generate(torch.tensor([[1, 17, 400, 23, 9, 1200, 5]]), max_new_tokens=16, do_sample=False)
-    assert _ran(before) == {"flash_attn": 0, "reference": 16 * 2, "sdpa": 0}  # 16 forwards x 2 layers, on CPU
+    out = m.generate(prompt, max_new_tokens=16, do_sample=False)
+    # 16 forwards x 2 layers, on CPU: the C++ kernel where it could be built, else the torch reference
+    assert _ran(before) == {"cpu": 32 if cpu else 0, "flash_attn": 0, "reference": 0 if cpu else 32, "sdpa": 0}
+    previous = set_cpu_kernel(False)
+    try:
+        before = kernel_calls()
+        assert torch.equal(m.generate(prompt, max_new_tokens=16, do_sample=False), out)
+        assert _ran(before) == {"cpu": 0, "flash_attn": 0, "reference": 32, "sdpa": 0}
+    finally:
+        set_cpu_kernel(previous)
     before = kernel_calls()
     with torch.no_grad():
         m(torch.tensor([[1, 2, 3]]))  # no paged cache: SDPA
-    assert _ran(before) == {"flash_attn": 0, "reference": 0, "sdpa": 2}
+    assert _ran(before) == {"cpu": 0, "flash_attn": 0, "reference": 0, "sdpa": 2}
 
 
 def _flash_attn_importable() -> bool:

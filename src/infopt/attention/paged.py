@@ -9,10 +9,18 @@ attention through the block tables. Called with anything else (a plain forward, 
 ``generate`` call the paged cache does not serve), it is transformers' SDPA attention, so a model on this
 backend keeps working everywhere.
 
-Kernels: a reference in torch that runs on any device (gather each sequence's blocks, one masked
-SDPA call for the whole step), and on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's
-variable-length kernel reading the block table directly (its paged mode needs a block size that is a
-multiple of 256; other sizes use the reference). :func:`kernel_calls` counts which kernel each layer call ran.
+Kernels:
+
+- ``cpu``: infopt's C++ kernel (``infopt/csrc/paged_attention.cpp``, :mod:`infopt.core.extensions`) for fp32 and
+  bf16 on CPU: reads K/V in place through the block tables (no gather, no repeat of K/V heads: each KV head is
+  read once for its query group), splits the work over threads by sequence, KV head and query chunk (and by key
+  range when few sequences decode long contexts), online softmax in fp32.
+- ``flash_attn``: on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's variable-length kernel
+  reading the block table directly (its paged mode needs a block size that is a multiple of 256).
+- ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
+  where neither kernel applies (or the C++ kernel cannot be built: no compiler).
+
+:func:`kernel_calls` counts which kernel each layer call ran; :func:`set_cpu_kernel` turns the C++ kernel off.
 """
 
 from __future__ import annotations
@@ -24,34 +32,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core import extensions
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention",
-           "kernel_calls"]
+           "kernel_calls", "set_cpu_kernel"]
 
 PAGED_IMPL = "infopt_paged"
 """The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens
 
-KERNELS = ("flash_attn", "reference", "sdpa")
+KERNELS = ("cpu", "flash_attn", "reference", "sdpa")
 _CALLS = dict.fromkeys(KERNELS, 0)  # layer calls per kernel since import (a diagnostic: unlocked, += under the GIL)
 
 
 def kernel_calls() -> dict[str, int]:
-    """Layer calls of the ``paged`` backend per kernel since import: ``flash_attn`` (flash-attn's paged
-    varlen kernel), ``reference`` (the torch gather + SDPA kernel) and ``sdpa`` (calls no paged cache served).
+    """Layer calls of the ``paged`` backend per kernel since import: ``cpu`` (infopt's C++ kernel),
+    ``flash_attn`` (flash-attn's paged varlen kernel), ``reference`` (the torch gather + SDPA kernel) and
+    ``sdpa`` (calls no paged cache served).
 
     Take the difference of two snapshots to see which kernel a piece of work ran.
 
     Example:
         >>> before = kernel_calls()
         >>> sorted(before)
-        ['flash_attn', 'reference', 'sdpa']
+        ['cpu', 'flash_attn', 'reference', 'sdpa']
     """
     return dict(_CALLS)
+
+
+_USE_CPU_KERNEL = [True]
+
+
+def set_cpu_kernel(enabled: bool) -> bool:
+    """Use infopt's C++ CPU kernel where it applies (the default) or the torch reference kernel; returns the
+    previous setting. The reference gives the same results within float rounding (a tool for comparisons).
+
+    Example:
+        >>> previous = set_cpu_kernel(False)
+        >>> set_cpu_kernel(previous)
+        False
+    """
+    previous, _USE_CPU_KERNEL[0] = _USE_CPU_KERNEL[0], bool(enabled)
+    return previous
 
 
 @dataclass
@@ -93,6 +119,13 @@ class PagedAttentionMetadata:
     single: tuple[int, int] | None = None
     _flash: tuple | None = None
     _split: tuple | None = None
+    _starts: torch.Tensor | None = None
+
+    def query_start(self) -> torch.Tensor:
+        """``[S + 1]`` int64: sequence ``s`` owns rows ``[start[s], start[s + 1])`` of the step's real tokens."""
+        if self._starts is None:
+            self._starts = torch.cat([self.new_lens.new_zeros(1), self.new_lens.cumsum(0)])
+        return self._starts
 
     def packed_split(self):
         """For packed steps: ``(decode_rows, decode_tokens, decode_blocks, prefills)`` built once per step.
@@ -215,6 +248,29 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
     return out.reshape(-1, h, out.shape[-1])[meta.scatter].reshape(b, q, h, out.shape[-1])
 
 
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    return (_USE_CPU_KERNEL[0] and query.device.type == "cpu" and query.dtype in _CPU_DTYPES
+            and key_pool.dtype in _CPU_DTYPES and extensions.load("paged_attention"))
+
+
+def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+    b, h, q, d = query.shape
+    flat = query.transpose(1, 2).reshape(b * q, h, d)  # a view for packed steps ([1, H, N, D] from a transpose)
+    if meta.token_index is not None:
+        flat = flat[meta.token_index]
+    scale = scaling if scaling is not None else d ** -0.5
+    out = torch.ops.infopt.paged_attention(flat, key_pool, value_pool, meta.block_table, meta.query_start(),
+                                           meta.kv_lens, float(scale))  # [n, H, Dv]
+    if meta.token_index is not None:
+        full = out.new_zeros(b * q, h, out.shape[-1])
+        full[meta.token_index] = out
+        out = full
+    return out.view(b, q, h, out.shape[-1])
+
+
 def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and meta.block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn"))
@@ -280,6 +336,9 @@ def paged_attention_forward(
     if _flash_ok(query, meta):
         _CALLS["flash_attn"] += 1
         return _flash(query, key, value, meta, scaling), None
+    if _cpu_ok(query, key, meta):
+        _CALLS["cpu"] += 1
+        return _cpu(query, key, value, meta, scaling), None
     _CALLS["reference"] += 1
     return _reference(query, key, value, meta, scaling), None
 

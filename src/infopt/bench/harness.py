@@ -227,6 +227,7 @@ class _FirstToken:
 
 
 RUN_MODES = ("sequential", "padded", "hf_continuous", "engine")
+BATCH_WORKLOADS = ("batch", "throughput")  # served as batches (padded / engine), not one request at a time
 
 
 def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
@@ -451,12 +452,12 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
     batching = r is not None and any(st.stage == "batching" for st in r.steps)
     if baselines is None:
         baselines = ["sequential", "padded", "hf_continuous"] if batching else \
-            (["sequential", "padded"] if workload == "batch" else ["sequential"])
+            (["sequential", "padded"] if workload in BATCH_WORKLOADS else ["sequential"])
     bad = [m for m in baselines if m not in RUN_MODES or m == "engine"]
     if bad or not baselines:
         raise ValueError(f"baselines={baselines!r}; allowed: {', '.join(m for m in RUN_MODES if m != 'engine')}")
     base_modes = list(baselines)
-    opt_mode = "engine" if batching else ("padded" if workload == "batch" else "sequential")
+    opt_mode = "engine" if batching else ("padded" if workload in BATCH_WORKLOADS else "sequential")
     ratio_base = "sequential" if batching else opt_mode
     if ratio_base not in base_modes:
         ratio_base = base_modes[0]

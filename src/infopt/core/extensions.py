@@ -1,0 +1,146 @@
+"""infopt's C++ CPU kernels: built from ``infopt/csrc`` with the machine's compiler on first use, cached on disk.
+
+Each kernel is one C++ file registering operators under ``torch.ops.infopt`` through ``torch.library``. It is
+compiled against the installed torch's headers and libraries (no ninja, no Python headers: a few seconds) for
+this machine's CPU (``-march=native``) and cached under ``$INFOPT_EXTENSIONS_DIR`` (default
+``~/.cache/infopt/extensions``), keyed by the source, the torch version, the compiler and the CPU's flags, so
+another torch or machine builds its own copy. ``make setup`` builds them once.
+
+Where no compiler exists or the build fails, :func:`load` returns False and logs why once; callers then run their
+torch reference kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` turns the C++ kernels off.
+
+Example:
+    >>> from infopt.core.extensions import status
+    >>> sorted(status())
+    ['paged_attention']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["KERNELS", "load", "status", "build_all", "cache_dir"]
+
+_log = logging.getLogger("infopt.extensions")
+
+KERNELS = ("paged_attention",)
+"""The C++ kernels in ``infopt/csrc``, by file name."""
+
+_SRC = Path(__file__).resolve().parent.parent / "csrc"
+_LOCK = threading.Lock()
+_STATE: dict[str, bool | str] = {}  # name -> True (loaded) or the reason it is not
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$INFOPT_EXTENSIONS_DIR`` or ``~/.cache/infopt/extensions``."""
+    env = os.environ.get("INFOPT_EXTENSIONS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "infopt" / "extensions"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _command(cxx: str, src: Path, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(src),
+            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(out)]
+
+
+def _target(name: str, cxx: str) -> Path:
+    src = (_SRC / f"{name}.cpp").read_bytes()
+    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
+                                     sys.platform.encode()])).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.so"
+
+
+def _build(name: str) -> bool | str:
+    if os.environ.get("INFOPT_NO_EXTENSIONS") == "1":
+        return "INFOPT_NO_EXTENSIONS=1 is set"
+    if sys.platform != "linux":
+        return f"the C++ kernels are built on Linux only (this is {sys.platform})"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler found (install g++ or set CXX)"
+    target = _target(name, cxx)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _log.info("infopt: building the %s C++ kernel (once per machine and torch version, a few seconds)", name)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            part = Path(tmp) / target.name
+            proc = subprocess.run(_command(cxx, _SRC / f"{name}.cpp", part), capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
+                return f"building it with {cxx} failed:\n{tail}"
+            os.replace(part, target)  # atomic: another process never loads a half-written library
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as e:
+        return f"loading {target} failed: {e}"
+    return True
+
+
+def load(name: str) -> bool:
+    """Build (once) and load the C++ kernel ``name``; True when its operators are registered.
+
+    False when it cannot be built or loaded here: the reason is logged once (warning) and kept in
+    :func:`status`; the caller uses its torch reference kernel.
+
+    Raises:
+        ValueError: an unknown kernel name.
+    """
+    if name not in KERNELS:
+        raise ValueError(f"unknown C++ kernel {name!r}; known: {', '.join(KERNELS)}")
+    state = _STATE.get(name)
+    if state is None:
+        with _LOCK:
+            state = _STATE.get(name)
+            if state is None:
+                state = _build(name)
+                _STATE[name] = state
+                if state is not True:
+                    _log.warning("infopt: the %s C++ kernel is not available (%s); using the torch reference "
+                                 "kernel instead (same results, slower)", name, state)
+    return state is True
+
+
+def status() -> dict[str, bool | str | None]:
+    """Each kernel's state: True (loaded), a reason string (not available), None (not tried yet)."""
+    return {k: _STATE.get(k) for k in KERNELS}
+
+
+def build_all() -> dict[str, bool | str | None]:
+    """Build and load every kernel now (``make setup`` calls this); returns :func:`status`."""
+    for k in KERNELS:
+        load(k)
+    return status()
+

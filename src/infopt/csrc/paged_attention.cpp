@@ -1,0 +1,438 @@
+// CPU paged attention: every query attends to its own sequence's keys and values, read in place from the block
+// pools through the sequence's block table (no gather into a contiguous copy, no repeat of K/V heads).
+//
+// Layout (the layout of infopt.kvcache.KVBlockPool and the packed engine step):
+//   query        [N, H, D]        the step's tokens, each sequence's new tokens contiguous, in position order
+//   key_pool     [NB, BS, Hkv, D]
+//   value_pool   [NB, BS, Hkv, Dv]
+//   block_table  [S, MB] int32 or int64: the blocks of sequence s, in order
+//   query_start  [S + 1] int64: sequence s owns query rows [query_start[s], query_start[s + 1])
+//   kv_lens      [S] int64: keys sequence s holds after this step's writes (its new tokens are the last ones)
+// Query i of the n new tokens of a sequence sits at position kv_len - n + i and sees keys 0 .. kv_len - n + i
+// (causal), which covers a decode token (n = 1), a prefill chunk after earlier chunks and a fresh prefill.
+//
+// Work items are (sequence, KV head, chunk of up to QCHUNK queries): the query heads that share a KV head (GQA
+// group) are processed together, so each key and value row is loaded once for its whole group. When there are
+// too few items to keep every thread busy (few sequences decoding long contexts), each item's keys are split
+// into parts processed independently and merged (flash-decoding). Items are dealt to threads longest first.
+// Softmax is online (running max and sum per query row) in fp32; K/V may be fp32 or bf16.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QCHUNK = 16;        // queries of one sequence per work item
+constexpr int64_t MIN_SPLIT_KEYS = 128;  // keys per part at least when an item's keys are split
+constexpr int64_t TILE = 64;           // keys scored together (a block, or a slice of a larger block)
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: x = n ln2 + r with |r| <= ln2 / 2, then
+// exp(r) by its Taylor series to degree 7 (relative error below 1e-8) and 2^n through the exponent bits
+#pragma omp declare simd
+inline float exp_approx(float x) {
+  x = x < -87.f ? -87.f : x;  // below this exp underflows; the row's max key keeps exp(0) = 1 in every sum
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// q . k over n floats. The sum is a tree of vector lanes: a dependent chain of scalar adds (what a compiler emits
+// for a float reduction it may not reorder) costs more than the products themselves.
+inline float dot(const float* q, const float* k, int64_t n) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), v);
+  s = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 v = _mm256_setzero_ps();
+  for (; d + 8 <= n; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  s = _mm_cvtss_f32(h);
+#else
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (; d + 8 <= n; d += 8)
+    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * k[d + i];
+  s = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+#endif
+  for (; d < n; ++d) s += q[d] * k[d];
+  return s;
+}
+
+// o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the row's accumulator stays in registers over the tile's keys
+template <int64_t DH>
+inline void accumulate(float* o, float corr, const float* p, const float* const* vrow, int64_t off, int64_t cnt,
+                       int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
+    constexpr int NV = static_cast<int>(DH / 16);
+    __m512 acc[NV];
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int i = 0; i < NV; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
+    for (int64_t j = 0; j < cnt; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const float* v = vrow[j] + off;
+      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+    return;
+  }
+#endif
+  if (corr != 1.f)
+    for (int64_t d = 0; d < n; ++d) o[d] *= corr;
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float pj = p[j];
+    const float* v = vrow[j] + off;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) o[d] += pj * v[d];
+  }
+}
+
+inline void to_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+// bf16 -> fp32 is a 16-bit left shift of the bits
+inline void to_floats(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t b = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &b, sizeof(float));
+  }
+}
+
+struct Item {
+  int64_t seq, h0, h1, q0, q1;  // KV heads [h0, h1) and query rows [q0, q1) of the sequence (from its first new token)
+  int64_t k0, k1;               // keys [k0, k1) this item reads
+  int64_t part, parts;          // split index and count (1: the item writes the output directly)
+  int64_t merge_slot;           // first slot of this (seq, heads, chunk)'s partial results when parts > 1
+  int64_t cost;
+};
+
+struct Args {
+  int64_t H, Hkv, G, D, Dv, BS, MB;
+  int64_t kb, kt, kh, vb, vt, vh;  // pool strides: block, token, head
+  int64_t qn, qh, on, oh;          // query / output strides: token, head
+  const int64_t* qstart;
+  const int64_t* kvlen;
+  const void* table;
+  bool table32;
+  float scale;
+  int64_t slot;  // floats per partial-result slot: QCHUNK * H rows of (max, sum, accumulator)
+};
+
+inline int64_t block_id(const Args& a, int64_t s, int64_t b) {
+  return a.table32 ? static_cast<const int32_t*>(a.table)[s * a.MB + b] : static_cast<const int64_t*>(a.table)[s * a.MB + b];
+}
+
+// One item. Its rows are r = (qi * nh + hh) * G + g: query qi of the chunk, query head (h0 + hh) * G + g, which
+// reads KV head h0 + hh. Each tile of keys is loaded once (all the item's KV heads of a token are adjacent in the
+// pool) and scored against every row. Writes the normalized output or, for a split item, the partial (max, sum,
+// unnormalized accumulator) into `partial`.
+// DH > 0: the head size as a compile-time constant, so the row loops unroll into whole vector registers;
+// DH = 0: any head sizes, read at run time.
+template <typename Q, typename KV, int64_t DH>
+void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, const KV* vpool, Q* out,
+              float* partial, std::vector<float>& scratch) {
+  const int64_t n = a.qstart[it.seq + 1] - a.qstart[it.seq];
+  const int64_t L = a.kvlen[it.seq];
+  const int64_t first = a.qstart[it.seq];
+  const int64_t nh = it.h1 - it.h0, G = a.G, HG = nh * G;  // rows per query
+  const int64_t nq = it.q1 - it.q0, R = nq * HG, BS = a.BS;
+  const int64_t D = DH > 0 ? DH : a.D, Dv = DH > 0 ? DH : a.Dv;
+  constexpr bool f32 = std::is_same_v<KV, float>;
+  const int64_t ksh = f32 ? a.kh : D, vsh = f32 ? a.vh : Dv;  // head stride inside a tile row
+  scratch.resize(R * D + R * Dv + 2 * R + TILE * nh * (D + Dv) + R * TILE);
+  float* qf = scratch.data();
+  float* acc = qf + R * D;
+  float* m = acc + R * Dv;
+  float* l = m + R;
+  float* kf = l + R;
+  float* vf = kf + TILE * nh * D;
+  float* sc = vf + TILE * nh * Dv;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qi = r / HG, head = it.h0 * G + r % HG;
+    const Q* src = query + (first + it.q0 + qi) * a.qn + head * a.qh;
+    float* dst = qf + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * a.scale;
+  }
+  std::fill(acc, acc + R * Dv, 0.f);
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R, 0.f);
+  const int64_t pos0 = L - n + it.q0;               // position of the chunk's first query
+  const int64_t kend = std::min(it.k1, pos0 + nq);  // keys past the chunk's last query are never seen
+  const float* krow[TILE];
+  const float* vrow[TILE];
+  for (int64_t j0 = (it.k0 / BS) * BS; j0 < kend; j0 += BS) {
+    const int64_t blk = block_id(a, it.seq, j0 / BS);
+    const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
+    const KV* vb = vpool + blk * a.vb + it.h0 * a.vh;
+    // the block's keys in tiles of at most TILE (a block of up to TILE keys is one tile)
+    for (int64_t lo = std::max(j0, it.k0); lo < std::min(j0 + BS, kend); lo += TILE) {
+      const int64_t hi = std::min({lo + TILE, j0 + BS, kend});
+      for (int64_t j = lo; j < hi; ++j) {
+        const KV* kr = kb + (j - j0) * a.kt;
+        const KV* vr = vb + (j - j0) * a.vt;
+        if constexpr (f32) {
+          krow[j - lo] = reinterpret_cast<const float*>(kr);
+          vrow[j - lo] = reinterpret_cast<const float*>(vr);
+        } else {
+          float* kd = kf + (j - lo) * nh * D;
+          float* vd = vf + (j - lo) * nh * Dv;
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            to_floats(kr + hh * a.kh, kd + hh * D, D);
+            to_floats(vr + hh * a.vh, vd + hh * Dv, Dv);
+          }
+          krow[j - lo] = kd;
+          vrow[j - lo] = vd;
+        }
+      }
+      // scores of every (row, key) the causal mask allows: key j is seen by the queries at positions >= j
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* kt = krow[j - lo];
+        for (int64_t qi = std::max<int64_t>(0, j - pos0); qi < nq; ++qi)
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            const float* k = kt + hh * ksh;
+            const int64_t r0 = (qi * nh + hh) * G;
+            for (int64_t r = r0; r < r0 + G; ++r) sc[r * TILE + (j - lo)] = dot(qf + r * D, k, D);
+          }
+      }
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;  // keys of this tile the query sees
+        if (cnt <= 0) continue;
+        for (int64_t r = qi * HG; r < (qi + 1) * HG; ++r) {
+          float* srow = sc + r * TILE;
+          float mx = m[r];
+          for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, srow[j]);
+          const float corr = m[r] == mx ? 1.f : std::exp(m[r] - mx);  // exp(-inf) = 0 on the first tile
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < cnt; ++j) {
+            const float e = exp_approx(srow[j] - mx);
+            srow[j] = e;
+            sum += e;
+          }
+          l[r] = l[r] * corr + sum;
+          m[r] = mx;
+          const int64_t hh = (r - qi * HG) / G;
+          accumulate<DH>(acc + r * Dv, corr, srow, vrow, hh * vsh, cnt, Dv);
+        }
+      }
+    }
+  }
+  if (it.parts == 1) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t qi = r / HG, head = it.h0 * G + r % HG;
+      Q* dst = out + (first + it.q0 + qi) * a.on + head * a.oh;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t d = 0; d < Dv; ++d) store(dst + d, acc[r * Dv + d] * inv);
+    }
+    return;
+  }
+  float* p = partial + (it.merge_slot + it.part) * a.slot;
+  std::memcpy(p, m, R * sizeof(float));
+  std::memcpy(p + R, l, R * sizeof(float));
+  std::memcpy(p + 2 * R, acc, R * Dv * sizeof(float));
+}
+
+template <typename Q, typename KV, int64_t DH>
+void run(const Args& a, const std::vector<Item>& items, const Q* query, const KV* kpool, const KV* vpool, Q* out,
+         float* partial, int64_t threads) {
+  // deal items to threads longest first, round robin (items arrive sorted by cost)
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch;
+    for (int64_t t = t0; t < t1; ++t)
+      for (size_t i = t; i < items.size(); i += threads)
+        run_item<Q, KV, DH>(a, items[i], query, kpool, vpool, out, partial, scratch);
+  });
+}
+
+template <typename Q>
+void merge(const Args& a, const std::vector<Item>& heads, const float* partial, Q* out) {
+  // heads: one entry per split (seq, kvh, chunk) with parts > 1
+  at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) {
+      const Item& it = heads[h];
+      const int64_t HG = (it.h1 - it.h0) * a.G, R = (it.q1 - it.q0) * HG, Dv = a.Dv;
+      const int64_t first = a.qstart[it.seq];
+      for (int64_t r = 0; r < R; ++r) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < it.parts; ++p) mx = std::max(mx, partial[(it.merge_slot + p) * a.slot + r]);
+        const int64_t qi = r / HG, head = it.h0 * a.G + r % HG;
+        Q* dst = out + (first + it.q0 + qi) * a.on + head * a.oh;
+        std::vector<float> o(Dv, 0.f);
+        float l = 0.f;
+        for (int64_t p = 0; p < it.parts; ++p) {
+          const float* part = partial + (it.merge_slot + p) * a.slot;
+          if (part[R + r] == 0.f) continue;  // this part saw no key for the row
+          const float w = std::exp(part[r] - mx);
+          l += part[R + r] * w;
+          const float* acc = part + 2 * R + r * Dv;
+          for (int64_t d = 0; d < Dv; ++d) o[d] += acc[d] * w;
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t d = 0; d < Dv; ++d) store(dst + d, o[d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                           const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lens,
+                           double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu(),
+              "infopt::paged_attention runs on CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4,
+              "paged_attention: query [N, H, D], pools [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "paged_attention: key and value pools differ in dtype");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_attention: query must be float32 or bfloat16");
+  TORCH_CHECK(key_pool.scalar_type() == at::kFloat || key_pool.scalar_type() == at::kBFloat16,
+              "paged_attention: pools must be float32 or bfloat16");
+  TORCH_CHECK(query.stride(2) == 1 && key_pool.stride(3) == 1 && value_pool.stride(3) == 1,
+              "paged_attention: the head dimension must be contiguous");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.is_contiguous() &&
+                  (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
+              "paged_attention: block_table must be a contiguous [S, max_blocks] int32/int64 tensor");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong &&
+                  query_start.is_contiguous() && kv_lens.is_contiguous(),
+              "paged_attention: query_start and kv_lens must be contiguous int64");
+  const int64_t N = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t BS = key_pool.size(1), Hkv = key_pool.size(2), Dv = value_pool.size(3);
+  const int64_t S = kv_lens.size(0);
+  TORCH_CHECK(query_start.size(0) == S + 1 && block_table.size(0) == S, "paged_attention: S mismatch");
+  TORCH_CHECK(key_pool.size(3) == D && H % Hkv == 0, "paged_attention: head sizes do not match");
+  auto out = at::empty({N, H, Dv}, query.options());
+  if (N == 0) return out;
+
+  Args a{H, Hkv, H / Hkv, D, Dv, BS, block_table.size(1),
+         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         query_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), block_table.data_ptr(),
+         block_table.scalar_type() == at::kInt, static_cast<float>(scale), QCHUNK * H * (Dv + 2)};
+  TORCH_CHECK(a.qstart[S] == N, "paged_attention: query_start[-1] must equal the number of query rows");
+
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // items: (sequence, chunk of queries) with every KV head when there are enough of them to share among the
+  // threads, else one KV head each
+  int64_t chunks = 0;
+  for (int64_t s = 0; s < S; ++s) chunks += (a.qstart[s + 1] - a.qstart[s] + QCHUNK - 1) / QCHUNK;
+  const int64_t heads_per_item = chunks >= 4 * threads ? Hkv : 1;
+  std::vector<Item> base;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = a.qstart[s + 1] - a.qstart[s], L = a.kvlen[s];
+    TORCH_CHECK(n >= 0 && L >= n && (L + BS - 1) / BS <= a.MB, "paged_attention: sequence ", s, " has ", n,
+                " queries and ", L, " keys, inconsistent with its block table");
+    for (int64_t q0 = 0; q0 < n; q0 += QCHUNK)
+      for (int64_t h = 0; h < Hkv; h += heads_per_item) {
+        const int64_t q1 = std::min(n, q0 + QCHUNK);
+        const int64_t keys = L - n + q1;  // keys the chunk's last query sees
+        const int64_t cost = (keys * (q1 - q0) + 64) * heads_per_item;
+        base.push_back({s, h, h + heads_per_item, q0, q1, 0, keys, 0, 1, 0, cost});
+      }
+  }
+  // split long items when there are fewer items than threads can share evenly
+  std::vector<Item> items, heads;
+  int64_t slots = 0;
+  const int64_t want = 4 * threads;
+  for (const Item& it : base) {
+    int64_t parts = 1;
+    if (static_cast<int64_t>(base.size()) < want && threads > 1) {
+      parts = std::min<int64_t>((want + base.size() - 1) / base.size(), it.k1 / MIN_SPLIT_KEYS);
+      parts = std::max<int64_t>(1, parts);
+    }
+    if (parts == 1) {
+      items.push_back(it);
+      continue;
+    }
+    const int64_t per = ((it.k1 + parts - 1) / parts + BS - 1) / BS * BS;  // block-aligned part length
+    parts = (it.k1 + per - 1) / per;
+    Item head = it;
+    head.parts = parts;
+    head.merge_slot = slots;
+    heads.push_back(head);
+    for (int64_t p = 0; p < parts; ++p) {
+      Item x = head;
+      x.part = p;
+      x.k0 = p * per;
+      x.k1 = std::min(it.k1, (p + 1) * per);
+      x.cost = ((x.k1 - x.k0) * (x.q1 - x.q0) + 64) * (x.h1 - x.h0);
+      items.push_back(x);
+    }
+    slots += parts;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::vector<float> partial(heads.empty() ? 0 : slots * a.slot);
+  const bool q_bf16 = query.scalar_type() == at::kBFloat16, kv_bf16 = key_pool.scalar_type() == at::kBFloat16;
+  auto dispatch = [&](auto qtag, auto kvtag) {
+    using Q = decltype(qtag);
+    using KV = decltype(kvtag);
+    auto go = [&](auto dh) {
+      run<Q, KV, decltype(dh)::value>(a, items, reinterpret_cast<const Q*>(query.data_ptr()), reinterpret_cast<const KV*>(key_pool.data_ptr()),
+               reinterpret_cast<const KV*>(value_pool.data_ptr()), reinterpret_cast<Q*>(out.data_ptr()),
+               partial.data(), threads);
+    };
+    if (D == 64 && Dv == 64) go(std::integral_constant<int64_t, 64>{});
+    else if (D == 128 && Dv == 128) go(std::integral_constant<int64_t, 128>{});
+    else go(std::integral_constant<int64_t, 0>{});
+    if (!heads.empty()) merge<Q>(a, heads, partial.data(), reinterpret_cast<Q*>(out.data_ptr()));
+  };
+  if (!q_bf16 && !kv_bf16) dispatch(float{}, float{});
+  else if (!q_bf16 && kv_bf16) dispatch(float{}, c10::BFloat16{});
+  else if (q_bf16 && !kv_bf16) dispatch(c10::BFloat16{}, float{});
+  else dispatch(c10::BFloat16{}, c10::BFloat16{});
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infopt, m) {
+  m.def("paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor query_start, "
+        "Tensor kv_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infopt, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,142 @@
+"""infopt's C++ paged-attention kernel against the torch reference kernel (the oracle)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import infopt
+from infopt.attention.paged import _reference_packed, kernel_calls, set_cpu_kernel
+from infopt.batching import Engine, SamplingParams
+from infopt.core import extensions
+from infopt.kvcache import Paged, PagedCache
+from infopt.models import tiny_model
+
+pytestmark = pytest.mark.skipif(not extensions.load("paged_attention"),
+                                reason=f"the C++ kernel cannot be built here: {extensions.status()['paged_attention']}")
+
+
+def _layout(news, kv_lens, block_size, h_kv, d, dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(nbs) + 3
+    k = torch.randn(num_blocks, block_size, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, h_kv, dv, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(news), max(nbs), dtype=torch.long)
+    used = 0
+    for s, nb in enumerate(nbs):  # blocks scattered over the pool, rows padded with block 0
+        table[s, :nb] = perm[used:used + nb]
+        used += nb
+    return k, v, table
+
+
+def _oracle(q, k, v, table, news, kv_lens, scale):
+    """Per query: softmax over the keys up to its own position, in float64."""
+    h, h_kv, bs = q.shape[1], k.shape[2], k.shape[1]
+    out = torch.zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
+    start = 0
+    for s, (n, length) in enumerate(zip(news, kv_lens, strict=True)):
+        nb = -(-length // bs)
+        ks = k[table[s, :nb]].reshape(-1, h_kv, k.shape[-1])[:length].double()
+        vs = v[table[s, :nb]].reshape(-1, h_kv, v.shape[-1])[:length].double()
+        ks = ks.repeat_interleave(h // h_kv, dim=1)  # [L, H, D]
+        vs = vs.repeat_interleave(h // h_kv, dim=1)
+        for i in range(n):
+            p = length - n + i
+            w = (torch.einsum("hd,lhd->hl", q[start + i].double(), ks[:p + 1]) * scale).softmax(-1)
+            out[start + i] = torch.einsum("hl,lhd->hd", w, vs[:p + 1])
+        start += n
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       heads=st.sampled_from([(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 24), (4, 2, 16)]),
+       block_size=st.sampled_from([1, 4, 16, 100, 256]), int32_table=st.booleans())
+def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table):
+    """Decode tokens, prefill chunks after earlier chunks and fresh prefills, any block size, GQA groups, head sizes
+    on and off the unrolled paths, both table dtypes; few or many sequences (so the key-split path runs too)."""
+    h, h_kv, d = heads
+    s = data.draw(st.integers(1, 6))
+    news = data.draw(st.lists(st.integers(1, 40), min_size=s, max_size=s))
+    kv_lens = [n + data.draw(st.integers(0, 700)) for n in news]
+    k, v, table = _layout(news, kv_lens, block_size, h_kv, d, d, dtype, seed=data.draw(st.integers(0, 99)))
+    q = torch.randn(sum(news), h, d).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+    scale = 1 / math.sqrt(d)
+    out = torch.ops.infopt.paged_attention(q, k, v, table.int() if int32_table else table, starts,
+                                           torch.tensor(kv_lens), scale)
+    assert out.dtype == dtype and out.shape == (sum(news), h, d)
+    ref = _oracle(q, k, v, table, news, kv_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_kernel_equals_reference_kernel_on_a_packed_step():
+    """The same metadata the paged cache builds, through both kernels."""
+    from infopt.attention.paged import PagedAttentionMetadata
+
+    news, kv_lens, bs = [1, 1, 7, 1, 30], [40, 3, 7, 129, 95], 16
+    k, v, table = _layout(news, kv_lens, bs, 2, 32, 32, torch.float32, seed=1)
+    q = torch.randn(1, 4, sum(news), 32)
+    n = torch.tensor(news)
+    off = n.cumsum(0) - n
+    gather = off[:, None] + torch.minimum(torch.arange(n.max())[None], n[:, None] - 1)
+    meta = PagedAttentionMetadata(block_size=bs, block_table=table, kv_lens=torch.tensor(kv_lens),
+                                  query_pos=torch.zeros_like(gather), mask=None, gather=gather, scatter=None,
+                                  token_index=None, new_lens=n)
+    ref = _reference_packed(q, k, v, meta, 0.2)
+    out = torch.ops.infopt.paged_attention(q[0].transpose(0, 1), k, v, table, meta.query_start(), meta.kv_lens, 0.2)
+    torch.testing.assert_close(out[None], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_layout_is_a_clear_error():
+    k, v, table = _layout([1], [20], 16, 2, 32, 32, torch.float32, seed=0)
+    q = torch.randn(1, 4, 32)
+    with pytest.raises(RuntimeError, match="inconsistent with its block table"):
+        torch.ops.infopt.paged_attention(q, k, v, table, torch.tensor([0, 1]), torch.tensor([500]), 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.infopt.paged_attention(q.half(), k, v, table, torch.tensor([0, 1]), torch.tensor([20]), 0.1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_greedy_identical_with_either_kernel(arch):
+    """Mixed prefill chunks and decode steps through the engine: the C++ kernel and the reference give the same
+    greedy tokens, equal to plain generate."""
+    model = tiny_model(arch, max_positions=512)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 23 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    before = kernel_calls()
+    engine = Engine(model, max_batch_tokens=48, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
+    fast = [o.token_ids for o in engine.generate(prompts, params)]
+    assert kernel_calls()["cpu"] > before["cpu"]
+    previous = set_cpu_kernel(False)
+    try:
+        engine = Engine(model, max_batch_tokens=48, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
+        ref = [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        set_cpu_kernel(previous)
+    infopt.undo(model)
+    plain = [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
+             .tolist() for p in prompts]
+    assert fast == ref == plain
+
+
+def test_bf16_paged_cache_logits_close_to_reference():
+    model = infopt.attention.set_backend_(tiny_model("llama", dtype=torch.bfloat16), "paged")
+    ids = [3, 9, 27, 81, 243, 7, 21, 63, 189, 55, 165]
+    logits = {}
+    for kernel in (True, False):
+        previous = set_cpu_kernel(kernel)
+        try:
+            cache = PagedCache.for_model(model, num_blocks=8, block_size=4)
+            cache.add_sequence("a", ids)
+            with torch.no_grad():
+                cache.step(model, [("a", ids[:6])])
+                logits[kernel] = cache.step(model, [("a", ids[6:])]).float()
+        finally:
+            set_cpu_kernel(previous)
+    torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
