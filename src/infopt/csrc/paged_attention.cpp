@@ -15,7 +15,7 @@
 // group) are processed together, so each key and value row is loaded once for its whole group. When there are
 // too few items to keep every thread busy (few sequences decoding long contexts), each item's keys are split
 // into parts processed independently and merged (flash-decoding). Items are dealt to threads longest first.
-// Softmax is online (running max and sum per query row) in fp32; K/V may be fp32 or bf16.
+// Softmax is online (running max and sum per query row) in fp32; K/V may be fp32 or bf16 (converted in registers).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -66,35 +66,96 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// q . k over n floats. The sum is a tree of vector lanes: a dependent chain of scalar adds (what a compiler emits
-// for a float reduction it may not reorder) costs more than the products themselves.
-inline float dot(const float* q, const float* k, int64_t n) {
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit left shift of the bits
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// q . k over n values (k fp32 or bf16, converted in registers). The sum is a tree of vector lanes: a dependent
+// chain of scalar adds (what a compiler emits for a float reduction it may not reorder) costs more than the
+// products themselves.
+template <typename KV>
+inline float dot(const float* q, const KV* k, int64_t n) {
   int64_t d = 0;
   float s = 0.f;
 #if defined(__AVX512F__)
   __m512 v = _mm512_setzero_ps();
-  for (; d + 16 <= n; d += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), v);
+  for (; d + 16 <= n; d += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), v);
   s = _mm512_reduce_add_ps(v);
 #elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<KV, float>) {
   __m256 v = _mm256_setzero_ps();
   for (; d + 8 <= n; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v);
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
   s = _mm_cvtss_f32(h);
+  }
 #else
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (; d + 8 <= n; d += 8)
-    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * k[d + i];
+    for (int i = 0; i < 8; ++i) part[i] += q[d + i] * to_float(k[d + i]);
   s = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 #endif
-  for (; d < n; ++d) s += q[d] * k[d];
+  for (; d < n; ++d) s += q[d] * to_float(k[d]);
   return s;
 }
 
+// out[j] = q . krow[j][off:off + n] for the cnt <= TILE keys of a tile. With AVX-512 the keys go 16 at a time:
+// 16 vector accumulators, then one transpose-and-add tree sums all 16 at once (45 shuffles and adds instead of
+// 16 separate horizontal sums of about 10 each).
+#if defined(__AVX512F__)
+inline __m512 sum16(__m512* v) {
+  __m512 w[4];
+  for (int k = 0; k < 4; ++k) {
+    __m512* x = v + 4 * k;
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    // per 128-bit lane: partial sums of x[0], x[1], x[2], x[3]
+    w[k] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+template <int64_t DH, typename KV>
+inline void score_tile(const float* q, const KV* const* krow, int64_t off, int64_t cnt, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
+    constexpr int NV = static_cast<int>(DH / 16);
+    __m512 qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) {
+        v[j] = _mm512_setzero_ps();
+        if (j0 + j < cnt) {
+          const KV* k = krow[j0 + j] + off;
+          for (int i = 0; i < NV; ++i) v[j] = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), v[j]);
+        }
+      }
+      const __m512 sums = sum16(v);
+      if (j0 + 16 <= cnt) _mm512_storeu_ps(out + j0, sums);
+      else _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << (cnt - j0)) - 1), sums);
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < cnt; ++j) out[j] = dot(q, krow[j] + off, n);
+}
+
 // o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the row's accumulator stays in registers over the tile's keys
-template <int64_t DH>
-inline void accumulate(float* o, float corr, const float* p, const float* const* vrow, int64_t off, int64_t cnt,
+template <int64_t DH, typename KV>
+inline void accumulate(float* o, float corr, const float* p, const KV* const* vrow, int64_t off, int64_t cnt,
                        int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
@@ -104,8 +165,8 @@ inline void accumulate(float* o, float corr, const float* p, const float* const*
     for (int i = 0; i < NV; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
     for (int64_t j = 0; j < cnt; ++j) {
       const __m512 pj = _mm512_set1_ps(p[j]);
-      const float* v = vrow[j] + off;
-      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * i), acc[i]);
+      const KV* v = vrow[j] + off;
+      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + 16 * i), acc[i]);
     }
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
     return;
@@ -115,32 +176,8 @@ inline void accumulate(float* o, float corr, const float* p, const float* const*
     for (int64_t d = 0; d < n; ++d) o[d] *= corr;
   for (int64_t j = 0; j < cnt; ++j) {
     const float pj = p[j];
-    const float* v = vrow[j] + off;
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) o[d] += pj * v[d];
-  }
-}
-
-inline void to_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-// bf16 -> fp32 is a 16-bit left shift of the bits
-inline void to_floats(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
-#elif defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
-#endif
-  for (; i < n; ++i) {
-    const uint32_t b = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(dst + i, &b, sizeof(float));
+    const KV* v = vrow[j] + off;
+    for (int64_t d = 0; d < n; ++d) o[d] += pj * to_float(v[d]);
   }
 }
 
@@ -183,16 +220,13 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
   const int64_t nh = it.h1 - it.h0, G = a.G, HG = nh * G;  // rows per query
   const int64_t nq = it.q1 - it.q0, R = nq * HG, BS = a.BS;
   const int64_t D = DH > 0 ? DH : a.D, Dv = DH > 0 ? DH : a.Dv;
-  constexpr bool f32 = std::is_same_v<KV, float>;
-  const int64_t ksh = f32 ? a.kh : D, vsh = f32 ? a.vh : Dv;  // head stride inside a tile row
-  scratch.resize(R * D + R * Dv + 2 * R + TILE * nh * (D + Dv) + R * TILE);
+  const int64_t ksh = a.kh, vsh = a.vh;  // head stride inside a token's row of the pool
+  scratch.resize(R * D + R * Dv + 2 * R + R * TILE);
   float* qf = scratch.data();
   float* acc = qf + R * D;
   float* m = acc + R * Dv;
   float* l = m + R;
-  float* kf = l + R;
-  float* vf = kf + TILE * nh * D;
-  float* sc = vf + TILE * nh * Dv;
+  float* sc = l + R;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t qi = r / HG, head = it.h0 * G + r % HG;
     const Q* src = query + (first + it.q0 + qi) * a.qn + head * a.qh;
@@ -204,8 +238,8 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
   std::fill(l, l + R, 0.f);
   const int64_t pos0 = L - n + it.q0;               // position of the chunk's first query
   const int64_t kend = std::min(it.k1, pos0 + nq);  // keys past the chunk's last query are never seen
-  const float* krow[TILE];
-  const float* vrow[TILE];
+  const KV* krow[TILE];  // each key's row (its token's K for the item's first KV head), read in place
+  const KV* vrow[TILE];
   for (int64_t j0 = (it.k0 / BS) * BS; j0 < kend; j0 += BS) {
     const int64_t blk = block_id(a, it.seq, j0 / BS);
     const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
@@ -214,31 +248,16 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
     for (int64_t lo = std::max(j0, it.k0); lo < std::min(j0 + BS, kend); lo += TILE) {
       const int64_t hi = std::min({lo + TILE, j0 + BS, kend});
       for (int64_t j = lo; j < hi; ++j) {
-        const KV* kr = kb + (j - j0) * a.kt;
-        const KV* vr = vb + (j - j0) * a.vt;
-        if constexpr (f32) {
-          krow[j - lo] = reinterpret_cast<const float*>(kr);
-          vrow[j - lo] = reinterpret_cast<const float*>(vr);
-        } else {
-          float* kd = kf + (j - lo) * nh * D;
-          float* vd = vf + (j - lo) * nh * Dv;
-          for (int64_t hh = 0; hh < nh; ++hh) {
-            to_floats(kr + hh * a.kh, kd + hh * D, D);
-            to_floats(vr + hh * a.vh, vd + hh * Dv, Dv);
-          }
-          krow[j - lo] = kd;
-          vrow[j - lo] = vd;
-        }
+        krow[j - lo] = kb + (j - j0) * a.kt;
+        vrow[j - lo] = vb + (j - j0) * a.vt;
       }
-      // scores of every (row, key) the causal mask allows: key j is seen by the queries at positions >= j
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* kt = krow[j - lo];
-        for (int64_t qi = std::max<int64_t>(0, j - pos0); qi < nq; ++qi)
-          for (int64_t hh = 0; hh < nh; ++hh) {
-            const float* k = kt + hh * ksh;
-            const int64_t r0 = (qi * nh + hh) * G;
-            for (int64_t r = r0; r < r0 + G; ++r) sc[r * TILE + (j - lo)] = dot(qf + r * D, k, D);
-          }
+      // scores of every (row, key) the causal mask allows: query qi sees the tile's first cnt keys
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;
+        if (cnt <= 0) continue;
+        for (int64_t hh = 0; hh < nh; ++hh)
+          for (int64_t r = (qi * nh + hh) * G; r < (qi * nh + hh + 1) * G; ++r)
+            score_tile<DH, KV>(qf + r * D, krow, hh * ksh, cnt, D, sc + r * TILE);
       }
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;  // keys of this tile the query sees
@@ -258,7 +277,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
           l[r] = l[r] * corr + sum;
           m[r] = mx;
           const int64_t hh = (r - qi * HG) / G;
-          accumulate<DH>(acc + r * Dv, corr, srow, vrow, hh * vsh, cnt, Dv);
+          accumulate<DH, KV>(acc + r * Dv, corr, srow, vrow, hh * vsh, cnt, Dv);
         }
       }
     }
