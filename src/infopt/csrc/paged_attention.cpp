@@ -153,6 +153,32 @@ inline void score_tile(const float* q, const KV* const* krow, int64_t off, int64
   for (int64_t j = 0; j < cnt; ++j) out[j] = dot(q, krow[j] + off, n);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 keys: q (the query's own bf16 values, unscaled) . k by the CPU's bf16 dot-product instruction (pairs of
+// bf16 products summed in fp32), no conversion of K; the scores are scaled afterwards
+template <int64_t DH>
+inline void score_tile_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* krow, int64_t off, int64_t cnt,
+                            float scale, float* out) {
+  constexpr int NV = static_cast<int>(DH / 32);
+  __m512bh qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qb + 32 * i);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) {
+      v[j] = _mm512_setzero_ps();
+      if (j0 + j < cnt) {
+        const c10::BFloat16* k = krow[j0 + j] + off;
+        for (int i = 0; i < NV; ++i) v[j] = _mm512_dpbf16_ps(v[j], qv[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      }
+    }
+    const __m512 sums = _mm512_mul_ps(sum16(v), sv);
+    if (j0 + 16 <= cnt) _mm512_storeu_ps(out + j0, sums);
+    else _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << (cnt - j0)) - 1), sums);
+  }
+}
+#endif
+
 // o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the row's accumulator stays in registers over the tile's keys
 template <int64_t DH, typename KV>
 inline void accumulate(float* o, float corr, const float* p, const KV* const* vrow, int64_t off, int64_t cnt,
@@ -179,6 +205,18 @@ inline void accumulate(float* o, float corr, const float* p, const KV* const* vr
     const KV* v = vrow[j] + off;
     for (int64_t d = 0; d < n; ++d) o[d] += pj * to_float(v[d]);
   }
+}
+
+// Ask for the cache lines of `rows` token rows (nh heads of n values each) before they are read.
+template <typename KV>
+inline void prefetch_rows(const KV* base, int64_t rows, int64_t row_stride, int64_t nh, int64_t head_stride,
+                          int64_t n) {
+  constexpr int64_t LINE = 64 / sizeof(KV);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < nh; ++h) {
+      const KV* p = base + t * row_stride + h * head_stride;
+      for (int64_t i = 0; i < n; i += LINE) __builtin_prefetch(p + i, 0, 3);
+    }
 }
 
 struct Item {
@@ -240,10 +278,27 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
   const int64_t kend = std::min(it.k1, pos0 + nq);  // keys past the chunk's last query are never seen
   const KV* krow[TILE];  // each key's row (its token's K for the item's first KV head), read in place
   const KV* vrow[TILE];
+  // scores of row r against a tile's keys
+  auto score = [&](int64_t r, const KV* const* kr, int64_t off, int64_t cnt, float* dst) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16> && DH > 0 && DH % 32 == 0 &&
+                  DH <= 128) {
+      const int64_t qi = r / HG, head = it.h0 * G + r % HG;
+      score_tile_bf16<DH>(query + (first + it.q0 + qi) * a.qn + head * a.qh, kr, off, cnt, a.scale, dst);
+      return;
+    }
+#endif
+    score_tile<DH, KV>(qf + r * D, kr, off, cnt, D, dst);
+  };
   for (int64_t j0 = (it.k0 / BS) * BS; j0 < kend; j0 += BS) {
     const int64_t blk = block_id(a, it.seq, j0 / BS);
     const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
     const KV* vb = vpool + blk * a.vb + it.h0 * a.vh;
+    if (j0 + BS < kend) {  // blocks sit anywhere in the pool: fetch the next one's rows while this one is scored
+      const int64_t nxt = block_id(a, it.seq, j0 / BS + 1);
+      prefetch_rows(kpool + nxt * a.kb + it.h0 * a.kh, std::min(BS, kend - j0 - BS), a.kt, nh, a.kh, D);
+      prefetch_rows(vpool + nxt * a.vb + it.h0 * a.vh, std::min(BS, kend - j0 - BS), a.vt, nh, a.vh, Dv);
+    }
     // the block's keys in tiles of at most TILE (a block of up to TILE keys is one tile)
     for (int64_t lo = std::max(j0, it.k0); lo < std::min(j0 + BS, kend); lo += TILE) {
       const int64_t hi = std::min({lo + TILE, j0 + BS, kend});
@@ -257,7 +312,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         if (cnt <= 0) continue;
         for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r = (qi * nh + hh) * G; r < (qi * nh + hh + 1) * G; ++r)
-            score_tile<DH, KV>(qf + r * D, krow, hh * ksh, cnt, D, sc + r * TILE);
+            score(r, krow, hh * ksh, cnt, sc + r * TILE);
       }
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;  // keys of this tile the query sees
