@@ -27,6 +27,7 @@ from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .params import RequestMetrics, RequestOutput, SamplingParams
+from .prepack import packed_forwards, prepack_linears_, supported
 from .sampler import choose_tokens, make_generator
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
@@ -166,6 +167,9 @@ class Engine:
             request's time to first token behind a long prompt is bounded by a small step, not the long prefill.
         max_skips: the starvation bound: how often later requests may be admitted ahead of a waiting one.
         default_sampling: :class:`SamplingParams` for requests submitted without any.
+        prepack: pack bf16 linear weights once for the CPU's matrix engine and use them in the engine's steps
+            (:mod:`infopt.batching.prepack`; recorded, undone by :func:`infopt.undo`). None (default): where the
+            model is bf16 on a CPU that supports it. The packed copies take as much memory again as the weights.
 
     Attributes:
         device: the model's device, where each step's inputs, logits and sampled requests' generators live.
@@ -184,12 +188,17 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
-                 max_skips: int = 16, default_sampling: SamplingParams | None = None):
+                 max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
+        if prepack is None:
+            prepack = supported(model)
+        if prepack and not supported(model):
+            raise ValueError("Engine prepack=True needs a bf16 model on a CPU whose oneDNN runs bf16 matmuls; "
+                             "use prepack=None (automatic) or False")
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
@@ -199,6 +208,7 @@ class Engine:
             from ..attention.backends import set_backend_
 
             set_backend_(model, "paged", step="batching")
+        self.prepacked = prepack_linears_(model) if prepack else 0
         self.model = model
         self.tokenizer = tokenizer
         max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
@@ -380,8 +390,9 @@ class Engine:
                 keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
             kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
             try:
-                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 past_key_values=self.cache, use_cache=True, **kwargs)
+                with packed_forwards():
+                    out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                     past_key_values=self.cache, use_cache=True, **kwargs)
             except Exception as e:  # the forward failed: roll back, fail this step's requests, keep serving
                 self.scheduler.abort()
                 for seq, _ in plan:

@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t QCHUNK = 16;        // queries of one sequence per work item
 constexpr int64_t MIN_SPLIT_KEYS = 128;  // keys per part at least when an item's keys are split
+constexpr int64_t PREFETCH_BLOCKS = 1;  // how many blocks ahead rows are requested
 constexpr int64_t TILE = 64;           // keys scored together (a block, or a slice of a larger block)
 
 inline float to_float(float x) { return x; }
@@ -294,10 +295,11 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
     const int64_t blk = block_id(a, it.seq, j0 / BS);
     const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
     const KV* vb = vpool + blk * a.vb + it.h0 * a.vh;
-    if (j0 + BS < kend) {  // blocks sit anywhere in the pool: fetch the next one's rows while this one is scored
-      const int64_t nxt = block_id(a, it.seq, j0 / BS + 1);
-      prefetch_rows(kpool + nxt * a.kb + it.h0 * a.kh, std::min(BS, kend - j0 - BS), a.kt, nh, a.kh, D);
-      prefetch_rows(vpool + nxt * a.vb + it.h0 * a.vh, std::min(BS, kend - j0 - BS), a.vt, nh, a.vh, Dv);
+    const int64_t ahead = j0 + PREFETCH_BLOCKS * BS;
+    if (ahead < kend) {  // blocks sit anywhere in the pool: fetch a later one's rows while this one is scored
+      const int64_t nxt = block_id(a, it.seq, ahead / BS);
+      prefetch_rows(kpool + nxt * a.kb + it.h0 * a.kh, std::min(BS, kend - ahead), a.kt, nh, a.kh, D);
+      prefetch_rows(vpool + nxt * a.vb + it.h0 * a.vh, std::min(BS, kend - ahead), a.vt, nh, a.vh, Dv);
     }
     // the block's keys in tiles of at most TILE (a block of up to TILE keys is one tile)
     for (int64_t lo = std::max(j0, it.k0); lo < std::min(j0 + BS, kend); lo += TILE) {
