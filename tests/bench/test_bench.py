@@ -38,6 +38,12 @@ def test_workloads_are_seeded_and_shaped(tok, name):
         assert len(a) == 64
         assert all(16 <= r.max_new_tokens <= 256 for r in a)
         assert min(r.prompt_len for r in a) >= 16
+    if name == "throughput":
+        assert len(a) == 64 and all(16 <= r.max_new_tokens <= 256 for r in a)
+        assert all(53 <= r.prompt_len <= 512 for r in a)
+        if seed_default := make_workload(name, tok):  # the default draw keeps the documented totals
+            assert sum(r.prompt_len for r in seed_default) == 16_002
+            assert sum(r.max_new_tokens for r in seed_default) == 9_094
     if name == "prefix":
         common = min(r.prompt_len for r in a)
         assert common > 900
@@ -310,3 +316,21 @@ def test_cli_bench_gpu_fast_bf16_on_cuda(tmp_path):
     assert res["recipe"]["steps"][-1]["compile"]["mode"] == "reduce-overhead"
     assert res["compile"] is not None and res["compile"]["compiles"] >= 1  # the compiled step served the run
     assert res["optimized"]["decode_tokens_per_s"] > 0 and res["optimized"]["peak_gpu_mb"] > 0
+
+
+def test_engine_mode_reports_prompt_rate_and_kv_utilisation(tok):
+    import infopt
+    from infopt.batching import Batching
+
+    m = tiny_model("llama", max_positions=2048)
+    reqs = make_workload("throughput", tok, num_requests=3)
+    infopt.optimize(m, [Batching(max_seqs=4, num_blocks=256)])
+    try:
+        run = run_requests(m, reqs, mode="engine")
+    finally:
+        infopt.undo(m)
+    s = summarize(run)
+    assert run["prompt_tokens"] == sum(r.prompt_len for r in reqs)
+    assert s["prompt_tokens_per_s"] == pytest.approx(run["prompt_tokens"] / run["wall"])
+    assert 0 < s["kv_util_mean"] <= 1
+    assert [len(r["tokens"]) for r in run["requests"]] == [r.max_new_tokens for r in reqs]

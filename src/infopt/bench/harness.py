@@ -238,6 +238,7 @@ def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
     if engine is None:
         raise ValueError("mode 'engine' needs a model with the batching step applied (recipe stage 'batching')")
     device = _model_device(model)
+    before = dict(engine.stats)
     _sync(device)
     t_start = time.perf_counter()
     handles = [engine.submit(r.input_ids[0], SamplingParams(max_new_tokens=r.max_new_tokens,
@@ -252,7 +253,9 @@ def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
         rows.append({"ttft": m.first_token - t_start, "total": m.finished - t_start,
                      "service": m.finished - m.first_scheduled, "first_service": m.first_token - m.first_scheduled,
                      "n_out": len(o.token_ids), "tokens": o.token_ids})
-    return {"wall": wall, "requests": rows}
+    steps = engine.stats["steps"] - before["steps"]
+    return {"wall": wall, "requests": rows,
+            "kv_util_mean": (engine.stats["kv_util_sum"] - before["kv_util_sum"]) / steps if steps else float("nan")}
 
 
 def _run_hf_continuous(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
@@ -299,16 +302,20 @@ def run_requests(model: nn.Module, requests: list[Request], *, mode: str = "sequ
             batching engine); the last two get every request at time 0.
 
     Returns:
-        ``{"wall": s, "requests": [{"ttft": s, "total": s, "n_out": n, "tokens": [...]}, ...]}``; all requests
-        arrive at time 0, so ``ttft`` includes queueing.
+        ``{"wall": s, "prompt_tokens": n, "requests": [{"ttft": s, "total": s, "n_out": n, "tokens": [...]}, ...]}``
+        (plus ``kv_util_mean``, the engine's mean fraction of KV blocks in use per step, in ``engine`` mode); all
+        requests arrive at time 0, so ``ttft`` includes queueing.
     """
     if mode == "engine":
-        return _run_engine(model, requests)
-    if mode == "hf_continuous":
-        return _run_hf_continuous(model, requests)
-    if mode not in ("sequential", "padded"):
+        run = _run_engine(model, requests)
+    elif mode == "hf_continuous":
+        run = _run_hf_continuous(model, requests)
+    elif mode in ("sequential", "padded"):
+        run = _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc)
+    else:
         raise ValueError(f"mode={mode!r}; allowed: {', '.join(RUN_MODES)}")
-    return _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc)
+    run["prompt_tokens"] = sum(r.prompt_len for r in requests)
+    return run
 
 
 @torch.inference_mode()
@@ -371,6 +378,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
     own = [r["first_service"] for r in reqs]
     return {
         "tokens_per_s": n_out / run["wall"],
+        "prompt_tokens_per_s": run.get("prompt_tokens", float("nan")) / run["wall"],
         "decode_tokens_per_s": statistics.median(decode) if decode else float("nan"),
         "requests_per_s": len(reqs) / run["wall"],
         "ttft_p50_ms": 1e3 * _pct([r["ttft"] for r in reqs], 0.5),
@@ -380,6 +388,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
         "prefill_rest_p50_ms": 1e3 * _pct(own[1:], 0.5) if len(own) > 1 else float("nan"),
         "wall_s": run["wall"],
         "output_tokens": float(n_out),
+        "kv_util_mean": run.get("kv_util_mean", float("nan")),
     }
 
 

@@ -16,6 +16,7 @@ __all__ = ["BenchResult", "format_table", "compare_runs", "plot", "append_csv", 
 METRICS: dict[str, tuple[str, bool]] = {
     "decode_tokens_per_s": ("decode tokens/s", True),
     "tokens_per_s": ("output tokens/s", True),
+    "prompt_tokens_per_s": ("prompt tokens/s", True),
     "requests_per_s": ("requests/s", True),
     "ttft_p50_ms": ("TTFT p50 ms", False),
     "ttft_p90_ms": ("TTFT p90 ms", False),
@@ -26,6 +27,7 @@ METRICS: dict[str, tuple[str, bool]] = {
     "peak_rss_mb": ("peak RSS MiB", False),
     "peak_gpu_mb": ("peak GPU memory MiB", False),
     "weight_gbs": ("weight bandwidth GB/s", True),
+    "kv_util_mean": ("engine KV blocks in use, mean", True),
 }
 
 
