@@ -37,7 +37,7 @@ from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
-__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "bind", "paged_attention_forward", "register_paged_attention",
+__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "paged_attention_forward", "register_paged_attention",
            "kernel_calls", "set_cpu_kernel"]
 
 PAGED_IMPL = "infopt_paged"
@@ -251,9 +251,23 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
+_CPU_READY: list[bool | None] = [None]  # the C++ kernel loaded (and its fake registered for torch.compile)?
+
+
+def _cpu_ready() -> bool:
+    if _CPU_READY[0] is None:
+        ready = extensions.load("paged_attention")
+        if ready:
+            @torch.library.register_fake("infopt::paged_attention")
+            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale):
+                return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
+        _CPU_READY[0] = ready
+    return _CPU_READY[0]
+
+
 def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     return (_USE_CPU_KERNEL[0] and query.device.type == "cpu" and query.dtype in _CPU_DTYPES
-            and key_pool.dtype in _CPU_DTYPES and extensions.load("paged_attention"))
+            and key_pool.dtype in _CPU_DTYPES and _cpu_ready())
 
 
 def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
@@ -321,11 +335,12 @@ def paged_attention_forward(
         IncompatibleModelError: the layer uses a sliding window or logit soft-capping, which the paged
             kernels do not implement.
     """
-    meta = _take(key)
+    step = kwargs.pop("paged_step", None)
+    meta = step.meta if step is not None else _take(key)
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        _CALLS["sdpa"] += 1
+        _count("sdpa")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
@@ -333,16 +348,55 @@ def paged_attention_forward(
             f"{type(module).__name__} uses sliding-window attention or logit soft-capping, which the paged "
             "attention backend does not implement; use kvcache static or the default cache for this model"
         )
+    if step is not None:  # the new K/V arrive here, not through a cache's update: write them into the blocks
+        key, value = step.write(module.layer_idx, key, value)
+    return _attend(query, key, value, meta, scaling), None
+
+
+def _count(kernel: str) -> None:
+    if not torch.compiler.is_compiling():  # a compiled forward would guard on the count and recompile each call
+        _CALLS[kernel] += 1
+
+
+def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
     if _flash_ok(query, meta):
-        _CALLS["flash_attn"] += 1
-        return _flash(query, key, value, meta, scaling), None
-    if _cpu_ok(query, key, meta):
-        _CALLS["cpu"] += 1
-        return _cpu(query, key, value, meta, scaling), None
-    _CALLS["reference"] += 1
-    return _reference(query, key, value, meta, scaling), None
+        _count("flash_attn")
+        return _flash(query, key_pool, value_pool, meta, scaling)
+    if _cpu_ok(query, key_pool, meta):
+        _count("cpu")
+        return _cpu(query, key_pool, value_pool, meta, scaling)
+    _count("reference")
+    return _reference(query, key_pool, value_pool, meta, scaling)
 
 
+@dataclass
+class PagedStep:
+    """One packed forward's layout, handed to the model as the ``paged_step`` keyword argument (transformers
+    passes it down to every attention call): no cache object in the forward, no binding between a cache's
+    ``update`` and the attention call. Each layer writes its new K/V into the pool's blocks at ``slots`` and
+    attends through ``meta``. Built by :meth:`infopt.kvcache.PagedCache.step_inputs`.
+
+    Attributes:
+        pool: the :class:`~infopt.kvcache.pool.KVBlockPool` (its per-layer K/V tensors).
+        meta: the step's :class:`PagedAttentionMetadata`.
+        slots: ``[n]`` pool slot (block * block_size + offset) of each real new token.
+    """
+
+    pool: object
+    meta: PagedAttentionMetadata
+    slots: torch.Tensor
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the layer's new ``[B, H_kv, q, D]`` K/V at ``slots``; return its K/V pools."""
+        b, h_kv, q, d = key.shape
+        k_pool, v_pool = self.pool.storage(layer_idx, key, value)
+        k_new = key.transpose(1, 2).reshape(b * q, h_kv, d)
+        v_new = value.transpose(1, 2).reshape(b * q, h_kv, value.shape[-1])
+        if self.meta.token_index is not None:
+            k_new, v_new = k_new[self.meta.token_index], v_new[self.meta.token_index]
+        k_pool.view(-1, h_kv, d).index_copy_(0, self.slots, k_new.to(k_pool.dtype))
+        v_pool.view(-1, h_kv, v_pool.shape[-1]).index_copy_(0, self.slots, v_new.to(v_pool.dtype))
+        return k_pool, v_pool
 
 
 def register_paged_attention() -> str:

@@ -391,8 +391,8 @@ class Engine:
             kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
             try:
                 with packed_forwards():
-                    out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                     past_key_values=self.cache, use_cache=True, **kwargs)
+                    out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                     paged_step=self.cache.step_inputs(), **kwargs)
             except Exception as e:  # the forward failed: roll back, fail this step's requests, keep serving
                 self.scheduler.abort()
                 for seq, _ in plan:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, bind
+from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, PagedStep, bind
 from ..core.errors import IncompatibleModelError
 from .blocks import BlockAllocator, BlockStateError, OutOfBlocks, hash_block
 from .pool import KVBlockPool
@@ -333,6 +333,15 @@ class PagedCache(Cache):
         self._n_tokens = total
         tokens = torch.tensor([t for _, toks in entries for t in toks], dtype=torch.long, device=device)
         return PagedBatch(tuple(ids), tokens[None], pos[None].to(device), (off + n - 1).to(device), news)
+
+    def step_inputs(self) -> PagedStep:
+        """The laid-out step as the model's ``paged_step`` keyword, for a forward without a cache object:
+        ``model(input_ids=..., position_ids=..., use_cache=False, paged_step=cache.step_inputs())``, then
+        :meth:`end_step`. Each attention layer writes its new K/V and attends (the ``paged`` backend)."""
+        if self._meta is None or self._pads is not None:
+            raise BlockStateError("step_inputs() follows begin_step(...) of a packed step")
+        self._layers_done = set(range(len(self.layers)))  # the forward writes every layer itself
+        return PagedStep(self.pool, self._meta, self._slots)
 
     def end_step(self) -> None:
         """Mark the last forward finished: its tokens become shareable and full blocks enter the prefix cache."""
