@@ -140,3 +140,25 @@ def test_bf16_paged_cache_logits_close_to_reference():
         finally:
             set_cpu_kernel(previous)
     torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.slow
+def test_packed_step_forward_compiles_as_one_graph():
+    """The engine's forward (layout as the paged_step keyword, K/V written and attended by the C++ kernel) traces
+    into one graph: compile-ready, and the compiled step gives the eager tokens."""
+    import torch._dynamo
+
+    model = tiny_model("llama", max_positions=256)
+    prompts = [[(5 * i + j) % 200 + 1 for j in range(4 + 9 * i)] for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
+    eager = [o.token_ids for o in engine.generate(prompts, params)]
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)  # a graph break fails here
+    try:
+        compiled = [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        del model.forward  # the instance attribute: the class's forward again
+        torch._dynamo.reset()
+        infopt.undo(model)
+    assert compiled == eager
