@@ -180,6 +180,89 @@ inline void score_tile_bf16(const c10::BFloat16* qb, const c10::BFloat16* const*
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes (the same range reduction and polynomial)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// Online softmax over one row's scores of a tile: updates the running max m and sum l, turns srow[0:cnt] into
+// exp(score - new max) and returns the factor the row's accumulator must be rescaled by.
+inline float softmax_tile(float* srow, int64_t cnt, float& m, float& l) {
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(m);
+  for (int64_t j = 0; j < cnt; j += 16) {
+    const __mmask16 k = cnt - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cnt - j)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < cnt; j += 16) {
+    const __mmask16 k = cnt - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cnt - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, srow + j), vm));
+    _mm512_mask_storeu_ps(srow + j, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+#else
+  float mx = m;
+  for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, srow[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float e = exp_approx(srow[j] - mx);
+    srow[j] = e;
+    sum += e;
+  }
+#endif
+  const float corr = m == mx ? 1.f : std::exp(m - mx);  // exp(-inf) = 0 on the first tile
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
+#if defined(__AVX512F__)
+// NR rows that read the same KV head: acc_r = acc_r * corr_r + sum_j p_r[j] * v_j, each value row loaded once for
+// all NR rows, the NR accumulators held in registers over the tile
+template <int64_t DH, int NR, typename KV>
+inline void accumulate_rows(float* acc, int64_t acc_stride, const float* corr, const float* p, int64_t p_stride,
+                            const KV* const* vrow, int64_t off, int64_t cnt) {
+  constexpr int NV = static_cast<int>(DH / 16);
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * acc_stride + 16 * i), c);
+  }
+  for (int64_t j = 0; j < cnt; ++j) {
+    const KV* v = vrow[j] + off;
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(v + 16 * i);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * p_stride + j]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pj, vv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * acc_stride + 16 * i, a[r][i]);
+}
+#endif
+
 // o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the row's accumulator stays in registers over the tile's keys
 template <int64_t DH, typename KV>
 inline void accumulate(float* o, float corr, const float* p, const KV* const* vrow, int64_t off, int64_t cnt,
@@ -319,23 +402,27 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
       for (int64_t qi = 0; qi < nq; ++qi) {
         const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;  // keys of this tile the query sees
         if (cnt <= 0) continue;
-        for (int64_t r = qi * HG; r < (qi + 1) * HG; ++r) {
-          float* srow = sc + r * TILE;
-          float mx = m[r];
-          for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, srow[j]);
-          const float corr = m[r] == mx ? 1.f : std::exp(m[r] - mx);  // exp(-inf) = 0 on the first tile
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < cnt; ++j) {
-            const float e = exp_approx(srow[j] - mx);
-            srow[j] = e;
-            sum += e;
+        float corr[4];
+        for (int64_t hh = 0; hh < nh; ++hh)
+          for (int64_t r0 = (qi * nh + hh) * G, rend = r0 + G; r0 < rend; r0 += 4) {  // rows sharing a KV head
+            const int nr = static_cast<int>(std::min<int64_t>(4, rend - r0));
+            for (int i = 0; i < nr; ++i) corr[i] = softmax_tile(sc + (r0 + i) * TILE, cnt, m[r0 + i], l[r0 + i]);
+            bool grouped = false;
+#if defined(__AVX512F__)
+            if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
+              float* ar = acc + r0 * Dv;
+              const float* pr = sc + r0 * TILE;
+              if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
+              else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
+              else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
+              else accumulate_rows<DH, 4, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
+              grouped = true;
+            }
+#endif
+            if (!grouped)
+              for (int i = 0; i < nr; ++i)
+                accumulate<DH, KV>(acc + (r0 + i) * Dv, corr[i], sc + (r0 + i) * TILE, vrow, hh * vsh, cnt, Dv);
           }
-          l[r] = l[r] * corr + sum;
-          m[r] = mx;
-          const int64_t hh = (r - qi * HG) / G;
-          accumulate<DH, KV>(acc + r * Dv, corr, srow, vrow, hh * vsh, cnt, Dv);
-        }
       }
     }
   }
