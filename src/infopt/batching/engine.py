@@ -366,60 +366,75 @@ class Engine:
 
     @torch.no_grad()  # not inference_mode: the pool's tensors are allocated on first write and stay writable
     def step(self) -> bool:
-        """Run one scheduling step (at most one forward). Thread-safe.
+        """Run one scheduling step: schedule, execute (at most one forward), update. Thread-safe.
 
         Returns:
             True while requests remain queued or running.
         """
         with self._step_lock:
             self._intake()
-            try:
-                nxt = self.scheduler.next_step()
-            except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
-                self._finish(e.seq, "error", error=f"out of KV blocks: {e}")
-                return self.has_work()
-            if nxt is None:
-                return self.has_work()
-            plan, batch = nxt
-            t0 = time.perf_counter()
-            due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
-            keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
-            if keep.numel() in (2, 3) and keep.device.type == "cpu":
-                # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
-                # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
-                keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
-            kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-            try:
-                with packed_forwards():
-                    out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                                     paged_step=self.cache.step_inputs(), **kwargs)
-            except Exception as e:  # the forward failed: roll back, fail this step's requests, keep serving
-                self.scheduler.abort()
-                for seq, _ in plan:
-                    self._finish(seq, "error", error=f"forward failed: {type(e).__name__}: {e}")
-                return self.has_work()
-            logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
-                out.logits[0, batch.logits_indices[due_rows]]
-            for seq, n in plan:
-                if seq.metrics.first_scheduled is None:
-                    seq.metrics.first_scheduled = t0
-                self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
-            due = self.scheduler.complete(plan)
-            if due:
-                seqs = [plan[i][0] for i in due_rows]
-                eos_masks = [s.eos if s.eos is not None and len(s.output) < s.params.min_new_tokens else None
-                             for s in seqs]
-                tokens = choose_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], eos_masks)
-                now = time.perf_counter()
-                for seq, tok in zip(seqs, tokens, strict=True):
-                    self._append(seq, tok, now)
-            alloc = self.cache.allocator
-            util = alloc.num_used / max(1, alloc.num_blocks)
-            self.stats["steps"] += 1
-            self.stats["busy_s"] += time.perf_counter() - t0
-            self.stats["kv_util_sum"] += util
-            self.stats["kv_util_max"] = max(self.stats["kv_util_max"], util)
+            scheduled = self._schedule()
+            if scheduled is not None:
+                plan, batch = scheduled
+                t0 = time.perf_counter()
+                executed = self._execute(plan, batch)
+                if executed is not None:
+                    self._update(plan, *executed, t0)
             return self.has_work()
+
+    def _schedule(self) -> tuple[list[tuple[SeqState, int]], Any] | None:
+        """The scheduler's next step, laid out in the paged cache; None when nothing runs this step."""
+        try:
+            return self.scheduler.next_step()
+        except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
+            self._finish(e.seq, "error", error=f"out of KV blocks: {e}")
+            return None
+
+    def _execute(self, plan: list[tuple[SeqState, int]], batch) -> tuple[list[int], torch.Tensor] | None:
+        """One packed forward; returns the plan rows whose next token is due and their logits, or None when the
+        forward failed (the step is rolled back and its requests fail; the engine keeps serving the rest)."""
+        due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
+        keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
+        if keep.numel() in (2, 3) and keep.device.type == "cpu":
+            # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
+            # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
+            keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        try:
+            with packed_forwards():
+                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                 paged_step=self.cache.step_inputs(), **kwargs)
+        except Exception as e:
+            self.scheduler.abort()
+            for seq, _ in plan:
+                self._finish(seq, "error", error=f"forward failed: {type(e).__name__}: {e}")
+            return None
+        logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
+            out.logits[0, batch.logits_indices[due_rows]]
+        return due_rows, logits
+
+    def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor,
+                t0: float) -> None:
+        """Record the finished forward: progress and metrics, the next token of each due sequence, stats."""
+        for seq, n in plan:
+            if seq.metrics.first_scheduled is None:
+                seq.metrics.first_scheduled = t0
+            self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
+        due = self.scheduler.complete(plan)
+        if due:
+            seqs = [plan[i][0] for i in due_rows]
+            eos_masks = [s.eos if s.eos is not None and len(s.output) < s.params.min_new_tokens else None
+                         for s in seqs]
+            tokens = choose_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], eos_masks)
+            now = time.perf_counter()
+            for seq, tok in zip(seqs, tokens, strict=True):
+                self._append(seq, tok, now)
+        alloc = self.cache.allocator
+        util = alloc.num_used / max(1, alloc.num_blocks)
+        self.stats["steps"] += 1
+        self.stats["busy_s"] += time.perf_counter() - t0
+        self.stats["kv_util_sum"] += util
+        self.stats["kv_util_max"] = max(self.stats["kv_util_max"], util)
 
     def _append(self, seq: SeqState, tok: int, now: float) -> None:
         seq.output.append(tok)
