@@ -392,8 +392,9 @@ class PagedStep:
         k_pool, v_pool = self.pool.storage(layer_idx, key, value)
         k_new = key.transpose(1, 2).reshape(b * q, h_kv, d)
         v_new = value.transpose(1, 2).reshape(b * q, h_kv, value.shape[-1])
-        if self.meta.token_index is not None:
+        if self.meta.token_index is not None:  # a padded batch: only real tokens are stored
             k_new, v_new = k_new[self.meta.token_index], v_new[self.meta.token_index]
+        # pools viewed as [num_blocks * block_size, H_kv, D]: one row per token slot
         k_pool.view(-1, h_kv, d).index_copy_(0, self.slots, k_new.to(k_pool.dtype))
         v_pool.view(-1, h_kv, v_pool.shape[-1]).index_copy_(0, self.slots, v_new.to(v_pool.dtype))
         return k_pool, v_pool

@@ -493,18 +493,11 @@ class PagedCache(Cache):
             if self._pads is None:
                 raise BlockStateError("call PagedCache.begin_step(...) before each forward (or use PagedCache.step)")
             self._begin_padded_step(key_states.shape[2], key_states.device)
-        b, h_kv, q, d = key_states.shape
+        b, _, q, _ = key_states.shape
         if b * q != self._n_tokens:
             raise BlockStateError(f"the forward has {b * q} tokens but the step was laid out for {self._n_tokens}")
         self._layers_done.add(layer_idx)
-        k_pool, v_pool = self.pool.storage(layer_idx, key_states, value_states)
-        k_new = key_states.transpose(1, 2).reshape(b * q, h_kv, d)
-        v_new = value_states.transpose(1, 2).reshape(b * q, h_kv, value_states.shape[-1])
-        if self._meta.token_index is not None:
-            k_new, v_new = k_new[self._meta.token_index], v_new[self._meta.token_index]
-        # pools viewed as [num_blocks * block_size, H_kv, D]: one row per token slot
-        k_pool.view(-1, h_kv, d).index_copy_(0, self._slots, k_new.to(k_pool.dtype))
-        v_pool.view(-1, h_kv, v_pool.shape[-1]).index_copy_(0, self._slots, v_new.to(v_pool.dtype))
+        k_pool, v_pool = PagedStep(self.pool, self._meta, self._slots).write(layer_idx, key_states, value_states)
         bind(k_pool, v_pool, self._meta)
         return k_pool, v_pool
 
