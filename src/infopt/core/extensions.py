@@ -83,9 +83,8 @@ def _target(name: str, cxx: str) -> Path:
     return cache_dir() / f"{name}-{key}.so"
 
 
-def _build(name: str) -> bool | str:
-    if os.environ.get("INFOPT_NO_EXTENSIONS") == "1":
-        return "INFOPT_NO_EXTENSIONS=1 is set"
+def _compiled(name: str) -> Path | str:
+    """The kernel's library in the cache, compiled first if missing; or the reason it cannot be."""
     if sys.platform != "linux":
         return f"the C++ kernels are built on Linux only (this is {sys.platform})"
     cxx = _compiler()
@@ -102,6 +101,24 @@ def _build(name: str) -> bool | str:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
                 return f"building it with {cxx} failed:\n{tail}"
             os.replace(part, target)  # atomic: another process never loads a half-written library
+    return target
+
+
+def _registered(name: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"infopt::{name}", "CPU")
+    except RuntimeError:
+        return False
+
+
+def _build(name: str) -> bool | str:
+    if os.environ.get("INFOPT_NO_EXTENSIONS") == "1":
+        return "INFOPT_NO_EXTENSIONS=1 is set"
+    if _registered(name):  # already loaded in this process (a second copy's registration would abort it)
+        return True
+    target = _compiled(name)
+    if not isinstance(target, Path):
+        return target
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as e:

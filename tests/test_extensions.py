@@ -1,0 +1,70 @@
+"""infopt's C++ kernels: built from the project's files, cached, and a clear fallback where they cannot be."""
+
+import logging
+
+import pytest
+import torch
+
+from infopt.core import extensions
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    monkeypatch.setattr(extensions, "_STATE", {})
+    monkeypatch.setenv("INFOPT_EXTENSIONS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_no_compiler_is_a_logged_reason_and_false(fresh_state, monkeypatch, caplog):
+    monkeypatch.setattr(extensions, "_compiler", lambda: None)
+    monkeypatch.setattr(extensions, "_registered", lambda name: False)  # as in a process that never loaded it
+    with caplog.at_level(logging.WARNING, logger="infopt.extensions"):
+        assert extensions.load("paged_attention") is False
+        assert extensions.load("paged_attention") is False  # the reason is logged once
+    assert extensions.status()["paged_attention"] == "no C++ compiler found (install g++ or set CXX)"
+    warnings = [r for r in caplog.records if "not available" in r.getMessage()]
+    assert len(warnings) == 1 and "torch reference kernel" in warnings[0].getMessage()
+
+
+def test_disabled_by_environment(fresh_state, monkeypatch):
+    monkeypatch.setenv("INFOPT_NO_EXTENSIONS", "1")
+    assert extensions.load("paged_attention") is False
+    assert "INFOPT_NO_EXTENSIONS" in extensions.status()["paged_attention"]
+
+
+def test_unknown_kernel_name():
+    with pytest.raises(ValueError, match="unknown C\\+\\+ kernel 'nope'; known: paged_attention"):
+        extensions.load("nope")
+
+
+@pytest.mark.skipif(extensions._compiler() is None, reason="no C++ compiler on this machine")
+def test_builds_into_an_empty_cache_and_reuses_it(fresh_state):
+    built = extensions._compiled("paged_attention")
+    assert built.parent == fresh_state and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert extensions._compiled("paged_attention") == built  # cached, not rebuilt
+    assert built.stat().st_mtime_ns == stamp
+    # loading: once per process (an already registered operator is not loaded a second time)
+    assert extensions.load("paged_attention") is True
+    assert extensions.load("paged_attention") is True
+    assert hasattr(torch.ops.infopt, "paged_attention")
+
+
+def test_attention_falls_back_to_the_reference_without_the_kernel(monkeypatch):
+    """With the C++ kernel unavailable the paged backend runs its torch kernel: same tokens."""
+    import infopt
+    from infopt.attention import paged
+    from infopt.kvcache import Paged
+    from infopt.models import tiny_model
+
+    m = tiny_model("llama")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ref = m.generate(prompt, max_new_tokens=8, do_sample=False)
+    infopt.optimize(m, [Paged(block_size=4)])
+    monkeypatch.setattr(paged, "_CPU_READY", [False])
+    before = paged.kernel_calls()
+    out = m.generate(prompt, max_new_tokens=8, do_sample=False)
+    after = paged.kernel_calls()
+    infopt.undo(m)
+    assert torch.equal(out, ref)
+    assert after["cpu"] == before["cpu"] and after["reference"] > before["reference"]
