@@ -3,8 +3,8 @@
 Each kernel is one C++ file registering operators under ``torch.ops.infopt`` through ``torch.library``. It is
 compiled against the installed torch's headers and libraries (no ninja, no Python headers: a few seconds) for
 this machine's CPU (``-march=native``) and cached under ``$INFOPT_EXTENSIONS_DIR`` (default
-``~/.cache/infopt/extensions``), keyed by the source, the torch version, the compiler and the CPU's flags, so
-another torch or machine builds its own copy. ``make setup`` builds them once.
+``~/.cache/infopt/extensions``), keyed by the source, the torch version, the compiler and its flags and the CPU's
+flags, so another torch or machine builds its own copy. ``make setup`` builds them once.
 
 Where no compiler exists or the build fails, :func:`load` returns False and logs why once; callers then run their
 torch reference kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` turns the C++ kernels off.
@@ -71,14 +71,17 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
 
     lib = Path(torch.__file__).resolve().parent / "lib"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512",
+    # x86: let the compiler use 512-bit vectors where the CPU has them (its default stops at 256)
+    wide = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+    return [cxx, "-O3", "-march=native", *wide, "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(src),
             f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(out)]
 
 
 def _target(name: str, cxx: str) -> Path:
     src = (_SRC / f"{name}.cpp").read_bytes()
-    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
+    flags = " ".join(_command(cxx, Path("src"), Path("out")))  # the compiler flags and torch's include paths
+    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), flags.encode(), _cpu_flags().encode(),
                                      sys.platform.encode()])).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"
 

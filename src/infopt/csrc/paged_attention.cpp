@@ -263,25 +263,10 @@ inline void accumulate_rows(float* acc, int64_t acc_stride, const float* corr, c
 }
 #endif
 
-// o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the row's accumulator stays in registers over the tile's keys
+// o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the portable path (accumulate_rows unrolls AVX-512 head sizes)
 template <int64_t DH, typename KV>
 inline void accumulate(float* o, float corr, const float* p, const KV* const* vrow, int64_t off, int64_t cnt,
                        int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
-    constexpr int NV = static_cast<int>(DH / 16);
-    __m512 acc[NV];
-    const __m512 c = _mm512_set1_ps(corr);
-    for (int i = 0; i < NV; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
-    for (int64_t j = 0; j < cnt; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      const KV* v = vrow[j] + off;
-      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + 16 * i), acc[i]);
-    }
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
-    return;
-  }
-#endif
   if (corr != 1.f)
     for (int64_t d = 0; d < n; ++d) o[d] *= corr;
   for (int64_t j = 0; j < cnt; ++j) {
