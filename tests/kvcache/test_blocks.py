@@ -175,3 +175,33 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_try_allocate_answers_none_and_takes_nothing():
+    a = BlockAllocator(num_blocks=3, block_size=4)
+    held = a.try_allocate(2)
+    assert held == [0, 1] and a.num_used == 2
+    assert a.try_allocate(2) is None and a.num_used == 2 and a.num_free == 1  # nothing taken
+    with pytest.raises(OutOfBlocks, match="2 KV blocks needed, 1 available of 3"):
+        a.allocate_many(2)
+
+
+def test_paged_cache_try_begin_step_is_none_and_changes_nothing():
+    import torch
+
+    import infopt
+    from infopt.kvcache import PagedCache
+    from infopt.models import tiny_model
+
+    model = infopt.attention.set_backend_(tiny_model(), "paged")
+    cache = PagedCache.for_model(model, num_blocks=3, block_size=4)
+    cache.add_sequence("a", list(range(1, 9)))
+    cache.add_sequence("b", list(range(1, 9)))
+    with torch.no_grad():
+        cache.step(model, [("a", list(range(1, 9)))])  # 2 blocks
+    before = (cache.seq_len("a"), cache.seq_len("b"), cache.allocator.num_used)
+    assert cache.try_begin_step([("b", list(range(1, 9)))]) is None  # needs 2, 1 free
+    assert (cache.seq_len("a"), cache.seq_len("b"), cache.allocator.num_used) == before
+    with pytest.raises(OutOfBlocks, match="the step needs 2 KV blocks, 1 available of 3"):
+        cache.begin_step([("b", list(range(1, 9)))])
+    assert cache.try_begin_step([("b", [1, 2, 3])]) is not None  # one block fits

@@ -222,11 +222,12 @@ class Scheduler:
                     raise SequenceTooLarge(f"request {head.rid} needs more KV blocks than the pool's "
                                            f"{self.cache.allocator.num_blocks}", head)
                 return None
-            try:
-                batch = self.cache.begin_step([(s.rid, s.tokens(s.computed, n)) for s, n in plan])
-            except OutOfBlocks as e:
+            entries = [(s.rid, s.tokens(s.computed, n)) for s, n in plan]
+            batch = self.cache.try_begin_step(entries)
+            if batch is None:  # the pool cannot provide the step's blocks
                 if len(self.running) <= 1:
-                    raise SequenceTooLarge(str(e), self.running[0]) from e
+                    raise SequenceTooLarge(f"the step needs {self.cache.blocks_needed_for(entries)} KV blocks, more "
+                                           f"than the pool's {self.cache.allocator.num_blocks}", self.running[0])
                 victim = self.running[-1]  # the newest sequence gives its blocks back
                 if victim in self._admitted_now:  # admitted by this plan: back to the queue, not a preemption
                     self.running.remove(victim)

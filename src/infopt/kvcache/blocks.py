@@ -188,18 +188,32 @@ class BlockAllocator:
         self._used += 1
         return block
 
+    def try_allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks at once, or None (nothing taken) when fewer than ``n`` are available: a scheduler's
+        question, answered without an exception.
+
+        Example:
+            >>> a = BlockAllocator(num_blocks=2, block_size=4)
+            >>> a.try_allocate(3) is None, a.try_allocate(2)
+            (True, [0, 1])
+        """
+        if n > self.num_available:
+            return None
+        return [self.allocate() for _ in range(n)]
+
     def allocate_many(self, n: int) -> list[int]:
         """``n`` blocks at once, or none: raises before taking any when fewer than ``n`` are available.
 
         Raises:
             OutOfBlocks: fewer than ``n`` blocks available.
         """
-        if n > self.num_available:
+        blocks = self.try_allocate(n)
+        if blocks is None:
             raise OutOfBlocks(
                 f"{n} KV blocks needed, {self.num_available} available of {self.num_blocks}",
                 needed=n, available=self.num_available,
             )
-        return [self.allocate() for _ in range(n)]
+        return blocks
 
     def fork(self, block: int) -> int:
         """Share a held block with one more holder (refcount + 1); writes then go through :meth:`copy_on_write`.

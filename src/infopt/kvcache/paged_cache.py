@@ -289,9 +289,29 @@ class PagedCache(Cache):
 
         Raises:
             OutOfBlocks: the step needs more blocks than are available; nothing was changed, so the caller
-                can drop or preempt a sequence and try again.
+                can drop or preempt a sequence and try again (:meth:`try_begin_step` answers None instead).
             KeyError: unknown ``seq_id``; ValueError: a sequence twice or with no tokens.
             BlockStateError: the previous step's forward did not finish (call :meth:`abort_step`).
+        """
+        entries = list(entries)
+        batch = self.try_begin_step(entries)
+        if batch is None:
+            need = self.blocks_needed_for(entries)
+            raise OutOfBlocks(f"the step needs {need} KV blocks, {self.allocator.num_available} available of "
+                              f"{self.allocator.num_blocks}; drop or preempt a sequence and try again",
+                              needed=need, available=self.allocator.num_available)
+        return batch
+
+    def blocks_needed_for(self, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]]) -> int:
+        """Blocks a step of these ``(seq_id, new_tokens)`` entries would allocate."""
+        return sum(self.blocks_needed(sid, len(toks)) for sid, toks in entries)
+
+    def try_begin_step(self, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]]) -> PagedBatch | None:
+        """:meth:`begin_step`, answering None (nothing changed) when the pool cannot provide the step's blocks,
+        so a scheduler decides what to preempt without an exception.
+
+        Raises:
+            KeyError, ValueError, BlockStateError: as :meth:`begin_step` (misuse, not a full pool).
         """
         if self._pads is not None:
             raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
@@ -308,7 +328,8 @@ class PagedCache(Cache):
             raise ValueError("every sequence in a step needs at least one new token")
         starts = [s.length for s in seqs]
         news = [len(toks) for _, toks in entries]
-        self.pool.ensure_available(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True)))
+        if not self.pool.provide(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True))):
+            return None
         for seq, st, (_, toks) in zip(seqs, starts, entries, strict=True):
             self._reserve(seq, st, len(toks))
             seq.tokens[st:st + len(toks)] = toks

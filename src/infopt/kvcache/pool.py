@@ -92,16 +92,23 @@ class KVBlockPool:
         Raises:
             OutOfBlocks: not growable and fewer than ``n`` blocks available; nothing changed.
         """
-        short = n - self.allocator.num_available
-        if short <= 0:
-            return
-        if not self.growable:
+        if not self.provide(n):
             raise OutOfBlocks(
                 f"{n} KV blocks needed, {self.allocator.num_available} available of {self.num_blocks} "
                 f"({self.block_size} tokens each); build the pool with more blocks or wait for sequences to finish",
                 needed=n, available=self.allocator.num_available,
             )
+
+    def provide(self, n: int) -> bool:
+        """Whether ``n`` blocks can be allocated now, growing a growable pool (to at least double) if needed;
+        False (nothing changed) when a fixed-size pool has fewer available."""
+        short = n - self.allocator.num_available
+        if short <= 0:
+            return True
+        if not self.growable:
+            return False
         self.grow(max(short, self.num_blocks))
+        return True
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (the copy half of copy-on-write)."""
