@@ -6,7 +6,7 @@ synchronous CPU calls):
 
 - linears: every ``nn.Linear`` (and quantized linear) forward, the LM head included;
 - attention: the paged attention function (reading K/V through the block tables);
-- kv_write: the paged cache's ``update`` minus the attention it binds (writing the new K/V into the blocks);
+- kv_write: writing each layer's new K/V into the blocks (``PagedStep.write``);
 - schedule+layout: the scheduler's ``next_step`` (admission, the step's token lists, the block tables and
   attention metadata built by ``PagedCache.begin_step``);
 - sampling: choosing the next tokens from the logits;
@@ -30,7 +30,6 @@ from infopt.attention import paged as paged_mod
 from infopt.batching import Engine, SamplingParams
 from infopt.batching import engine as engine_mod
 from infopt.kvcache import Paged
-from infopt.kvcache import paged_cache as cache_mod
 from infopt.models import load_default
 
 CATEGORIES = ("linears", "attention", "kv_write", "schedule+layout", "sampling", "other")
@@ -77,24 +76,13 @@ def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int) -> li
     timers.hook_linears(model)
     timers.wrap(paged_mod, "_reference", "attention")
     timers.wrap(paged_mod, "_cpu", "attention")
+    timers.wrap(paged_mod.PagedStep, "write", "kv_write")
     timers.wrap(engine_mod, "choose_tokens", "sampling")
     rows = []
     for s in seqs:
         engine = Engine(model, tok, kv=Paged(num_blocks=-(-s * (context + steps + 8) // 16) + 8, prefix_caching=False),
                         max_seqs=max(seqs))
         timers.wrap(engine.scheduler, "next_step", "schedule+layout")
-        upd = cache_mod.PagedCache.update
-
-        def update(self, *a, _upd=upd, **k):
-            if not timers.on:
-                return _upd(self, *a, **k)
-            t0 = time.perf_counter()
-            try:
-                return _upd(self, *a, **k)
-            finally:
-                timers.t["kv_write"] += time.perf_counter() - t0
-
-        cache_mod.PagedCache.update = update
         prompts = [[(7 * i + j) % 30000 + 100 for j in range(context)] for i in range(s)]
         handles = [engine.submit(p, SamplingParams(max_new_tokens=steps + 64, ignore_eos=True)) for p in prompts]
         while any(not h._seq.output for h in handles):  # every sequence past its prefill
@@ -109,13 +97,11 @@ def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int) -> li
             engine.step()
             per_step.append(time.perf_counter() - t0)
         timers.on = False
-        cache_mod.PagedCache.update = upd
         for h in handles:
             h.cancel()
         engine.step()
         total = sum(per_step)
         cat = {k: timers.t.get(k, 0.0) for k in CATEGORIES[:-1]}
-        cat["kv_write"] -= 0.0  # update() returns before attention runs: no overlap to subtract
         cat["other"] = total - sum(cat.values())
         row = {"dtype": str(dtype).replace("torch.", ""), "seqs": s, "context": context,
                "step_ms_median": 1e3 * statistics.median(per_step),
