@@ -82,14 +82,13 @@ def main() -> None:
                 row["first_divergence"] = [
                     f"{next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)}/{len(a)}"
                     for a, b in zip(refs, row["tokens"], strict=False) if a != b]
-            tokens = row.pop("tokens")
+            row.pop("tokens")  # compared above; not written to the JSON
             rows.append(row)
             print(f"{dname:8s} {args.quantize or '':4s} kernel {kernel:9s}: {row['output_tokens_per_s']:6.1f} output tok/s,"
                   f" {row['prompt_tokens_per_s']:6.1f} prompt tok/s, {row['wall_s']:.1f} s, {row['steps']} steps, "
                   f"KV util mean {row['kv_util_mean']:.2f} max {row['kv_util_max']:.2f}"
                   + (f", greedy identical {row['greedy_identical']} (first differing token: "
                      f"{', '.join(row['first_divergence']) or '-'})" if refs else ""), flush=True)
-            del tokens
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_info(torch.device("cpu")), "workload": WORKLOADS["throughput"],

@@ -37,8 +37,8 @@ from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
-__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "paged_attention_forward", "register_paged_attention",
-           "kernel_calls", "set_cpu_kernel"]
+__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "paged_attention_forward",
+           "register_paged_attention", "kernel_calls", "set_cpu_kernel"]
 
 PAGED_IMPL = "infopt_paged"
 """The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
@@ -249,8 +249,6 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
 
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
-
-
 _CPU_READY: list[bool | None] = [None]  # the C++ kernel loaded (and its fake registered for torch.compile)?
 
 

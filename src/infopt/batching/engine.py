@@ -194,9 +194,8 @@ class Engine:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
-        if prepack is None:
-            prepack = supported(model)
-        if prepack and not supported(model):
+        packable = supported(model)
+        if prepack and not packable:
             raise ValueError("Engine prepack=True needs a bf16 model on a CPU whose oneDNN runs bf16 matmuls; "
                              "use prepack=None (automatic) or False")
         kv = kv or Paged()
@@ -208,7 +207,7 @@ class Engine:
             from ..attention.backends import set_backend_
 
             set_backend_(model, "paged", step="batching")
-        self.prepacked = prepack_linears_(model) if prepack else 0
+        self.prepacked = prepack_linears_(model) if (packable if prepack is None else prepack) else 0
         self.model = model
         self.tokenizer = tokenizer
         max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),

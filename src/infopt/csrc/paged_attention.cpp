@@ -88,12 +88,12 @@ inline float dot(const float* q, const KV* k, int64_t n) {
   s = _mm512_reduce_add_ps(v);
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<KV, float>) {
-  __m256 v = _mm256_setzero_ps();
-  for (; d + 8 <= n; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  s = _mm_cvtss_f32(h);
+    __m256 v = _mm256_setzero_ps();
+    for (; d + 8 <= n; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    s = _mm_cvtss_f32(h);
   }
 #else
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
