@@ -92,6 +92,10 @@ def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str
         opts.pop("triton.cudagraphs", None)
     if cpp_wrapper:
         opts["cpp_wrapper"] = True
+    from .passes import FuseSharedInputLinears
+
+    if FuseSharedInputLinears is not None:  # int8-activation linears on one input: one call (see .passes)
+        opts["post_grad_custom_post_pass"] = FuseSharedInputLinears()
     return opts
 
 

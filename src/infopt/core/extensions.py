@@ -12,7 +12,7 @@ torch reference kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` t
 Example:
     >>> from infopt.core.extensions import status
     >>> sorted(status())
-    ['paged_attention']
+    ['paged_attention', 'quant_linear']
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ __all__ = ["KERNELS", "load", "status", "build_all", "cache_dir"]
 
 _log = logging.getLogger("infopt.extensions")
 
-KERNELS = ("paged_attention",)
+KERNELS = ("paged_attention", "quant_linear")
 """The C++ kernels in ``infopt/csrc``, by file name."""
+
+_PROBE = {"quant_linear": "int4_a8_linear"}  # an operator that shows the kernel is registered (default: its name)
 
 _SRC = Path(__file__).resolve().parent.parent / "csrc"
 _LOCK = threading.Lock()
@@ -109,7 +111,7 @@ def _compiled(name: str) -> Path | str:
 
 def _registered(name: str) -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"infopt::{name}", "CPU")
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"infopt::{_PROBE.get(name, name)}", "CPU")
     except RuntimeError:
         return False
 

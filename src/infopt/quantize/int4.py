@@ -6,6 +6,8 @@ converts to and from one portable layout when saved or loaded:
 - ``cpu_int4pack``: ``torch._weight_int4pack_mm_for_cpu`` (bf16 activations), CPU.
 - ``cuda_tinygemm``: ``torch._weight_int4pack_mm`` (bf16 activations), CUDA.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
+- ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
+  weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
 
 Portable layout (the ``state_dict``): ``qweight`` uint8 ``[out, in // 2]`` (column ``2j`` in the low
 nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` fp32
@@ -25,6 +27,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
+from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
@@ -53,6 +56,11 @@ class Int4WeightOnly(StepConfig):
         lm_head_bits: 8 (default) or 4: the head's format when ``include_lm_head``. The head decides
             every token directly, so it is the most sensitive layer: on the default model an int4
             head costs ~18x the KL of an int8 one.
+        activations: ``"float"`` (default): activations stay floating point (bf16 in the kernel);
+            ``"int8"``: each call quantizes its activations to int8 per row and group of ``group_size``
+            channels and multiplies them with the int4 codes in integers (:mod:`infopt.quantize.a8`,
+            AVX512-VNNI on CPUs that have it). Faster at one to a few rows, and a further lossy step with
+            its own KL/top-1 figures; the head, when quantized to int8, takes int8 activations too.
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (prompts, batches, speculative
             verification). The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
@@ -80,6 +88,7 @@ class Int4WeightOnly(StepConfig):
     include_lm_head: bool = False
     lm_head_bits: int = 8
     dense_prefill: bool = False
+    activations: str = "float"
 
     def __post_init__(self):
         if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
@@ -88,6 +97,8 @@ class Int4WeightOnly(StepConfig):
             raise bad_field(self, "lm_head_bits", self.lm_head_bits, "4, 8")
         if self.zero_point not in ("float", "int"):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
+        if self.activations not in ("float", "int8"):
+            raise bad_field(self, "activations", self.activations, "float, int8")
         for name in ("symmetric", "include_lm_head", "dense_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
@@ -101,7 +112,7 @@ class Int4WeightOnly(StepConfig):
         if self.lm_head_bits == 8:
             from .int8 import Int8WeightOnly
 
-            return Int8WeightOnly()
+            return Int8WeightOnly(activations=self.activations)
         return None
 
 
@@ -212,7 +223,10 @@ class Int4Linear(nn.Module):
         # an automatic layout follows the device: .to()/.cuda() repack for the new device's kernel
         self._layout_auto = layout is None
         self.layout = layout_for(device, in_features, out_features, group_size) if layout is None else layout
-        if self.layout != "plain" and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
+        if self.layout == "a8" and (out_features % a8.ROWS or group_size % 8):
+            raise ValueError(f"Int4Linear: the a8 layout needs out_features divisible by {a8.ROWS} and group_size by 8, "
+                             f"got {out_features} and {group_size}")
+        if self.layout not in ("plain", "a8") and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
             self.layout = "plain"
         self._empty_buffers(device)
         self.register_buffer("in_perm", torch.arange(in_features, device=device) if has_perm else None)
@@ -248,7 +262,8 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, module: nn.Module, *, group_size: int = 128, symmetric: bool = False, conv1d: bool = False,
-                   weight: torch.Tensor | None = None, zero_point: str = "float") -> Int4Linear:
+                   weight: torch.Tensor | None = None, zero_point: str = "float", layout: str | None = None
+                   ) -> Int4Linear:
         """Round-to-nearest from an ``nn.Linear`` (or ``Conv1D`` with ``conv1d=True``); ``weight`` overrides
         the module's ``[out, in]`` weight (e.g. a tied embedding)."""
         w = weight if weight is not None else module.weight.detach()
@@ -256,15 +271,20 @@ class Int4Linear(nn.Module):
             w = w.t()
         codes, scales, zeros = quantize_int4_grouped(w, group_size, symmetric, zero_point)
         bias = getattr(module, "bias", None)
-        return cls.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, dtype=w.dtype)
+        return cls.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, dtype=w.dtype, layout=layout)
 
     # -- layouts ------------------------------------------------------------------------------------
     def _empty_buffers(self, device: torch.device) -> None:
         """(Re)register this layout's weight buffers, empty, on ``device``; drop the other layout's."""
         n_groups = self.in_features // self.group_size
-        for name in ("qweight", "scales", "zeros", "weight_packed", "scale_offset"):
+        for name in ("qweight", "scales", "zeros", "weight_packed", "scale_offset", "scale_min"):
             self._buffers.pop(name, None)
-        if self.layout == "plain":
+        if self.layout == "a8":  # see infopt.quantize.a8
+            self.register_buffer("weight_packed", torch.zeros(self.out_features // a8.ROWS, self.in_features // 8, 64,
+                                                              dtype=torch.uint8, device=device))
+            self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,
+                                                          dtype=torch.bfloat16, device=device))
+        elif self.layout == "plain":
             self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
                                                         device=device))
             self.register_buffer("scales", torch.ones(self.out_features, n_groups, dtype=torch.float32, device=device))
@@ -277,7 +297,8 @@ class Int4Linear(nn.Module):
                                                              device=device))
 
     def _storage_device(self) -> torch.device:
-        return (self.qweight if self.layout == "plain" else self.scale_offset).device
+        name = {"plain": "qweight", "a8": "scale_min"}.get(self.layout, "scale_offset")
+        return self._buffers[name].device
 
     def _set_portable(self, qweight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, *,
                       codes: torch.Tensor | None = None) -> None:
@@ -292,6 +313,10 @@ class Int4Linear(nn.Module):
             self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
             self.scales = scales.float().contiguous()
             self.zeros = zeros.float().contiguous()
+            return
+        if self.layout == "a8":
+            codes = unpack_int4(qweight) if codes is None else codes
+            self.weight_packed, self.scale_min = a8.pack_int4(codes, scales, zeros)
             return
         codes = (unpack_int4(qweight) if codes is None else codes).to(torch.int32)  # [out, in]
         if self.layout == "cpu_int4pack":
@@ -329,6 +354,9 @@ class Int4Linear(nn.Module):
         """``(qweight, scales, zeros)`` in the portable layout (recovered exactly from a kernel layout)."""
         if self.layout == "plain":
             return self.qweight, self.scales, self.zeros
+        if self.layout == "a8":
+            codes, scales, zeros = a8.unpack_int4(self.weight_packed, self.scale_min)
+            return pack_int4(codes), scales, zeros
         # run the kernel on the identity with scale 1, offset 0: it returns (code - 8), exactly, as [in, out]
         ones = torch.zeros_like(self.scale_offset)
         ones[..., 0] = 1.0
@@ -407,6 +435,8 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.in_perm)
         if dense:
             y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)
+        elif self.layout == "a8":
+            y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
         elif self.layout == "plain":
             w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
             y = F.linear(x, w)
@@ -426,7 +456,7 @@ class Int4Linear(nn.Module):
 @register_quantizer(Int4WeightOnly)
 def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
     layer = Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
-                                  zero_point=config.zero_point)
+                                  zero_point=config.zero_point, layout="a8" if config.activations == "int8" else None)
     if config.dense_prefill:
         layer.enable_dense()
     return layer

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.errors import IncompatibleModelError
 from ..core.step import StepConfig, bad_field, register_step
+from . import a8
 from .api import register_quantizer
 from .primitives import choose_qparams, dequantize, group_block, quantize
 from .triton_int8 import MM_DTYPES, int8_weight_mm
@@ -39,6 +41,10 @@ class Int8WeightOnly(StepConfig):
         include_lm_head: also quantize the output head. When it is tied to the input embedding, the
             head gets its own int8 copy and the embedding keeps its weight: more memory in all, but the
             head is read whole every token while the embedding gives one row per token.
+        activations: ``"float"`` (default) or ``"int8"``: each call quantizes its activations to int8
+            per row and group of 32 channels and multiplies them with the int8 codes in integers
+            (:mod:`infopt.quantize.a8`; AVX512-VNNI on CPUs that have it). Lossy beyond the weights;
+            per-channel scales only (``group_size`` None), ``out_features`` a multiple of 16.
 
     Raises:
         RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
@@ -57,6 +63,7 @@ class Int8WeightOnly(StepConfig):
     group_size: int | None = None
     compute_dtype: str = "auto"
     include_lm_head: bool = False
+    activations: str = "float"
 
     def __post_init__(self):
         if self.group_size is not None and (
@@ -67,12 +74,27 @@ class Int8WeightOnly(StepConfig):
             raise bad_field(self, "compute_dtype", self.compute_dtype, ", ".join(_COMPUTE_DTYPES))
         if not isinstance(self.include_lm_head, bool):
             raise bad_field(self, "include_lm_head", self.include_lm_head, "true or false")
+        if self.activations not in ("float", "int8"):
+            raise bad_field(self, "activations", self.activations, "float, int8")
+        if self.activations == "int8" and self.group_size is not None:
+            raise bad_field(self, "group_size", self.group_size, "null with activations: int8 (one scale per channel)")
 
     def check(self, model, info, steps):
         if self.group_size is not None:
             from .api import check_group_size
 
             check_group_size(model, self, self.group_size, alternative="group_size=None for one scale per channel")
+        if self.activations == "int8":
+            from .api import quantize_targets
+
+            for t in quantize_targets(model, self):
+                out_f, in_f = t.weight.shape
+                if out_f % 16 or in_f % 4:
+                    raise IncompatibleModelError(
+                        f"Int8WeightOnly(activations='int8'): {t.fqn} is {in_f} -> {out_f}; the int8-activation "
+                        "kernel needs out_features divisible by 16 and in_features by 4. Exclude it with exclude=[...] "
+                        "or use activations: float"
+                    )
         return []
 
 
@@ -103,23 +125,47 @@ def _int8pack_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
 
 
+def act_group(in_features: int) -> int:
+    """The activation group of an ``activations="int8"`` layer: 32 input channels, or the largest of 16, 8, 4
+    dividing ``in_features``."""
+    return next(g for g in (32, 16, 8, 4, in_features) if in_features % g == 0)
+
+
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights ``[out, in]`` and per-channel scales.
 
-    Buffers (saved in ``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``
-    (or ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter.
+    Saved (``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]`` (or
+    ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter. With
+    ``activations="int8"`` the codes live in the block layout of :mod:`infopt.quantize.a8` (buffers
+    ``weight_a8`` and ``wsum``) and are converted to ``weight_int8`` when saved and from it when loaded.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None, device=None, group_size: int | None = None):
+                 compute_dtype: torch.dtype | None, device=None, group_size: int | None = None,
+                 activations: str = "float"):
         super().__init__()
         if group_size is not None and in_features % group_size:
             raise ValueError(f"Int8Linear: group_size {group_size} does not divide in_features {in_features}")
+        if activations not in ("float", "int8"):
+            raise ValueError(f"Int8Linear: activations must be 'float' or 'int8', got {activations!r}")
+        if activations == "int8" and (group_size is not None or out_features % a8.ROWS or in_features % 4):
+            raise ValueError(f"Int8Linear: activations='int8' needs one scale per channel, out_features divisible by "
+                             f"{a8.ROWS} and in_features by 4; got group_size={group_size}, {in_features} -> {out_features}")
         self.in_features = in_features
         self.out_features = out_features
         self.out_dtype = dtype
         self.group_size = group_size
-        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.activations = activations
+        if activations == "int8":
+            self.act_group = act_group(in_features)
+            # not persistent: saved and loaded as weight_int8 (see _save_to_state_dict)
+            self.register_buffer("weight_a8", torch.zeros(out_features // a8.ROWS, in_features // 4, 4 * a8.ROWS,
+                                                          dtype=torch.int8, device=device), persistent=False)
+            self.register_buffer("wsum", torch.zeros(out_features // a8.ROWS, in_features // self.act_group, a8.ROWS,
+                                                     dtype=torch.int32, device=device), persistent=False)
+        else:
+            self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8,
+                                                            device=device))
         scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -128,17 +174,19 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, module: nn.Module, *, compute_dtype: str = "auto", conv1d: bool = False,
-                   group_size: int | None = None) -> Int8Linear:
+                   group_size: int | None = None, activations: str = "float") -> Int8Linear:
         """Build from an ``nn.Linear`` (or a transformers ``Conv1D`` with ``conv1d=True``)."""
         w = module.weight.detach()
         if conv1d:  # Conv1D stores [in, out]
             w = w.t()
         q, s = quantize_int8_per_channel(w, group_size)
-        return cls.from_codes(q, s, bias=getattr(module, "bias", None), dtype=w.dtype, compute_dtype=compute_dtype)
+        return cls.from_codes(q, s, bias=getattr(module, "bias", None), dtype=w.dtype, compute_dtype=compute_dtype,
+                              activations=activations)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, *, bias: torch.Tensor | None = None,
-                   dtype: torch.dtype = torch.float32, compute_dtype: str = "auto") -> Int8Linear:
+                   dtype: torch.dtype = torch.float32, compute_dtype: str = "auto",
+                   activations: str = "float") -> Int8Linear:
         """Build from int8 codes computed elsewhere (GPTQ, SmoothQuant).
 
         Args:
@@ -147,6 +195,7 @@ class Int8Linear(nn.Module):
             bias: ``[out]`` or None.
             dtype: the model's floating-point dtype.
             compute_dtype: as in :class:`Int8WeightOnly`.
+            activations: as in :class:`Int8WeightOnly`.
         """
         out_f, in_f = codes.shape
         group = None if scales.dim() == 1 else in_f // scales.shape[1]
@@ -154,16 +203,35 @@ class Int8Linear(nn.Module):
         if cd is None and group is None:
             cd = torch.bfloat16 if _int8pack_available(codes.device) else None
         new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
-                  group_size=group)
-        new.weight_int8.copy_(codes.to(torch.int8))
+                  group_size=group, activations=activations)
+        new._set_codes(codes.to(torch.int8))
         new.weight_scale.copy_(scales.float())
         if bias is not None:
             new.bias.data.copy_(bias.detach())
         return new
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes ``[out, in]`` (converted from the block layout with ``activations="int8"``)."""
+        return a8.unpack_int8(self.weight_a8) if self.activations == "int8" else self.weight_int8
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        if self.activations == "int8":
+            self.weight_a8, self.wsum = a8.pack_int8(codes.to(self.weight_a8.device), self.act_group)
+        else:
+            self.weight_int8.copy_(codes)
+
     def dequantize(self) -> torch.Tensor:
         """The float weight ``[out, in]`` these int8 values stand for."""
-        return dequantize(self.weight_int8, group_block(self.weight_int8.shape, self.group_size), self.weight_scale)
+        codes = self.codes()
+        return dequantize(codes, group_block(codes.shape, self.group_size), self.weight_scale)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.activations != "int8":
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight_int8"] = self.codes()
+        destination[prefix + "weight_scale"] = self.weight_scale
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def _scale(self, dtype: torch.dtype) -> torch.Tensor:
         s = self._scale_cache.get(dtype)
@@ -172,14 +240,39 @@ class Int8Linear(nn.Module):
             self._scale_cache[dtype] = s
         return s
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         self._scale_cache.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
+        if self.activations != "int8":
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        # the saved weight_int8 is converted into the block layout; the derived buffers are not saved
+        key = prefix + "weight_int8"
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, False, [], [], error_msgs)
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+        elif tuple(state_dict[key].shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"{key}: shape {tuple(state_dict[key].shape)} != {(self.out_features, self.in_features)}")
+        else:
+            with torch.no_grad():
+                self._set_codes(state_dict[key].to(torch.int8))
+        if strict:
+            names = {"weight_int8", "weight_scale"} | ({"bias"} if self.bias is not None else set())
+            for k in state_dict:
+                if k.startswith(prefix) and "." not in k[len(prefix):] and k[len(prefix):] not in names:
+                    unexpected_keys.append(k)
+            for n in names - {"weight_int8"}:
+                if prefix + n not in state_dict:
+                    missing_keys.append(prefix + n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         cd = self.compute_dtype
-        if self.group_size is not None:
+        if self.activations == "int8":
+            y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
+        elif self.group_size is not None:
             wd = cd or x.dtype
             y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
         elif x.is_cuda and (cd or x.dtype) in MM_DTYPES:
@@ -207,10 +300,12 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         g = "" if self.group_size is None else f", group_size={self.group_size}"
+        act = ", activations=int8" if self.activations == "int8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}{g}")
+                f"compute_dtype={self.compute_dtype}{g}{act}")
 
 
 @register_quantizer(Int8WeightOnly)
 def _make(module: nn.Module, config: Int8WeightOnly, conv1d: bool) -> Int8Linear:
-    return Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d, group_size=config.group_size)
+    return Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d, group_size=config.group_size,
+                                 activations=config.activations)

@@ -78,7 +78,8 @@ def layer_spec(module: nn.Module) -> dict[str, Any] | None:
     spec: dict[str, Any] = {"kind": kind, "in_features": module.in_features, "out_features": module.out_features,
                             "bias": module.bias is not None}
     if kind == "int8":
-        spec.update(group_size=module.group_size, compute_dtype=_dtype_name(module.compute_dtype))
+        spec.update(group_size=module.group_size, compute_dtype=_dtype_name(module.compute_dtype),
+                    activations=module.activations)
     elif kind == "int4":
         spec.update(group_size=module.group_size, in_perm=module.in_perm is not None,
                     layout="auto" if module._layout_auto else module.layout, dense=module.weight_dense is not None)
@@ -197,7 +198,8 @@ def build_layer(fqn: str, spec: dict[str, Any], original: nn.Module, *, device: 
 
 def finish_layer(spec: dict[str, Any], layer: nn.Module) -> nn.Module:
     """The layer to put in the model once ``layer`` (from :func:`build_layer`) holds the loaded tensors: int4
-    layers are rebuilt in their layout (the device's kernel for ``layout: auto``) through ``load_state_dict``,
+    layers are rebuilt in their layout (the device's kernel for ``layout: auto``) and int8-activation int8 layers
+    in their block layout through ``load_state_dict``,
     the same path :func:`infopt.load` takes; a dense prompt copy is remade where the saved layer had one."""
     for p in layer.parameters():
         p.requires_grad_(False)
@@ -206,6 +208,13 @@ def finish_layer(spec: dict[str, Any], layer: nn.Module) -> nn.Module:
     for name, t in list(layer.named_buffers(recurse=False)):
         if t is not None and t.data_ptr() % _ALIGN:
             setattr(layer, name, t.clone())
+    if spec["kind"] == "int8" and spec.get("activations", "float") == "int8":
+        # loaded as [out, in] codes like any int8 layer (what transformers' loader assigns to), then moved into the
+        # int8-activation kernel's block layout
+        final = Int8Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=layer.out_dtype,
+                           compute_dtype=layer.compute_dtype, device=layer.weight_int8.device, activations="int8")
+        final.load_state_dict(layer.state_dict())
+        return final
     if spec["kind"] != "int4":
         return layer
     device = layer.qweight.device

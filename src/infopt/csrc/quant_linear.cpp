@@ -1,0 +1,512 @@
+// Quantized linear layers with 8-bit dynamic activations for one to a few rows (decode, speculative
+// verification) on CPUs with integer dot products: AVX512-VNNI (vpdpbusd), AVX2 (vpmaddubsw) or portable C++.
+//
+// Activations are quantized per row and per group of `group` input channels (the weight's group): symmetric,
+// q = round(x * 127 / absmax), values -127..127, scale absmax / 127. Every group's integer dot product is exact;
+// the float work is one multiply-add per group and 16 output rows.
+//
+// int4_a8_linear(x [M, K] fp32|bf16, weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, G, 2, 16], group)
+//   Weights w = code * scale + min per (row, group), codes 0..15. In a block of 16 output rows, the 64 bytes of
+//   chunk c hold, for row r at bytes 4r..4r+3, codes of columns 8c..8c+3 in the low nibbles and 8c+4..8c+7 in
+//   the high ones: one 64-byte load feeds 16 rows x 8 columns, and each broadcast of 4 activation bytes serves
+//   16 rows (the sharing of activation loads across output rows that integer dot products need).
+//   y[m, r] = sum_g sx[m,g] * (scale[r,g] * sum_k code[r,k] q[m,k] + min[r,g] * sum_k q[m,k]).
+//
+// int8_a8_linear(x [M, K], weight int8 [N/16, K/4, 64], wsum int32 [N/16, G, 16], scale fp32 [N], group)
+//   Weights w = code * scale[r] (symmetric per row), codes -128..127; chunk c holds row r's columns 4c..4c+3 at
+//   bytes 4r..4r+3. vpdpbusd multiplies unsigned by signed bytes, so activations enter as q + 128 and each
+//   group's 128 * sum_k w[r,k] (wsum, precomputed) is subtracted.
+//   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k code[r,k] (q[m,k] + 128) - 128 * wsum[r,g]).
+//
+// Work is split over threads by blocks of 16 output rows (contiguous ranges, so each thread streams its part of
+// the weight once); rows of x are taken 4 at a time over the same weights.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef AHEAD
+#define AHEAD 2048
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 16;  // output rows per weight block
+constexpr int64_t kMR = 4;     // activation rows per pass over a block
+constexpr int64_t kAheadBytes = AHEAD;  // software prefetch distance in the weight stream
+constexpr int64_t kAheadGroups = 4;      // and in the scales
+constexpr int64_t kParallelWork = 16384;  // blocks x in_features x rows from which the work is split over threads
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr const char* kIsa = "avx512_vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kIsa = "avx2";
+#else
+constexpr const char* kIsa = "portable";
+#endif
+
+// ---- activations -----------------------------------------------------------------------------------------------
+
+struct Activations {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> sx;   // [M, G] scale of each group
+  std::vector<float> sxs;  // [M, G] scale * sum of the group's codes
+  std::vector<int32_t> sum;  // [M, G] sum of the group's codes
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+#endif
+
+// one group of one row: codes into dst, returns (scale, sum of codes)
+template <typename T>
+inline void quantize_group(const T* src, int64_t group, int8_t* dst, float& scale, int32_t& sum) {
+#if defined(__AVX512F__)
+  if (group % 16 == 0) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < group; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(src + k)));
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    __m512i vsum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < group; k += 16) {
+      // the current rounding mode (to nearest, ties to even), as std::nearbyint
+      __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src + k), inv));
+      r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+      vsum = _mm512_add_epi32(vsum, r);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(r));
+    }
+    scale = amax / 127.f;
+    sum = _mm512_reduce_add_epi32(vsum);
+    return;
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t k = 0; k < group; ++k) amax = std::max(amax, std::fabs(static_cast<float>(src[k])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t s = 0;
+  for (int64_t k = 0; k < group; ++k) {
+    float r = std::nearbyint(static_cast<float>(src[k]) * inv);
+    r = std::min(127.f, std::max(-127.f, r));
+    dst[k] = static_cast<int8_t>(r);
+    s += dst[k];
+  }
+  scale = amax / 127.f;
+  sum = s;
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t group, Activations& a) {
+  const int64_t G = K / group;
+  // buffers only grow: a decode step's calls allocate nothing
+  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
+  if (static_cast<int64_t>(a.sx.size()) < M * G) {
+    a.sx.resize(M * G);
+    a.sxs.resize(M * G);
+    a.sum.resize(M * G);
+  }
+  auto body = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        float scale;
+        int32_t s;
+        quantize_group(x + m * K + g * group, group, a.q.data() + m * K + g * group, scale, s);
+        a.sx[m * G + g] = scale;
+        a.sum[m * G + g] = s;
+        a.sxs[m * G + g] = scale * static_cast<float>(s);
+      }
+    }
+  };
+  if (M >= 16) at::parallel_for(0, M, 8, body);
+  else body(0, M);
+}
+
+// ---- output ------------------------------------------------------------------------------------------------------
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+#if defined(__AVX2__)
+inline __m256 load_bf16x8(const c10::BFloat16* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+#endif
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- int4 weights ------------------------------------------------------------------------------------------------
+// One block of 16 output rows against MR activation rows; acc [MR][16] fp32.
+
+template <int MR>
+void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a, int64_t m0, int64_t K,
+                int64_t group, float* acc) {
+  const int64_t G = K / group;
+  const int64_t chunks = group / 8;
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * G;
+  const float* sxs = a.sxs.data() + m0 * G;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 out[MR];
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i lo_acc[MR], hi_acc[MR];
+    for (int m = 0; m < MR; ++m) lo_acc[m] = hi_acc[m] = _mm512_setzero_si512();
+    const int8_t* xg = xq + g * group;
+    _mm_prefetch(reinterpret_cast<const char*>(sm + (g + kAheadGroups) * 32), _MM_HINT_T0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadBytes), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w);
+      w += 64;
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xm = xg + m * K + 8 * c;
+        lo_acc[m] = _mm512_dpbusd_epi32(lo_acc[m], lo, _mm512_set1_epi32(load4(xm)));
+        hi_acc[m] = _mm512_dpbusd_epi32(hi_acc[m], hi, _mm512_set1_epi32(load4(xm + 4)));
+      }
+    }
+    const __m512 scale = load16(sm + g * 32);
+    const __m512 mn = load16(sm + g * 32 + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
+      out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * G + g]), out[m]);
+      out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(sx[m * G + g])), out[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc + m * kRows, out[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the 64-byte chunk as two halves of 8 rows; u8 x s8 pairs summed in 16 bits (at most 2 * 15 * 127) then 32
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 out[MR][2];
+  for (int m = 0; m < MR; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i iacc[MR][2];
+    for (int m = 0; m < MR; ++m) iacc[m][0] = iacc[m][1] = _mm256_setzero_si256();
+    const int8_t* xg = xq + g * group;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xm = xg + m * K + 8 * c;
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(xm))),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(xm + 4))));
+          iacc[m][h] = _mm256_add_epi32(iacc[m][h], _mm256_madd_epi16(p, ones));
+        }
+      }
+      w += 64;
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = load_bf16x8(sm + g * 32 + 8 * h);
+      const __m256 mn = load_bf16x8(sm + g * 32 + 16 + 8 * h);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
+        out[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxs[m * G + g]), out[m][h]);
+        out[m][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(sx[m * G + g])), out[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(acc + m * kRows, out[m][0]);
+    _mm256_storeu_ps(acc + m * kRows + 8, out[m][1]);
+  }
+#else
+  float out[MR][kRows] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t iacc[MR][kRows] = {};
+    const int8_t* xg = xq + g * group;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int j = 0; j < 4; ++j) {
+          const int32_t lo = w[4 * r + j] & 0x0F, hi = w[4 * r + j] >> 4;
+          for (int m = 0; m < MR; ++m) iacc[m][r] += lo * xg[m * K + 8 * c + j] + hi * xg[m * K + 8 * c + 4 + j];
+        }
+      }
+      w += 64;
+    }
+    for (int m = 0; m < MR; ++m) {
+      for (int r = 0; r < kRows; ++r) {
+        const float scale = static_cast<float>(sm[g * 32 + r]), mn = static_cast<float>(sm[g * 32 + 16 + r]);
+        out[m][r] = std::fma(mn, sxs[m * G + g], out[m][r]);
+        out[m][r] = std::fma(static_cast<float>(iacc[m][r]), scale * sx[m * G + g], out[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));
+#endif
+}
+
+// ---- int8 weights ------------------------------------------------------------------------------------------------
+
+template <int MR>
+void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int64_t m0, int64_t K, int64_t group,
+                float* acc) {
+  const int64_t G = K / group;
+  const int64_t chunks = group / 4;
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* sx = a.sx.data() + m0 * G;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // + 128 per byte (xor of the sign bit)
+  __m512 out[MR];
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i ia[MR], ib[MR];
+    for (int m = 0; m < MR; ++m) ia[m] = ib[m] = _mm512_setzero_si512();
+    const int8_t* xg = xq + g * group;
+    int64_t c = 0;
+    for (; c + 1 < chunks; c += 2) {
+      const __m512i v0 = _mm512_loadu_si512(w);
+      const __m512i v1 = _mm512_loadu_si512(w + 64);
+      w += 128;
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xm = xg + m * K + 4 * c;
+        ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xm)), bias), v0);
+        ib[m] = _mm512_dpbusd_epi32(ib[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xm + 4)), bias), v1);
+      }
+    }
+    for (; c < chunks; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(w);
+      w += 64;
+      for (int m = 0; m < MR; ++m)
+        ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xg + m * K + 4 * c)), bias), v0);
+    }
+    const __m512i ws = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kRows), 7);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
+      out[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(sx[m * G + g]), out[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc + m * kRows, out[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // u8 x s8 pairs in 16 bits can saturate (2 * 255 * 128 > 32767), so AVX2 widens the weights to 16 bits and uses
+  // the signed codes directly: vpmaddwd of int16 pairs is exact
+  __m256 out[MR][2];
+  for (int m = 0; m < MR; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i iacc[MR][2];
+    for (int m = 0; m < MR; ++m) iacc[m][0] = iacc[m][1] = _mm256_setzero_si256();
+    const int8_t* xg = xq + g * group;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+        // 8 rows x 4 bytes: widen pairs (k, k+1) and (k+2, k+3) of each row to int16
+        const __m256i w01 = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);  // byte 0 of each row
+        const __m256i w1 = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24);
+        const __m256i w2 = _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24);
+        const __m256i w3 = _mm256_srai_epi32(v, 24);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xm = xg + m * K + 4 * c;
+          __m256i s = _mm256_mullo_epi32(w01, _mm256_set1_epi32(xm[0]));
+          s = _mm256_add_epi32(s, _mm256_mullo_epi32(w1, _mm256_set1_epi32(xm[1])));
+          s = _mm256_add_epi32(s, _mm256_mullo_epi32(w2, _mm256_set1_epi32(xm[2])));
+          s = _mm256_add_epi32(s, _mm256_mullo_epi32(w3, _mm256_set1_epi32(xm[3])));
+          iacc[m][h] = _mm256_add_epi32(iacc[m][h], s);
+        }
+      }
+      w += 64;
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MR; ++m)
+        out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_set1_ps(sx[m * G + g]), out[m][h]);
+  }
+  (void)wsum;
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(acc + m * kRows, out[m][0]);
+    _mm256_storeu_ps(acc + m * kRows + 8, out[m][1]);
+  }
+#else
+  float out[MR][kRows] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t iacc[MR][kRows] = {};
+    const int8_t* xg = xq + g * group;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int r = 0; r < kRows; ++r)
+        for (int j = 0; j < 4; ++j)
+          for (int m = 0; m < MR; ++m) iacc[m][r] += static_cast<int32_t>(w[4 * r + j]) * xg[m * K + 4 * c + j];
+      w += 64;
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < kRows; ++r) out[m][r] = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g], out[m][r]);
+  }
+  (void)wsum;
+  for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));
+#endif
+}
+
+// ---- operators ---------------------------------------------------------------------------------------------------
+
+void check_x(const at::Tensor& x, int64_t K, int64_t group, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in_features], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " input features, the weight ", K);
+  TORCH_CHECK(group > 0 && K % group == 0, op, ": group ", group, " must divide in_features ", K);
+}
+
+const Activations& quantize(const at::Tensor& x, int64_t group) {
+  thread_local Activations a;
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kFloat) quantize_rows(x.data_ptr<float>(), M, K, group, a);
+  else quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, group, a);
+  return a;
+}
+
+// run block(i, nb, m0, mr, acc) for every block of 16 output rows of every output i and every pass of up to 4 rows
+// of x; output i is [M, Ns[i]]. All outputs' blocks share one parallel region (a fused q/k/v or gate/up call).
+template <typename Block>
+std::vector<at::Tensor> run_blocks(const at::Tensor& x, const std::vector<int64_t>& Ns,
+                                   const std::vector<const float*>& row_scale, Block block) {
+  const int64_t M = x.size(0), n_out = static_cast<int64_t>(Ns.size());
+  std::vector<at::Tensor> ys;
+  std::vector<int64_t> first(n_out + 1, 0);  // first block of each output in the joint block range
+  for (int64_t i = 0; i < n_out; ++i) {
+    ys.push_back(at::empty({M, Ns[i]}, x.options()));
+    first[i + 1] = first[i] + Ns[i] / kRows;
+  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t NB = first[n_out];
+  // below about 16K (block x input x row) units a second thread's start costs more than it saves (~2 us)
+  const int64_t grain = NB * x.size(1) * M >= kParallelWork ? 1 : std::max<int64_t>(NB, 1);
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    float acc[kMR * kRows];
+    int64_t i = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      while (b >= first[i + 1]) ++i;
+      const int64_t nb = b - first[i], N = Ns[i];
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int64_t mr = std::min(kMR, M - m0);
+        block(i, nb, m0, mr, acc);
+        for (int64_t m = 0; m < mr; ++m) {
+          float* row = acc + m * kRows;
+          if (row_scale[i] != nullptr)
+            for (int64_t r = 0; r < kRows; ++r) row[r] *= row_scale[i][nb * kRows + r];
+          if (bf16) store_row(ys[i].data_ptr<c10::BFloat16>() + (m0 + m) * N + nb * kRows, row, kRows);
+          else store_row(ys[i].data_ptr<float>() + (m0 + m) * N + nb * kRows, row, kRows);
+        }
+      }
+    }
+  });
+  return ys;
+}
+
+std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList weights, at::TensorList scale_mins,
+                                         int64_t group) {
+  const char* op = "int4_a8_linear";
+  TORCH_CHECK(!weights.empty() && weights.size() == scale_mins.size(), op,
+              ": give one scale_min per weight (got ", weights.size(), " weights, ", scale_mins.size(), " scale_min)");
+  TORCH_CHECK(group % 8 == 0, op, ": group ", group, " must be a multiple of 8");
+  const int64_t K = weights[0].dim() == 3 ? weights[0].size(1) * 8 : -1;
+  at::Tensor x = x_.contiguous();
+  check_x(x, K, group, op);
+  const int64_t G = K / group;
+  std::vector<int64_t> Ns;
+  std::vector<const uint8_t*> ws;
+  std::vector<const c10::BFloat16*> sms;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& weight = weights[i];
+    const at::Tensor& scale_min = scale_mins[i];
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(1) * 8 == K &&
+                    weight.size(2) == 64 && weight.is_contiguous() && weight.device().is_cpu(),
+                op, ": weight must be contiguous uint8 [out/16, ", K / 8, ", 64] on the CPU, got ",
+                weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
+    const int64_t NB = weight.size(0);
+    TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() && scale_min.device().is_cpu() &&
+                    scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows}),
+                op, ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] on the CPU, got ",
+                scale_min.scalar_type(), " ", scale_min.sizes());
+    Ns.push_back(NB * kRows);
+    ws.push_back(weight.data_ptr<uint8_t>());
+    sms.push_back(scale_min.data_ptr<c10::BFloat16>());
+  }
+  const Activations& a = quantize(x, group);
+  const std::vector<const float*> no_scale(weights.size(), nullptr);
+  return run_blocks(x, Ns, no_scale, [&](int64_t i, int64_t nb, int64_t m0, int64_t mr, float* acc) {
+    const uint8_t* wb = ws[i] + nb * (K / 8) * 64;
+    const c10::BFloat16* sb = sms[i] + nb * G * 2 * kRows;
+    switch (mr) {
+      case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
+      case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
+      case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
+      default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
+    }
+  });
+}
+
+at::Tensor int4_a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_min, int64_t group) {
+  return int4_a8_linear_n(x, {weight}, {scale_min}, group)[0];
+}
+
+at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at::Tensor& wsum,
+                          const at::Tensor& scale, int64_t group) {
+  const char* op = "int8_a8_linear";
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 3 && weight.size(2) == 64 && weight.is_contiguous(),
+              op, ": weight must be contiguous int8 [out/16, in/4, 64], got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t NB = weight.size(0), K = weight.size(1) * 4, N = NB * kRows;
+  TORCH_CHECK(group % 4 == 0, op, ": group ", group, " must be a multiple of 4");
+  at::Tensor x = x_.contiguous();
+  check_x(x, K, group, op);
+  const int64_t G = K / group;
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.sizes() == at::IntArrayRef({NB, G, kRows}),
+              op, ": wsum must be contiguous int32 [", NB, ", ", G, ", 16], got ", wsum.scalar_type(), " ", wsum.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N, op,
+              ": scale must be contiguous float32 [", N, "], got ", scale.scalar_type(), " ", scale.sizes());
+  TORCH_CHECK(weight.device().is_cpu() && wsum.device().is_cpu() && scale.device().is_cpu(), op,
+              ": weights must be on the CPU");
+  const Activations& a = quantize(x, group);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const int32_t* ws = wsum.data_ptr<int32_t>();
+  return run_blocks(x, {N}, {scale.data_ptr<float>()}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
+    const int8_t* wb = w + nb * (K / 4) * 64;
+    const int32_t* sb = ws + nb * G * kRows;
+    switch (mr) {
+      case 1: int8_block<1>(wb, sb, a, m0, K, group, acc); break;
+      case 2: int8_block<2>(wb, sb, a, m0, K, group, acc); break;
+      case 3: int8_block<3>(wb, sb, a, m0, K, group, acc); break;
+      default: int8_block<4>(wb, sb, a, m0, K, group, acc); break;
+    }
+  })[0];
+}
+
+std::string quant_linear_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infopt, m) {
+  m.def("int4_a8_linear(Tensor x, Tensor weight, Tensor scale_min, int group) -> Tensor");
+  m.def("int4_a8_linear_n(Tensor x, Tensor[] weights, Tensor[] scale_mins, int group) -> Tensor[]");
+  m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");
+  m.def("quant_linear_isa() -> str", &quant_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(infopt, CPU, m) {
+  m.impl("int4_a8_linear", &int4_a8_linear);
+  m.impl("int4_a8_linear_n", &int4_a8_linear_n);
+  m.impl("int8_a8_linear", &int8_a8_linear);
+}

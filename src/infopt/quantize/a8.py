@@ -1,0 +1,195 @@
+"""Int4 and int8 weights times 8-bit dynamic activations: integer dot products for one to a few rows.
+
+Each call quantizes its activations per row and per group of ``group`` input channels (symmetric: codes
+-127..127, scale ``absmax / 127``), multiplies them with the weight codes in integers, exactly, and applies the
+float scales once per group. On the CPU the C++ kernel ``torch.ops.infopt.int4_a8_linear`` /
+``int8_a8_linear`` (``infopt/csrc/quant_linear.cpp``: AVX512-VNNI, AVX2 or portable C++) does it on weights
+in the block layout below, which reads each weight byte once per call and shares every activation load
+between 16 output rows. Elsewhere, or where the kernel cannot be built, :func:`int4_a8_reference` and
+:func:`int8_a8_reference` compute the same numbers with torch operations (they are the kernels' oracle).
+
+Activation quantization is lossy on top of the weights' quantization: a separate choice
+(``Int4WeightOnly(activations="int8")``) with its own quality figures.
+
+Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group``):
+
+- int4: ``weight`` uint8 ``[N/16, K/8, 64]``; the 64 bytes of chunk ``c`` hold, at bytes ``4r..4r+3`` of row
+  ``r`` of the block, the codes of columns ``8c..8c+3`` (low nibbles) and ``8c+4..8c+7`` (high nibbles).
+  ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``.
+- int8: ``weight`` int8 ``[N/16, K/4, 64]``; chunk ``c`` holds columns ``4c..4c+3`` of row ``r`` at bytes
+  ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..core import extensions
+
+__all__ = ["available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
+           "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "ROWS"]
+
+ROWS = 16
+"""Output rows per weight block: the layers' ``out_features`` must be a multiple of it."""
+
+_READY: list[bool | None] = [None]
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the C++ kernels are loaded (built on first call; see :mod:`infopt.core.extensions`)."""
+    if _READY[0] is None:
+        with _LOCK:
+            if _READY[0] is None:
+                ready = extensions.load("quant_linear")
+                if ready:
+                    @torch.library.register_fake("infopt::int4_a8_linear")
+                    def _(x, weight, scale_min, group):
+                        return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
+
+                    @torch.library.register_fake("infopt::int4_a8_linear_n")
+                    def _(x, weights, scale_mins, group):
+                        return [x.new_empty(x.shape[0], w.shape[0] * ROWS) for w in weights]
+
+                    @torch.library.register_fake("infopt::int8_a8_linear")
+                    def _(x, weight, wsum, scale, group):
+                        return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
+                _READY[0] = ready
+    return bool(_READY[0])
+
+
+def isa() -> str | None:
+    """The instruction set the C++ kernels were built for (``"avx512_vnni"``, ``"avx2"``, ``"portable"``), or None
+    when they are not available."""
+    return torch.ops.infopt.quant_linear_isa() if available() else None
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-group symmetric int8 codes of ``x`` ``[M, K]``: ``(codes int8 [M, K], scales fp32 [M, K/group])``
+    with ``x ~= codes * scale``; the kernels' rounding exactly (``round(x * (127 / absmax))``, ties to even).
+
+    Example:
+        >>> q, s = quantize_activations(torch.tensor([[1.0, -2.0, 0.5, 0.0]]), 2)
+        >>> q.tolist(), s.mul(127).tolist()
+        ([[64, -127, 127, 0]], [[2.0, 0.5]])
+    """
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(m, k), (amax / 127.0).squeeze(-1)
+
+
+def _check_rows(n: int) -> None:
+    if n % ROWS:
+        raise ValueError(f"the a8 block layout needs out_features divisible by {ROWS}, got {n}")
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4 codes ``[N, K]`` (0..15) with ``w = (code - zero) * scale`` per group into ``(weight, scale_min)`` (module
+    docstring). Scales are rounded to bf16 first and the minimum ``-zero * scale`` computed from the rounded scale."""
+    n, k = codes.shape
+    _check_rows(n)
+    groups = scales.shape[1]
+    c = codes.to(torch.uint8).reshape(n // ROWS, ROWS, k // 8, 2, 4)  # [blk, r, chunk, half, j]
+    packed = c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)  # [blk, r, chunk, j]
+    weight = packed.permute(0, 2, 1, 3).reshape(n // ROWS, k // 8, 4 * ROWS).contiguous()
+    s16 = scales.float().to(torch.bfloat16)
+    mn = (-zeros.float() * s16.float()).to(torch.bfloat16)
+    scale_min = torch.stack([s16, mn], 0).reshape(2, n // ROWS, ROWS, groups).permute(1, 3, 0, 2).contiguous()
+    return weight, scale_min
+
+
+def unpack_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_int4`: ``(codes uint8 [N, K], scales fp32 [N, G], zeros fp32 [N, G])``."""
+    nb, chunks, _ = weight.shape
+    b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
+    codes = torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
+    sm = scale_min.float().permute(2, 0, 3, 1).reshape(2, nb * ROWS, -1)  # [2, N, G]
+    return codes, sm[0].clone(), -sm[1] / sm[0]
+
+
+def pack_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes ``[N, K]`` into ``(weight, wsum)`` (module docstring) for activation groups of ``group``."""
+    n, k = codes.shape
+    _check_rows(n)
+    c = codes.to(torch.int8)
+    weight = c.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 4 * ROWS)
+    wsum = c.to(torch.int32).reshape(n // ROWS, ROWS, k // group, group).sum(-1, dtype=torch.int32).permute(0, 2, 1)
+    return weight.contiguous(), wsum.contiguous()
+
+
+def unpack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` of an int8 block-layout weight."""
+    nb, chunks, _ = weight.shape
+    return weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, chunks * 4)
+
+
+def _group_dots(q: torch.Tensor, codes: torch.Tensor, group: int) -> torch.Tensor:
+    # exact integer dot products per (row, output, group) in fp32 (|sum| < 2**24 for groups up to 256 columns)
+    m, k = q.shape
+    return torch.einsum("mgk,ngk->mng", q.float().reshape(m, k // group, group),
+                        codes.float().reshape(codes.shape[0], k // group, group))
+
+
+def int4_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`int4_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
+    q, sx = quantize_activations(x, group)
+    codes, _, _ = unpack_int4(weight, scale_min)
+    sm = scale_min.float().permute(2, 0, 3, 1).reshape(2, codes.shape[0], -1)  # [2, N, G]
+    dots = _group_dots(q, codes, group)  # [M, N, G]
+    qsum = q.float().reshape(q.shape[0], -1, group).sum(-1)  # [M, G]
+    y = (dots * sm[0] * sx[:, None, :]).sum(-1) + ((sx * qsum)[:, None, :] * sm[1]).sum(-1)
+    return y.to(x.dtype)
+
+
+def int8_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`int8_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
+    q, sx = quantize_activations(x, group)
+    dots = _group_dots(q, unpack_int8(weight), group)  # [M, N, G]
+    return ((dots * sx[:, None, :]).sum(-1) * scale.float()).to(x.dtype)
+
+
+def int4_a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tensor, group: int) -> torch.Tensor:
+    """``x [..., K]`` times an int4 block-layout weight with int8 dynamic activations: ``[..., N]`` in ``x.dtype``
+    (float32 or bfloat16 on the C++ kernel; any float dtype on the reference).
+
+    Example:
+        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> w = torch.randn(32, 64)
+        >>> weight, sm = pack_int4(*quantize_int4_grouped(w, 32))
+        >>> x = torch.randn(2, 64)
+        >>> y = int4_a8_linear(x, weight, sm, 32)
+        >>> y.shape, bool(torch.allclose(y, int4_a8_reference(x, weight, sm, 32), atol=1e-4))
+        (torch.Size([2, 32]), True)
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        y = torch.ops.infopt.int4_a8_linear(x2, weight, scale_min, group)
+    else:
+        y = int4_a8_reference(x2, weight, scale_min, group)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: list[torch.Tensor],
+                     group: int) -> list[torch.Tensor]:
+    """Several int4 block-layout weights on one input ``x [M, K]`` (fused q/k/v or gate/up): the activations are
+    quantized once and every weight's blocks share one parallel region. Each output equals
+    :func:`int4_a8_linear` with that weight alone, bit for bit."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        return list(torch.ops.infopt.int4_a8_linear_n(x, weights, scale_mins, group))
+    return [int4_a8_reference(x, w, sm, group) for w, sm in zip(weights, scale_mins)]
+
+
+def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+                   group: int) -> torch.Tensor:
+    """``x [..., K]`` times an int8 block-layout weight (per-row ``scale``) with int8 dynamic activations."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        y = torch.ops.infopt.int8_a8_linear(x2, weight, wsum, scale, group)
+    else:
+        y = int8_a8_reference(x2, weight, scale, group)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

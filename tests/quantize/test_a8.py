@@ -1,0 +1,342 @@
+"""Int4/int8 weights x int8 dynamic activations: the C++ kernels against their torch reference (the oracle), the
+block layouts, the layers built on them, and the compile pass that fuses shared-input calls."""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import infopt
+from infopt.core import extensions
+from infopt.core.errors import RecipeError
+from infopt.models import tiny_model
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8, quantize_
+from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
+from infopt.quantize.int8 import Int8Linear
+
+kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
+
+
+def _int4(n, k, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    codes, scales, zeros = quantize_int4_grouped(w, group, zero_point="float")
+    return codes, scales, zeros
+
+
+def _float_weight(weight, scale_min):
+    codes, scales, zeros = a8.unpack_int4(weight, scale_min)
+    group = codes.shape[1] // scales.shape[1]
+    return (codes.float() - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+
+
+def _sqnr_db(got, want):
+    return float(10 * torch.log10(want.pow(2).sum() / (got - want).pow(2).sum()))
+
+
+# -- layouts ------------------------------------------------------------------------------------------------------
+
+def test_int4_layout_round_trips_codes_and_rounds_scales_to_bf16():
+    codes, scales, zeros = _int4(48, 128, 32)
+    weight, sm = a8.pack_int4(codes, scales, zeros)
+    assert weight.shape == (3, 16, 64) and weight.dtype == torch.uint8
+    assert sm.shape == (3, 4, 2, 16) and sm.dtype == torch.bfloat16
+    c2, s2, z2 = a8.unpack_int4(weight, sm)
+    assert torch.equal(c2, codes)
+    assert torch.equal(s2, scales.to(torch.bfloat16).float())
+    # the minimum is -zero * scale in bf16: the recovered zero point gives back the same minimum
+    torch.testing.assert_close((-z2 * s2).to(torch.bfloat16), (-zeros * s2).to(torch.bfloat16), rtol=0, atol=0)
+    # byte 4r + j of chunk c of block b: row 16b + r, columns 8c + j (low nibble) and 8c + 4 + j (high)
+    b, c, r, j = 2, 5, 7, 3
+    byte = int(weight[b, c, 4 * r + j])
+    assert byte & 0xF == codes[16 * b + r, 8 * c + j] and byte >> 4 == codes[16 * b + r, 8 * c + 4 + j]
+
+
+def test_int8_layout_round_trips_and_sums_groups():
+    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
+    weight, wsum = a8.pack_int8(codes, 16)
+    assert weight.shape == (2, 16, 64) and wsum.shape == (2, 4, 16) and wsum.dtype == torch.int32
+    assert torch.equal(a8.unpack_int8(weight), codes)
+    assert int(wsum[1, 2, 5]) == int(codes[21, 32:48].int().sum())
+
+
+def test_layouts_need_rows_in_blocks_of_16():
+    with pytest.raises(ValueError, match="out_features divisible by 16, got 40"):
+        a8.pack_int4(*_int4(40, 64, 32))
+
+
+def test_activation_codes_round_half_to_even_and_keep_zero_groups_zero():
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, 0.0, 0.0, 0.0, 0.0]])
+    q, s = a8.quantize_activations(x, 4)
+    assert q.tolist() == [[127, 0, 0, 2, 0, 0, 0, 0]] and s.tolist() == [[1.0, 0.0]]
+
+
+# -- kernels against the reference ----------------------------------------------------------------------------------
+
+@kernel
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 5), group=st.sampled_from([32, 64, 128, 256]), groups=st.integers(1, 3),
+       rows=st.integers(1, 9), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_int4_kernel_matches_the_reference(blocks, group, groups, rows, bf16, seed):
+    n, k = 16 * blocks, group * groups
+    weight, sm = a8.pack_int4(*_int4(n, k, group, seed))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    if bf16:
+        x = x.to(torch.bfloat16)
+    got = torch.ops.infopt.int4_a8_linear(x, weight, sm, group)
+    want = a8.int4_a8_reference(x.float(), weight, sm, group)
+    assert got.dtype == x.dtype and got.shape == (rows, n)
+    # the integer products are exact; only the float sums' order differs (and the bf16 output's rounding)
+    tol = 8e-3 if bf16 else 2e-6
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@kernel
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 5), k=st.sampled_from([32, 64, 96, 576]), rows=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_int8_kernel_matches_the_reference(blocks, k, rows, seed):
+    n = 16 * blocks
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02
+    group = 32
+    weight, wsum = a8.pack_int8(codes, group)
+    x = torch.randn(rows, k, generator=g) * 3
+    got = torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, group)
+    want = a8.int8_a8_reference(x, weight, scale, group)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@kernel
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_int4_kernel_sqnr_floor_against_the_float_weight(shape, rows):
+    """Activation quantization's loss alone (the weight's own is not counted): above 38 dB on Gaussian inputs."""
+    n, k = shape
+    weight, sm = a8.pack_int4(*_int4(n, k, 32))
+    x = torch.randn(rows, k)
+    got = a8.int4_a8_linear(x, weight, sm, 32)
+    assert _sqnr_db(got, x @ _float_weight(weight, sm).t()) > 38
+
+
+@kernel
+def test_fused_call_is_bit_identical_to_separate_calls():
+    parts = [a8.pack_int4(*_int4(n, 576, 32, seed=n)) for n in (576, 192, 192)]
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 576)
+        fused = a8.int4_a8_linear_n(x, [w for w, _ in parts], [s for _, s in parts], 32)
+        for (w, s), y in zip(parts, fused):
+            assert torch.equal(y, a8.int4_a8_linear(x, w, s, 32))
+
+
+@kernel
+def test_kernels_refuse_bad_inputs_with_the_reason():
+    weight, sm = a8.pack_int4(*_int4(32, 64, 32))
+    with pytest.raises(RuntimeError, match="x has 32 input features, the weight 64"):
+        torch.ops.infopt.int4_a8_linear(torch.randn(1, 32), weight, sm, 32)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        torch.ops.infopt.int4_a8_linear(torch.randn(1, 64, dtype=torch.float64), weight, sm, 32)
+    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 \[2, 1, 2, 16\]"):
+        torch.ops.infopt.int4_a8_linear(torch.randn(1, 64), weight, sm, 64)
+    with pytest.raises(RuntimeError, match="weight must be contiguous int8"):
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), weight, torch.zeros(2, 2, 16, dtype=torch.int32),
+                                        torch.ones(32), 32)
+
+
+_PORTABLE_CHECK = textwrap.dedent("""
+    import sys, torch
+    torch.ops.load_library(sys.argv[1])
+    from infopt.quantize import a8
+    from infopt.quantize.int4 import quantize_int4_grouped
+    torch.manual_seed(0)
+    w, sm = a8.pack_int4(*quantize_int4_grouped(torch.randn(48, 128), 32, zero_point="float"))
+    codes = torch.randint(-128, 128, (48, 128), dtype=torch.int8)
+    w8, ws = a8.pack_int8(codes, 32)
+    scale = torch.rand(48)
+    for rows in (1, 5):
+        x = torch.randn(rows, 128)
+        y, r = torch.ops.infopt.int4_a8_linear(x, w, sm, 32), a8.int4_a8_reference(x, w, sm, 32)
+        assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
+        y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
+        assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
+    print(torch.ops.infopt.quant_linear_isa())
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(extensions._compiler() is None or os.uname().machine != "x86_64", reason="needs g++ on x86-64")
+@pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", "avx2"), ("x86-64", "portable")])
+def test_portable_builds_match_the_reference(tmp_path, march, isa):
+    """The AVX2 and plain C++ paths (for CPUs without VNNI), built here with an older -march, in a subprocess (a
+    second registration of the operators in this process would abort it)."""
+    cmd = [a if a != "-march=native" else f"-march={march}"
+           for a in extensions._command(extensions._compiler(), extensions._SRC / "quant_linear.cpp", tmp_path / "k.so")]
+    subprocess.run(cmd, check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, str(tmp_path / "k.so")], capture_output=True,
+                         text=True, env={**os.environ, "INFOPT_NO_EXTENSIONS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == isa
+
+
+def test_reference_runs_where_the_kernel_is_not_available(monkeypatch):
+    weight, sm = a8.pack_int4(*_int4(32, 64, 32))
+    x = torch.randn(2, 64)
+    monkeypatch.setattr(a8, "_READY", [False])
+    assert a8.isa() is None
+    torch.testing.assert_close(a8.int4_a8_linear(x, weight, sm, 32), a8.int4_a8_reference(x, weight, sm, 32))
+
+
+# -- layers and recipes --------------------------------------------------------------------------------------------
+
+def _a8_model(**kw):
+    torch.manual_seed(0)
+    m = tiny_model()
+    return quantize_(m, Int4WeightOnly(group_size=32, activations="int8", include_lm_head=True, **kw))
+
+
+def test_recipe_builds_a8_layers_and_an_int8_activation_head():
+    m = _a8_model()
+    assert m.model.layers[0].self_attn.q_proj.layout == "a8"
+    assert isinstance(m.lm_head, Int8Linear) and m.lm_head.activations == "int8"
+    ref = tiny_model()
+    torch.manual_seed(0)
+    ref = tiny_model()
+    ids = torch.randint(0, ref.config.vocab_size, (2, 12))
+    want = torch.log_softmax(ref(ids).logits.float(), -1)
+    got = torch.log_softmax(m(ids).logits.float(), -1)
+    kl = torch.nn.functional.kl_div(got, want, log_target=True, reduction="batchmean") / ids.shape[1]
+    assert kl < 0.05  # a random tiny model: the check is that nothing is broken, the real model's figures are in docs
+
+
+def test_bad_fields_are_refused():
+    with pytest.raises(RecipeError, match="activations"):
+        Int4WeightOnly(activations="int4")
+    with pytest.raises(RecipeError, match="group_size"):
+        Int8WeightOnly(activations="int8", group_size=32)
+
+
+def test_a8_layers_save_in_the_portable_layout_and_load_back_identically():
+    m = _a8_model()
+    sd = m.state_dict()
+    assert {"model.layers.0.mlp.up_proj.qweight", "lm_head.weight_int8"} <= set(sd)
+    assert not any(k.endswith(("weight_a8", "wsum", "scale_min")) for k in sd)
+    other = copy.deepcopy(m)
+    torch.manual_seed(1)
+    for mod in other.modules():  # scramble, then load
+        if isinstance(mod, Int4Linear):
+            mod._set_portable(None, torch.rand(mod.out_features, mod.in_features // 32) + 0.1,
+                              torch.zeros(mod.out_features, mod.in_features // 32),
+                              codes=torch.randint(0, 16, (mod.out_features, mod.in_features), dtype=torch.uint8))
+    other.load_state_dict(sd)
+    ids = torch.tensor([[5, 7, 9, 11]])
+    assert torch.equal(other(ids).logits, m(ids).logits)
+    # a float-activation layer reading the same codes computes the same weight (the layouts differ, not the values)
+    q = m.model.layers[0].mlp.up_proj
+    plain = Int4Linear(q.in_features, q.out_features, 32, bias=False, dtype=torch.float32, layout="plain")
+    plain.load_state_dict(q.state_dict())
+    torch.testing.assert_close(plain.dequantize(), q.dequantize())
+
+
+def test_int8_head_state_dict_is_checked():
+    head = Int8Linear.from_float(torch.nn.Linear(64, 32), activations="int8")
+    fresh = Int8Linear(64, 32, bias=True, dtype=torch.float32, compute_dtype=None, activations="int8")
+    fresh.load_state_dict(head.state_dict())
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), head(x))
+    bad = dict(head.state_dict(), weight_int8=torch.zeros(32, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="weight_int8: shape"):
+        fresh.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict({k: v for k, v in head.state_dict().items() if k != "weight_int8"})
+
+
+def test_save_optimized_and_load_rebuild_a8_layers(tmp_path):
+    torch.manual_seed(0)
+    m = tiny_model()
+    recipe = [{"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "activations": "int8"}}]
+    infopt.optimize(m, recipe)
+    infopt.save_optimized(m, tmp_path / "saved")
+    loaded, _ = infopt.load(tmp_path / "saved")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert loaded.model.layers[1].mlp.down_proj.layout == "a8" and loaded.lm_head.activations == "int8"
+    assert torch.equal(loaded(ids).logits, m(ids).logits)
+
+
+def test_plain_from_pretrained_rebuilds_a8_layers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = _a8_model()
+    m.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.model.layers[0].self_attn.k_proj.layout == "a8" and loaded.lm_head.activations == "int8"
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.equal(loaded(ids).logits, m(ids).logits)
+
+
+def test_undo_restores_the_float_model():
+    torch.manual_seed(0)
+    m = tiny_model()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    ref = m(ids).logits
+    infopt.optimize(m, [{"quantize": {"method": "int4", "group_size": 32, "activations": "int8"}}])
+    assert not torch.equal(m(ids).logits, ref)
+    infopt.undo(m)
+    assert torch.equal(m(ids).logits, ref)
+
+
+# -- the compile pass ------------------------------------------------------------------------------------------------
+
+@kernel
+@pytest.mark.slow
+def test_compiled_decode_fuses_shared_input_calls_and_keeps_tokens():
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    m = tiny_model()
+    eager = _a8_model()
+    ids = torch.randint(0, m.config.vocab_size, (1, 10))
+    want = eager.generate(ids, max_new_tokens=12, do_sample=False)
+    infopt.optimize(m, [{"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True,
+                                      "activations": "int8"}},
+                        {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "warmup_lengths": [64]}}])
+    with profile() as prof:
+        got = m.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    layers, steps = m.config.num_hidden_layers, 11  # the prompt runs eagerly, then 11 compiled one-token steps
+    # per decoder layer and step: one q/k/v call and one gate/up call fused, o_proj and down_proj alone
+    assert calls.get("infopt::int4_a8_linear_n", 0) == 2 * layers * steps
+    assert calls.get("infopt::int4_a8_linear", 0) == 2 * layers * steps + 7 * layers  # + the eager prompt
+
+
+@kernel
+def test_pass_leaves_calls_on_different_inputs_alone():
+    from torch import fx
+
+    from infopt.compile.passes import fuse_shared_input_linears
+
+    w1, s1 = a8.pack_int4(*_int4(32, 64, 32, 1))
+    w2, s2 = a8.pack_int4(*_int4(16, 64, 32, 2))
+
+    class Two(torch.nn.Module):
+        def forward(self, x, y, w1, s1, w2, s2):
+            a = torch.ops.infopt.int4_a8_linear(x, w1, s1, 32)
+            b = torch.ops.infopt.int4_a8_linear(x, w2, s2, 32)
+            c = torch.ops.infopt.int4_a8_linear(y, w2, s2, 32)
+            return a.sum() + b.sum() + c.sum()
+
+    gm = fx.symbolic_trace(Two())
+    assert fuse_shared_input_linears(gm.graph) == 1
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.infopt.int4_a8_linear_n.default) == 1
+    assert targets.count(torch.ops.infopt.int4_a8_linear) == 1  # the call on y
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    torch.testing.assert_close(gm(x, y, w1, s1, w2, s2), Two()(x, y, w1, s1, w2, s2), rtol=0, atol=0)
