@@ -77,8 +77,8 @@ for name, (n, k) in SHAPES.items():
     for m in args.rows:
         x = torch.randn(m, k)
         xb = x.to(torch.bfloat16)
-        t_torch = timeit(lambda: torch._weight_int4pack_mm_for_cpu(xb, tp, g, so))
-        t_a8 = timeit(lambda: torch.ops.infopt.int4_a8_linear(x, weight, sm, g))
+        t_torch = timeit(lambda xb=xb, tp=tp, so=so: torch._weight_int4pack_mm_for_cpu(xb, tp, g, so))
+        t_a8 = timeit(lambda x=x, weight=weight, sm=sm: torch.ops.infopt.int4_a8_linear(x, weight, sm, g))
         row = {"layer": name, "kind": "int4", "rows": m, "torch_us": t_torch * 1e6, "a8_us": t_a8 * 1e6,
                "a8_gbs": nbytes / t_a8 / 1e9, "torch_gbs": nbytes / t_torch / 1e9, "speedup": t_torch / t_a8}
         rows.append(row)
@@ -91,8 +91,8 @@ weight, wsum = a8.pack_int8(codes, g)
 nbytes = n * k + n * 4 + n * (k // g) * 4
 for m in args.rows:
     x = torch.randn(m, k)
-    t_torch = timeit(lambda: torch._weight_int8pack_mm(x, codes, scale))
-    t_a8 = timeit(lambda: torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, g))
+    t_torch = timeit(lambda x=x: torch._weight_int8pack_mm(x, codes, scale))
+    t_a8 = timeit(lambda x=x: torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, g))
     row = {"layer": "head 49152x576", "kind": "int8", "rows": m, "torch_us": t_torch * 1e6, "a8_us": t_a8 * 1e6,
            "a8_gbs": nbytes / t_a8 / 1e9, "torch_gbs": n * k / t_torch / 1e9, "speedup": t_torch / t_a8}
     rows.append(row)

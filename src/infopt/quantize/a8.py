@@ -181,7 +181,7 @@ def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: l
     :func:`int4_a8_linear` with that weight alone, bit for bit."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
         return list(torch.ops.infopt.int4_a8_linear_n(x, weights, scale_mins, group))
-    return [int4_a8_reference(x, w, sm, group) for w, sm in zip(weights, scale_mins)]
+    return [int4_a8_reference(x, w, sm, group) for w, sm in zip(weights, scale_mins, strict=True)]
 
 
 def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
