@@ -132,7 +132,7 @@ def test_fused_call_is_bit_identical_to_separate_calls():
     for rows in (1, 3, 17):
         x = torch.randn(rows, 576)
         fused = a8.int4_a8_linear_n(x, [w for w, _ in parts], [s for _, s in parts], 32)
-        for (w, s), y in zip(parts, fused):
+        for (w, s), y in zip(parts, fused, strict=True):
             assert torch.equal(y, a8.int4_a8_linear(x, w, s, 32))
 
 
