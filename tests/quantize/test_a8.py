@@ -115,6 +115,21 @@ def test_int8_kernel_matches_the_reference(blocks, k, rows, seed):
 
 
 @kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_quantizes_activations_exactly_as_the_reference(dtype):
+    """Through an identity int8 weight (scale 1) the kernel's output is code * scale: its codes must equal the
+    reference's one for one (a 1-ulp difference in 127 / absmax moves a code at a tie)."""
+    k = 64
+    eye, wsum = a8.pack_int8(torch.eye(k, dtype=torch.int8), 16)
+    x = (torch.randn(4096, k, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    y = torch.ops.infopt.int8_a8_linear(x, eye, wsum, torch.ones(k), 16).float()
+    q, s = a8.quantize_activations(x, 16)
+    # the output is code * scale rounded to x's dtype: bit-equal to the reference's codes times their scales
+    want = (q.float() * s.repeat_interleave(16, 1)).to(dtype).float()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+@kernel
 @pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_int4_kernel_sqnr_floor_against_the_float_weight(shape, rows):

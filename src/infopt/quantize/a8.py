@@ -28,7 +28,7 @@ import torch
 
 from ..core import extensions
 
-__all__ = ["available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
+__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "ROWS"]
 
 ROWS = 16
@@ -66,6 +66,23 @@ def isa() -> str | None:
     return torch.ops.infopt.quant_linear_isa() if available() else None
 
 
+ACTIVATIONS = ("float", "int8", "auto")
+"""The values of the quantize configs' ``activations`` field."""
+
+
+def resolve(activations: str, device: torch.device | str = "cpu") -> str:
+    """``"int8"`` or ``"float"`` for a config's ``activations`` on ``device``: ``"auto"`` is ``"int8"`` where the C++
+    kernel runs with AVX512-VNNI (where it was measured faster than the float-activation kernels), else ``"float"``.
+
+    Example:
+        >>> resolve("float"), resolve("auto", "cuda")
+        ('float', 'float')
+    """
+    if activations != "auto":
+        return activations
+    return "int8" if torch.device(device).type == "cpu" and isa() == "avx512_vnni" else "float"
+
+
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row, per-group symmetric int8 codes of ``x`` ``[M, K]``: ``(codes int8 [M, K], scales fp32 [M, K/group])``
     with ``x ~= codes * scale``; the kernels' rounding exactly (``round(x * (127 / absmax))``, ties to even).
@@ -78,9 +95,12 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     m, k = x.shape
     xg = x.float().reshape(m, k // group, group)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # correctly rounded divisions, as the kernels compute them (torch turns `127.0 / t` into `t.reciprocal() * 127`
+    # and a division by a scalar into a multiplication by its reciprocal: 1 ulp off, enough to move a code at a tie)
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, c127.div(amax), torch.zeros_like(amax))
     q = torch.round(xg * inv).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(m, k), (amax / 127.0).squeeze(-1)
+    return q.reshape(m, k), amax.div(c127).squeeze(-1)
 
 
 def _check_rows(n: int) -> None:

@@ -61,6 +61,8 @@ class Int4WeightOnly(StepConfig):
             channels and multiplies them with the int4 codes in integers (:mod:`infopt.quantize.a8`,
             AVX512-VNNI on CPUs that have it). Faster at one to a few rows, and a further lossy step with
             its own KL/top-1 figures; the head, when quantized to int8, takes int8 activations too.
+            ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI, else ``"float"``
+            (:func:`infopt.quantize.a8.resolve`; the ``cpu-fast`` preset's choice).
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (prompts, batches, speculative
             verification). The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
@@ -97,8 +99,8 @@ class Int4WeightOnly(StepConfig):
             raise bad_field(self, "lm_head_bits", self.lm_head_bits, "4, 8")
         if self.zero_point not in ("float", "int"):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
-        if self.activations not in ("float", "int8"):
-            raise bad_field(self, "activations", self.activations, "float, int8")
+        if self.activations not in a8.ACTIVATIONS:
+            raise bad_field(self, "activations", self.activations, ", ".join(a8.ACTIVATIONS))
         for name in ("symmetric", "include_lm_head", "dense_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
@@ -456,7 +458,8 @@ class Int4Linear(nn.Module):
 @register_quantizer(Int4WeightOnly)
 def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
     layer = Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
-                                  zero_point=config.zero_point, layout="a8" if config.activations == "int8" else None)
+                                  zero_point=config.zero_point,
+                                  layout="a8" if a8.resolve(config.activations, module.weight.device) == "int8" else None)
     if config.dense_prefill:
         layer.enable_dense()
     return layer
