@@ -355,3 +355,16 @@ def test_pass_leaves_calls_on_different_inputs_alone():
     assert targets.count(torch.ops.infopt.int4_a8_linear) == 1  # the call on y
     x, y = torch.randn(2, 64), torch.randn(2, 64)
     torch.testing.assert_close(gm(x, y, w1, s1, w2, s2), Two()(x, y, w1, s1, w2, s2), rtol=0, atol=0)
+
+
+def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies():
+    from infopt.quantize.int4 import A8_DENSE_MIN_ROWS
+
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(torch.nn.Linear(64, 32, bias=False), group_size=32, layout="a8")
+    layer.enable_dense()
+    for rows in (1, 8, A8_DENSE_MIN_ROWS - 1):
+        x = torch.randn(rows, 64)
+        assert torch.equal(layer(x), a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32))
+    x = torch.randn(A8_DENSE_MIN_ROWS, 64)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x.to(torch.bfloat16), layer.weight_dense).float())

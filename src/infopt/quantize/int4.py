@@ -64,8 +64,8 @@ class Int4WeightOnly(StepConfig):
             ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI, else ``"float"``
             (:func:`infopt.quantize.a8.resolve`; the ``cpu-fast`` preset's choice).
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
-            for calls of :data:`DENSE_MIN_ROWS` rows or more (prompts, batches, speculative
-            verification). The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
+            for calls of :data:`DENSE_MIN_ROWS` rows or more (:data:`A8_DENSE_MIN_ROWS` in the ``a8``
+            layout): prompts, batches, speculative verification. The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
             on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.71 ms (int4) against 0.42 ms (bf16)
             at 64 rows, 5.6 against 2.6 ms at 512 (fp32: 5.7 ms; ``benchmarks/int4_rows.py``). For
             time to first token.
@@ -203,6 +203,11 @@ DENSE_MIN_ROWS = 8
 """Rows from which an :class:`Int4Linear` with a dense copy multiplies by it (the measured crossover on a
 2-core AVX512-BF16 CPU: at 8 rows a 576x1536 layer takes 0.105 ms in the int4 kernel, 0.095 ms in bf16;
 ``benchmarks/int4_rows.py``)."""
+
+
+A8_DENSE_MIN_ROWS = 32
+"""The same crossover for the ``a8`` layout, whose integer kernel stays ahead of a bf16 GEMM up to ~32 rows (576x1536
+at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, on AMX)."""
 
 
 class Int4Linear(nn.Module):
@@ -432,7 +437,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        dense = self.weight_dense is not None and x.numel() >= DENSE_MIN_ROWS * self.in_features
+        min_rows = A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS
+        dense = self.weight_dense is not None and x.numel() >= min_rows * self.in_features
         if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
         if dense:
