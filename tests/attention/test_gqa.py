@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import infopt
 from infopt.attention import Attention
@@ -52,3 +54,64 @@ def test_compile_leaves_eager_attention_alone():
     m = tiny_model(attn_implementation="eager")
     infopt.optimize(m, [Static(max_length=64), Compile(backend="eager")])
     assert m.config._attn_implementation == "eager"
+
+
+# -- the static-cache path on the C++ paged kernel (unpadded compiled decode steps) ------------------------------------
+
+def _kernel_ready():
+    from infopt.attention import paged
+
+    return paged._cpu_ready()
+
+
+needs_kernel = pytest.mark.skipif(not _kernel_ready(), reason="the C++ paged-attention kernel cannot be built here")
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), h_kv=st.sampled_from([1, 2, 3]), groups=st.sampled_from([1, 3, 4]),
+       q=st.integers(1, 6), blocks=st.integers(1, 8), d=st.sampled_from([16, 64]), bf16=st.booleans(),
+       data=st.data())
+def test_static_cache_attention_matches_causal_sdpa_over_the_filled_keys(b, h_kv, groups, q, blocks, d, bf16, data):
+    from infopt.attention.gqa import static_cache_attention
+
+    length = 16 * blocks
+    kv_len = data.draw(st.integers(q, length))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(kv_len * 131 + q)
+    query = torch.randn(b, h_kv * groups, q, d, generator=g).to(dtype)
+    key = torch.randn(b, h_kv, length, d, generator=g).to(dtype)
+    value = torch.randn(b, h_kv, length, d, generator=g).to(dtype)
+    key[:, :, kv_len:] = float("nan")  # slots past the filled keys are never read
+    value[:, :, kv_len:] = float("nan")
+    got = static_cache_attention(query, key, value, torch.tensor([kv_len]), 0.3)
+    # the q new tokens are the last of the kv_len keys: causal among themselves
+    mask = torch.ones(q, kv_len, dtype=torch.bool).tril(kv_len - q)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key[:, :, :kv_len].float(), value[:, :, :kv_len].float(), attn_mask=mask, scale=0.3,
+        enable_gqa=True).transpose(1, 2)
+    assert got.shape == (b, q, h_kv * groups, d) and got.dtype == dtype
+    tol = 2e-2 if bf16 else 1e-5
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_decode_on_the_kernel_keeps_greedy_tokens(arch):
+    """cpu-fast's shape of step (static cache, compiled, unpadded): the attention runs the kernel (counted by the
+    profiler) and the tokens equal the eager static-cache ones. (k-token verifies take the same path:
+    tests/compile/test_compile.py's speculative test stays token-identical through it.)"""
+    from torch.profiler import profile
+
+    from infopt.compile import Compile
+
+    ref, m = tiny_model(arch), tiny_model(arch)
+    infopt.optimize(ref, [Static(max_length=64)])
+    infopt.optimize(m, [Static(max_length=64), Compile(warmup_lengths=(64,))])
+    p = torch.randint(3, 1000, (1, 7))
+    with profile() as prof:
+        got = m.generate(p, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, ref.generate(p, max_new_tokens=12, do_sample=False))
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("infopt::paged_attention", 0) == 11 * m.config.num_hidden_layers

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .registry import register_attention
 
-__all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward"]
+__all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward", "static_cache_attention", "KV_LEN_KWARG"]
 
 GQA_SDPA_IMPL = "infopt_sdpa_gqa"
 
@@ -34,6 +34,9 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    kv_len = kwargs.get(KV_LEN_KWARG)
+    if kv_len is not None and _static_kernel_ok(module, query, key, value, dropout, kwargs):
+        return static_cache_attention(query, key, value, kv_len, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
@@ -49,6 +52,64 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                          is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+KV_LEN_KWARG = "infopt_kv_len"
+"""The keyword the compiled decode step passes down to the attention layers on unpadded calls over a static cache:
+an int64 tensor ``[1]``, the keys every row holds after this step's writes. With it (on CPU, where the paged
+attention kernel is built) attention runs :func:`static_cache_attention`, which reads only those keys and ignores
+the mask (for such calls it is the causal mask over them)."""
+
+_STATIC_BLOCK = 16  # keys per block in the paged kernel's view of a static cache
+
+
+def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
+    from . import paged
+
+    return (query.device.type == "cpu" and not dropout and getattr(module, "is_causal", True)
+            and getattr(module, "sliding_window", None) is None and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+            and not kwargs.get("output_attentions", False)
+            and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == value.dtype
+            and key.dtype in (torch.float32, torch.bfloat16)
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[2] % _STATIC_BLOCK == 0
+            and query.shape[1] % key.shape[1] == 0 and paged._USE_CPU_KERNEL[0]
+            and paged._CPU_READY[0] is True)  # loaded by whoever passes the keyword (nothing is built while tracing)
+
+
+def static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: torch.Tensor,
+                           scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of ``q`` new tokens per row over a static cache's first ``kv_len`` keys, on the C++ paged
+    attention kernel (``torch.ops.infopt.paged_attention``), which reads the cache in place.
+
+    The cache ``[B, H_kv, L, d]`` is viewed as a block pool ``[B * H_kv * L / 16, 16, H_kv, d]`` (blocks of 16
+    tokens of one row, each block's heads ``L * d`` apart) with a block table per row, so each key row is read once
+    for its query group, keys past ``kv_len`` are never read, and long caches can be split over the threads.
+
+    Args:
+        query: ``[B, H, q, d]``, the ``q`` new tokens being the last of each row's ``kv_len`` keys.
+        key, value: ``[B, H_kv, L, d]``, contiguous.
+        kv_len: int64 ``[1]`` (or ``[B]``): keys per row after this step.
+        scaling: the softmax scale (default ``d ** -0.5``).
+
+    Returns:
+        ``[B, q, H, d]`` (the layout transformers' attention functions return).
+    """
+    b, h, q, d = query.shape
+    h_kv, length = key.shape[1], key.shape[2]
+    per_row = length // _STATIC_BLOCK
+    n_blocks = (b - 1) * h_kv * per_row + per_row
+    strides = (_STATIC_BLOCK * d, d, length * d, 1)
+    k_pool = key.contiguous().as_strided((n_blocks, _STATIC_BLOCK, h_kv, d), strides)
+    v_pool = value.contiguous().as_strided((n_blocks, _STATIC_BLOCK, h_kv, d), strides)
+    rows = torch.arange(b, device=query.device, dtype=torch.int32).unsqueeze(1) * (h_kv * per_row)
+    table = rows + torch.arange(per_row, device=query.device, dtype=torch.int32)
+    starts = torch.arange(0, b * q + 1, q, device=query.device, dtype=torch.int64)
+    lens = kv_len.to(torch.int64).expand(b).contiguous()
+    flat = query.transpose(1, 2).reshape(b * q, h, d)
+    out = torch.ops.infopt.paged_attention(flat, k_pool, v_pool, table, starts, lens,
+                                           scaling if scaling is not None else d ** -0.5)
+    return out.view(b, q, h, d)
 
 
 def register_gqa_sdpa() -> str:

@@ -176,10 +176,24 @@ class CompiledForward(Forward):
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
+        # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
+        # the GQA backend on CPU they then read only those keys, in place, on the C++ kernel
+        from ..attention import paged
+        from ..attention.gqa import GQA_SDPA_IMPL
+
+        self._pass_kv_len = (self._device.type == "cpu"
+                             and getattr(model.config, "_attn_implementation", None) == GQA_SDPA_IMPL
+                             and any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                     for p in inspect.signature(type(model).forward).parameters.values())
+                             and paged._cpu_ready())
 
     # -- the compiled function ---------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
         kw = {"logits_to_keep": input_ids.shape[1]} if self.keeps else {}
+        if attention_mask is None and self._pass_kv_len:
+            from ..attention.gqa import KV_LEN_KWARG
+
+            kw[KV_LEN_KWARG] = cache_position[-1:] + 1
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
                          attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kw)
         return out.logits[:, -input_ids.shape[1]:].float()
