@@ -3,7 +3,7 @@
 For the default model's layer shapes (and their fused q/k/v and gate/up forms) at 1-8 rows: median time per call,
 the weight bandwidth it reaches (weight bytes with their scales / time) and, for reference, the machine's copy
 bandwidth measured in the same run. torch's kernels: ``_weight_int4pack_mm_for_cpu`` (bf16 activations, the
-``Int4WeightOnly`` layers' kernel) and ``_weight_int8pack_mm`` (the ``Int8WeightOnly`` head's).
+``Int4WeightOnly`` layers' kernel) and ``_weight_int8pack_mm`` on bf16 activations (the ``Int8WeightOnly`` head's).
 
     python benchmarks/a8_kernel.py --json benchmarks/results/a8_kernel.json
 """
@@ -91,7 +91,9 @@ weight, wsum = a8.pack_int8(codes, g)
 nbytes = n * k + n * 4 + n * (k // g) * 4
 for m in args.rows:
     x = torch.randn(m, k)
-    t_torch = timeit(lambda x=x: torch._weight_int8pack_mm(x, codes, scale))
+    xb = x.to(torch.bfloat16)  # as Int8Linear calls it (compute_dtype "auto": bf16 activations)
+    sb = scale.to(torch.bfloat16)
+    t_torch = timeit(lambda xb=xb: torch._weight_int8pack_mm(xb, codes, sb))
     t_a8 = timeit(lambda x=x: torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, g))
     row = {"layer": "head 49152x576", "kind": "int8", "rows": m, "torch_us": t_torch * 1e6, "a8_us": t_a8 * 1e6,
            "a8_gbs": nbytes / t_a8 / 1e9, "torch_gbs": n * k / t_torch / 1e9, "speedup": t_torch / t_a8}

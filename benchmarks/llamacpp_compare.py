@@ -9,6 +9,10 @@ It runs in its own virtual environment so the project's stays as its files defin
 
     python -m venv /tmp/llama-venv
     /tmp/llama-venv/bin/pip install llama-cpp-python numpy     # ~7 min on 2 cores (C++ build)
+    # on a CPU with AMX, the -march=native build crashed on the first eval (0.3.36); build without AMX:
+    #   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    #     -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON" \
+    #   /tmp/llama-venv/bin/pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
     .venv/bin/python benchmarks/llamacpp_compare.py --write-prompt /tmp/decode_prompt.json
     /tmp/llama-venv/bin/python benchmarks/llamacpp_compare.py --prompt /tmp/decode_prompt.json \
         --gguf "$(.venv/bin/python -c 'from infopt.models import default_gguf_path; print(default_gguf_path())')" \
