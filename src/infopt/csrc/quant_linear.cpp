@@ -151,6 +151,17 @@ inline __m256 load_bf16x8(const c10::BFloat16* p) {
 }
 #endif
 
+#if defined(__AVX2__)
+// the AVX2 paths' accumulators: rows 0-7 and 8-15 of the block per activation row
+template <int MR>
+inline void store_halves(const __m256 (&out)[MR][2], float* acc) {
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(acc + m * kRows, out[m][0]);
+    _mm256_storeu_ps(acc + m * kRows + 8, out[m][1]);
+  }
+}
+#endif
+
 inline int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -232,10 +243,7 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(acc + m * kRows, out[m][0]);
-    _mm256_storeu_ps(acc + m * kRows + 8, out[m][1]);
-  }
+  store_halves<MR>(out, acc);
 #else
   float out[MR][kRows] = {};
   for (int64_t g = 0; g < G; ++g) {
@@ -336,10 +344,7 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
         out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_set1_ps(sx[m * G + g]), out[m][h]);
   }
   (void)wsum;
-  for (int m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(acc + m * kRows, out[m][0]);
-    _mm256_storeu_ps(acc + m * kRows + 8, out[m][1]);
-  }
+  store_halves<MR>(out, acc);
 #else
   float out[MR][kRows] = {};
   for (int64_t g = 0; g < G; ++g) {
