@@ -368,3 +368,15 @@ def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies():
         assert torch.equal(layer(x), a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32))
     x = torch.randn(A8_DENSE_MIN_ROWS, 64)
     assert torch.equal(layer(x), torch.nn.functional.linear(x.to(torch.bfloat16), layer.weight_dense).float())
+
+
+@pytest.mark.gpu
+def test_int8_activations_on_cuda_run_the_reference_with_the_cpu_kernels_numbers():
+    """No CUDA kernel for int8 activations: an ``activations: int8`` model moved to CUDA runs the torch reference
+    (the same numbers as the CPU kernel), and ``auto`` picks float activations on CUDA."""
+    assert a8.resolve("auto", "cuda") == "float"
+    m = _a8_model()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    cpu = m(ids).logits
+    gpu = m.cuda()(ids.cuda()).logits.cpu()
+    torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-4)
