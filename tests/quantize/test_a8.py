@@ -181,6 +181,9 @@ _PORTABLE_CHECK = textwrap.dedent("""
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
         y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(torch.ops.infopt.int4_a8_dense_t(w, sm, 32, dtype),
+                           a8.int4_dense_t_reference(w, sm, 32, dtype)), "dense"
     print(torch.ops.infopt.quant_linear_isa())
 """)
 
@@ -206,6 +209,57 @@ def test_reference_runs_where_the_kernel_is_not_available(monkeypatch):
     monkeypatch.setattr(a8, "_READY", [False])
     assert a8.isa() is None
     torch.testing.assert_close(a8.int4_a8_linear(x, weight, sm, 32), a8.int4_a8_reference(x, weight, sm, 32))
+    assert torch.equal(a8.int4_dense_t(weight, sm, 32), a8.int4_dense_t_reference(weight, sm, 32))
+
+
+# -- the prompt path: weights dequantized on the fly ----------------------------------------------------------------
+
+@kernel
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 6), group=st.sampled_from([32, 64, 128]), groups=st.integers(1, 3),
+       bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_dense_copy_is_the_reference_bit_for_bit(blocks, group, groups, bf16, seed):
+    weight, sm = a8.pack_int4(*_int4(16 * blocks, group * groups, group, seed))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    got = a8.int4_dense_t(weight, sm, group, dtype)
+    assert got.dtype == dtype and got.shape == (group * groups, 16 * blocks) and got.is_contiguous()
+    assert torch.equal(got, a8.int4_dense_t_reference(weight, sm, group, dtype))
+
+
+def test_dense_copy_is_the_weight_the_integer_kernel_multiplies():
+    # the fp32 copy is code * scale + min exactly (so the dequantized layer, within fp32 rounding)
+    weight, sm = a8.pack_int4(*_int4(48, 128, 32))
+    torch.testing.assert_close(a8.int4_dense_t(weight, sm, 32, torch.float32), _float_weight(weight, sm).t(),
+                               rtol=1e-6, atol=1e-6)
+
+
+@kernel
+def test_dense_copy_refuses_bad_inputs_with_the_reason():
+    weight, sm = a8.pack_int4(*_int4(32, 64, 32))
+    with pytest.raises(RuntimeError, match="dtype must be bfloat16 or float32"):
+        torch.ops.infopt.int4_a8_dense_t(weight, sm, 32, torch.float16)
+    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 \[2, 1, 2, 16\]"):
+        torch.ops.infopt.int4_a8_dense_t(weight, sm, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="must be a multiple of 8"):
+        torch.ops.infopt.int4_a8_dense_t(weight, sm, 12, torch.float32)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_a8_layers_multiply_prompts_by_a_weight_dequantized_per_call(x_dtype, monkeypatch):
+    from infopt.quantize import int4
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=True)
+    layer = Int4Linear.from_float(lin, group_size=32, layout="a8")
+    assert layer.weight_dense is None
+    for fast_bf16 in (False, True):
+        monkeypatch.setattr(int4, "_FAST_BF16", [fast_bf16])
+        x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
+        dtype = torch.bfloat16 if fast_bf16 or x_dtype == torch.bfloat16 else torch.float32
+        want = torch.matmul(x.to(dtype), a8.int4_dense_t_reference(layer.weight_packed, layer.scale_min, 32, dtype))
+        assert torch.equal(layer(x), want.to(x_dtype) + layer.bias)
+    x = torch.randn(int4.A8_PROMPT_MIN_ROWS - 1, 64)  # fewer rows: the integer kernel
+    assert torch.equal(layer(x), a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32) + layer.bias)
 
 
 # -- layers and recipes --------------------------------------------------------------------------------------------

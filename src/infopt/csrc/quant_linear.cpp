@@ -18,6 +18,13 @@
 //   group's 128 * sum_k w[r,k] (wsum, precomputed) is subtracted.
 //   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k code[r,k] (q[m,k] + 128) - 128 * wsum[r,g]).
 //
+// int4_a8_dense_t(weight, scale_min, group, dtype) -> bf16 | fp32 [K, N]
+//   The same weights dequantized, transposed, for prompts: many rows run faster as one bf16 GEMM (AMX, AVX512-BF16)
+//   over a weight dequantized on the fly than through the integer kernel, and nothing needs to stay resident.
+//   w = fma(code, scale, min) in fp32 (for bf16 then rounded to nearest, ties to even). Block b, chunk c, row r: the 16
+//   rows' 4-byte words are one 64-byte load, and column 8c+j of all 16 rows is one 16-value store into row 8c+j of
+//   the [K, N] output; threads split the input columns, so each writes whole output rows.
+//
 // Work is split over threads by blocks of 16 output rows (contiguous ranges, so each thread streams its part of
 // the weight once); rows of x are taken 4 at a time over the same weights.
 
@@ -35,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifndef AHEAD
@@ -364,6 +372,85 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
 #endif
 }
 
+// ---- dequantized copies (prompts) ----------------------------------------------------------------------------------
+
+inline uint16_t bf16_bits(float f) {  // to nearest, ties to even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// chunk c (input columns 8c..8c+7) of every block into rows 8c..8c+7 of out [K, N] (fp32, or bf16 bits): each
+// thread writes whole output rows, in order
+template <typename O>
+void dense_chunk(const uint8_t* w, const c10::BFloat16* sm, int64_t K, int64_t group, int64_t NB, int64_t c, O* out) {
+  constexpr bool kBf16 = std::is_same_v<O, uint16_t>;
+  const int64_t G = K / group, N = NB * kRows;
+  for (int64_t b = 0; b < NB; ++b) {
+    const c10::BFloat16* sg = sm + (b * G + 8 * c / group) * 2 * kRows;
+    const uint8_t* wc = w + (b * (K / 8) + c) * 64;
+    O* o = out + 8 * c * N + b * kRows;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 s = load16(sg), mn = load16(sg + kRows);
+    const __m512i u = _mm512_loadu_si512(wc), nib = _mm512_set1_epi32(0x0F);
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (int j = 0; j < 8; ++j) {  // column 8c+j: low nibbles (j < 4) then high ones, of byte j % 4
+      const int shift = 8 * (j % 4) + 4 * (j / 4);
+      const __m512i code = _mm512_and_si512(_mm512_srli_epi32(u, shift), nib);
+      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), s, mn);
+      if constexpr (kBf16) {
+        __m512i bits = _mm512_castps_si512(f);
+        bits = _mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * N),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+      } else {
+        _mm512_storeu_ps(o + j * N, f);
+      }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 s[2] = {load_bf16x8(sg), load_bf16x8(sg + 8)}, mn[2] = {load_bf16x8(sg + kRows), load_bf16x8(sg + 24)};
+    const __m256i u[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32))};
+    const __m256i nib = _mm256_set1_epi32(0x0F), bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    for (int j = 0; j < 8; ++j) {
+      const int shift = 8 * (j % 4) + 4 * (j / 4);
+      __m256i bits[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(u[h], shift), nib);
+        const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), s[h], mn[h]);
+        if constexpr (kBf16) {
+          bits[h] = _mm256_castps_si256(f);
+          bits[h] = _mm256_srli_epi32(
+              _mm256_add_epi32(bits[h], _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(bits[h], 16), one))),
+              16);
+        } else {
+          _mm256_storeu_ps(o + j * N + 8 * h, f);
+        }
+      }
+      if constexpr (kBf16)  // packus interleaves 128-bit lanes: put rows 0-7 then 8-15 back in order
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * N),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8));
+    }
+#else
+    float s[kRows], mn[kRows];
+    uint32_t u[kRows];
+    for (int64_t r = 0; r < kRows; ++r) {
+      s[r] = static_cast<float>(sg[r]);
+      mn[r] = static_cast<float>(sg[kRows + r]);
+      std::memcpy(&u[r], wc + 4 * r, 4);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int shift = 8 * (j % 4) + 4 * (j / 4);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const float f = std::fma(static_cast<float>((u[r] >> shift) & 0x0Fu), s[r], mn[r]);
+        if constexpr (kBf16) o[j * N + r] = bf16_bits(f);
+        else o[j * N + r] = f;
+      }
+    }
+#endif
+  }
+}
+
 // ---- operators ---------------------------------------------------------------------------------------------------
 
 void check_x(const at::Tensor& x, int64_t K, int64_t group, const char* op) {
@@ -499,6 +586,34 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
   })[0];
 }
 
+at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min, int64_t group,
+                           at::ScalarType dtype) {
+  const char* op = "int4_a8_dense_t";
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(2) == 64 && weight.is_contiguous() &&
+                  weight.device().is_cpu(),
+              op, ": weight must be contiguous uint8 [out/16, in/8, 64] on the CPU, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t NB = weight.size(0), K = weight.size(1) * 8, N = NB * kRows;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, op, ": group ", group,
+              " must be a multiple of 8 that divides in_features ", K);
+  const int64_t G = K / group;
+  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() && scale_min.device().is_cpu() &&
+                  scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows}),
+              op, ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] on the CPU, got ",
+              scale_min.scalar_type(), " ", scale_min.sizes());
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": dtype must be bfloat16 or float32, got ", dtype);
+  at::Tensor out = at::empty({K, N}, weight.options().dtype(dtype));
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const c10::BFloat16* sm = scale_min.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, K / 8, 4, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      if (dtype == at::kFloat) dense_chunk(w, sm, K, group, NB, c, out.data_ptr<float>());
+      else dense_chunk(w, sm, K, group, NB, c, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+    }
+  });
+  return out;
+}
+
 std::string quant_linear_isa() { return kIsa; }
 
 }  // namespace
@@ -507,6 +622,7 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int4_a8_linear(Tensor x, Tensor weight, Tensor scale_min, int group) -> Tensor");
   m.def("int4_a8_linear_n(Tensor x, Tensor[] weights, Tensor[] scale_mins, int group) -> Tensor[]");
   m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");
+  m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
@@ -514,4 +630,5 @@ TORCH_LIBRARY_IMPL(infopt, CPU, m) {
   m.impl("int4_a8_linear", &int4_a8_linear);
   m.impl("int4_a8_linear_n", &int4_a8_linear_n);
   m.impl("int8_a8_linear", &int8_a8_linear);
+  m.impl("int4_a8_dense_t", &int4_a8_dense_t);
 }

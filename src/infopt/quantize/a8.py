@@ -29,7 +29,8 @@ import torch
 from ..core import extensions
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
-           "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "ROWS"]
+           "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
+           "int4_dense_t_reference", "ROWS"]
 
 ROWS = 16
 """Output rows per weight block: the layers' ``out_features`` must be a multiple of it."""
@@ -56,6 +57,10 @@ def available() -> bool:
                     @torch.library.register_fake("infopt::int8_a8_linear")
                     def _(x, weight, wsum, scale, group):
                         return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
+
+                    @torch.library.register_fake("infopt::int4_a8_dense_t")
+                    def _(weight, scale_min, group, dtype):
+                        return weight.new_empty(weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype)
                 _READY[0] = ready
     return bool(_READY[0])
 
@@ -213,3 +218,33 @@ def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, sc
     else:
         y = int8_a8_reference(x2, weight, scale, group)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int4_dense_t_reference(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
+                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """:func:`int4_dense_t` in torch operations (any device)."""
+    codes, _, _ = unpack_int4(weight, scale_min)
+    sm = scale_min.double().permute(2, 0, 3, 1).repeat_interleave(group, dim=-1)  # [2, blk, r, K]
+    sm = sm.reshape(2, codes.shape[0], codes.shape[1])
+    # code * scale + min is exact in float64 (a 4-bit code times a bf16 scale, plus a bf16), so rounding it to
+    # fp32 gives the kernel's fused multiply-add, and then to bf16 (ties to even) the kernel's bf16 output
+    return (codes.double() * sm[0] + sm[1]).float().to(dtype).t().contiguous()
+
+
+def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The int4 block-layout weight dequantized and transposed: ``[K, N]`` in ``dtype`` (bfloat16 or float32),
+    ``w = code * scale + min`` by a fused multiply-add in fp32 (then rounded to bf16, ties to even). Prompts
+    multiply by it: past a few dozen rows one GEMM over a weight dequantized on the fly beats the integer kernel,
+    and no copy stays resident.
+
+    Example:
+        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> weight, sm = pack_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
+        >>> wt = int4_dense_t(weight, sm, 32)
+        >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))
+        (torch.Size([64, 32]), torch.bfloat16, True)
+    """
+    if weight.device.type == "cpu" and available():
+        return torch.ops.infopt.int4_a8_dense_t(weight, scale_min, group, dtype)
+    return int4_dense_t_reference(weight, scale_min, group, dtype)

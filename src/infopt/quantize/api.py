@@ -195,6 +195,8 @@ def quantize_(
         for t in targets:
             cfg = head_config if t.fqn == head_fqn else config
             replacements[t.fqn] = QUANTIZERS[type(cfg)](t.module, cfg, t.conv1d)
+        if getattr(config, "share_embedding", False):
+            replacements.update(_shared_embedding(model, info, replacements))
     else:
         ids = None
         if not rebuild:
@@ -213,6 +215,21 @@ def quantize_(
     return model
 
 
+def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``{embedding fqn: SharedInt8Embedding}`` when the new head is an :class:`Int8Linear` built from a head tied to
+    an embedding it can stand in for; else nothing (the embedding keeps its weight)."""
+    from .int8 import Int8Linear, SharedInt8Embedding, shareable_embedding
+
+    head = replacements.get(info.lm_head_fqn)
+    embed = model.get_input_embeddings()
+    old_head = model.get_submodule(info.lm_head_fqn)
+    if not isinstance(head, Int8Linear) or embed is None or getattr(old_head, "weight", None) is not \
+            getattr(embed, "weight", None) or not shareable_embedding(embed):
+        return {}
+    fqn = next(name for name, mod in model.named_modules() if mod is embed)
+    return {fqn: SharedInt8Embedding(head, embed)}
+
+
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
     before = param_bytes(model)
     n = len(quantize_targets(model, config))
@@ -223,3 +240,11 @@ def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
     ctx.stats["weight_bytes_before"] = before
     ctx.stats["weight_bytes_after"] = after
     ctx.notes.append(f"{n} linear layers -> {type(config).__name__}; weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    if getattr(config, "share_embedding", False):
+        from .int8 import SharedInt8Embedding
+
+        shared = isinstance(model.get_input_embeddings(), SharedInt8Embedding)
+        ctx.stats["embedding_shared"] = shared
+        ctx.notes.append("the input embedding reads the int8 head's codes" if shared else
+                         "share_embedding: the embedding keeps its weight (the head is not tied to it, or the "
+                         "embedding has max_norm or a non-scalar scale)")

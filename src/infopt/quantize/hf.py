@@ -182,6 +182,8 @@ class InfoptHfQuantizer(HfQuantizer):
             final = finish_layer(spec, layer)
             if final is not layer:
                 model.set_submodule(name, final)
+            if spec.get("shares_embedding"):
+                _share_embedding(model, final)
         self._built.clear()
         return model
 
@@ -217,6 +219,16 @@ class InfoptHfQuantizer(HfQuantizer):
                 new.bias.data = bias.detach().to(wd)
             model.set_submodule(name, new.to(w.device))
         return model
+
+
+def _share_embedding(model: nn.Module, head: nn.Module) -> None:
+    """Let the embedding read the int8 head's codes again (it was saved as their float values, so lookups are
+    unchanged) and free its float weight."""
+    from .int8 import Int8Linear, SharedInt8Embedding, shareable_embedding
+
+    embed = model.get_input_embeddings()
+    if isinstance(head, Int8Linear) and shareable_embedding(embed):
+        model.set_input_embeddings(SharedInt8Embedding(head, embed))
 
 
 def register() -> None:

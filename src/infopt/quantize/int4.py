@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError
+from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
 from . import a8
@@ -65,10 +65,14 @@ class Int4WeightOnly(StepConfig):
             (:func:`infopt.quantize.a8.resolve`; the ``cpu-fast`` preset's choice).
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (:data:`A8_DENSE_MIN_ROWS` in the ``a8``
-            layout): prompts, batches, speculative verification. The int4 kernel's time grows with the rows much faster than a bf16 GEMM's:
-            on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.71 ms (int4) against 0.42 ms (bf16)
-            at 64 rows, 5.6 against 2.6 ms at 512 (fp32: 5.7 ms; ``benchmarks/int4_rows.py``). For
-            time to first token.
+            layout): prompts, batches, speculative verification. The int4 kernel's time grows with the rows much
+            faster than a bf16 GEMM's: on a 2-core AVX512-BF16 CPU a 576x1536 layer takes 0.71 ms (int4) against
+            0.42 ms (bf16) at 64 rows, 5.6 against 2.6 ms at 512 (fp32: 5.7 ms; ``benchmarks/int4_rows.py``).
+            For time to first token, at the cost of memory; the ``a8`` layout needs no copy (from
+            :data:`A8_PROMPT_MIN_ROWS` rows it dequantizes each weight for the call and runs one GEMM).
+        share_embedding: with an int8 head (``include_lm_head``, ``lm_head_bits=8``) tied to the input
+            embedding, the embedding reads its rows from the head's codes instead of keeping its float weight
+            (see :class:`infopt.quantize.int8.SharedInt8Embedding`).
 
     Raises:
         RecipeError: a group size the kernels do not take, a non-boolean flag.
@@ -91,6 +95,7 @@ class Int4WeightOnly(StepConfig):
     lm_head_bits: int = 8
     dense_prefill: bool = False
     activations: str = "float"
+    share_embedding: bool = False
 
     def __post_init__(self):
         if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
@@ -101,9 +106,12 @@ class Int4WeightOnly(StepConfig):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
         if self.activations not in a8.ACTIVATIONS:
             raise bad_field(self, "activations", self.activations, ", ".join(a8.ACTIVATIONS))
-        for name in ("symmetric", "include_lm_head", "dense_prefill"):
+        for name in ("symmetric", "include_lm_head", "dense_prefill", "share_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
+        if self.share_embedding and not (self.include_lm_head and self.lm_head_bits == 8):
+            raise RecipeError("Int4WeightOnly(share_embedding=True) shares the int8 output head's codes with the input "
+                              "embedding, so it needs include_lm_head=True and lm_head_bits=8")
 
     def check(self, model, info, steps):
         check_int4_shapes(model, self, self.group_size)
@@ -114,7 +122,8 @@ class Int4WeightOnly(StepConfig):
         if self.lm_head_bits == 8:
             from .int8 import Int8WeightOnly
 
-            return Int8WeightOnly(activations=self.activations)
+            return Int8WeightOnly(activations=self.activations, include_lm_head=self.include_lm_head,
+                                  share_embedding=self.share_embedding)
         return None
 
 
@@ -208,6 +217,22 @@ DENSE_MIN_ROWS = 8
 A8_DENSE_MIN_ROWS = 32
 """The same crossover for the ``a8`` layout, whose integer kernel stays ahead of a bf16 GEMM up to ~32 rows (576x1536
 at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, on AMX)."""
+
+A8_PROMPT_MIN_ROWS = 64
+"""Rows from which an ``a8`` layer without a dense copy dequantizes its weight on the fly
+(:func:`infopt.quantize.a8.int4_dense_t`) and runs one GEMM instead of the integer kernel (prompts; see
+``benchmarks/int4_rows.py``)."""
+
+
+def fast_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), so that a bf16 GEMM beats fp32;
+    elsewhere bf16 GEMMs are emulated and slower than fp32 ones."""
+    cpu = getattr(torch, "cpu", None)
+    probes = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(p() for p in probes if p is not None)
+
+
+_FAST_BF16 = [fast_bf16_gemm()]
 
 
 class Int4Linear(nn.Module):
@@ -437,12 +462,17 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        min_rows = A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS
-        dense = self.weight_dense is not None and x.numel() >= min_rows * self.in_features
+        rows = x.numel() // self.in_features
+        dense = self.weight_dense is not None and rows >= (A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS)
         if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
         if dense:
             y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)
+        elif self.layout == "a8" and rows >= A8_PROMPT_MIN_ROWS:
+            # prompts: one GEMM over the weight dequantized for this call (bf16 where the CPU multiplies it natively)
+            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 or _FAST_BF16[0] else torch.float32
+            w_t = a8.int4_dense_t(self.weight_packed, self.scale_min, self.group_size, dtype)
+            y = torch.matmul(x.to(dtype), w_t).to(x.dtype)
         elif self.layout == "a8":
             y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
         elif self.layout == "plain":

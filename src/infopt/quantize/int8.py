@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError
+from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import register_quantizer
 from .primitives import choose_qparams, dequantize, group_block, quantize
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
-__all__ = ["Int8WeightOnly", "Int8Linear", "quantize_int8_per_channel"]
+__all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel"]
 
 _COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
 
@@ -47,6 +47,11 @@ class Int8WeightOnly(StepConfig):
             per-channel scales only (``group_size`` None), ``out_features`` a multiple of 16.
             ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI and the layer fits it, else
             ``"float"`` (:func:`infopt.quantize.a8.resolve`).
+        share_embedding: with ``include_lm_head`` and a head tied to the input embedding, the embedding
+            looks its rows up in the head's int8 codes (:class:`SharedInt8Embedding`) instead of keeping its
+            float weight: one int8 copy serves both (the default model's 113 MiB fp32 embedding goes). Lossy
+            for the embedding (per-row int8, as the head), measured in docs/quantization.md. An untied or
+            unusual embedding (``max_norm``, a non-scalar scale) keeps its weight, with a note in the report.
 
     Raises:
         RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
@@ -66,6 +71,7 @@ class Int8WeightOnly(StepConfig):
     compute_dtype: str = "auto"
     include_lm_head: bool = False
     activations: str = "float"
+    share_embedding: bool = False
 
     def __post_init__(self):
         if self.group_size is not None and (
@@ -74,8 +80,12 @@ class Int8WeightOnly(StepConfig):
             raise bad_field(self, "group_size", self.group_size, "null (per output channel) or a positive integer")
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise bad_field(self, "compute_dtype", self.compute_dtype, ", ".join(_COMPUTE_DTYPES))
-        if not isinstance(self.include_lm_head, bool):
-            raise bad_field(self, "include_lm_head", self.include_lm_head, "true or false")
+        for name in ("include_lm_head", "share_embedding"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_field(self, name, getattr(self, name), "true or false")
+        if self.share_embedding and not self.include_lm_head:
+            raise RecipeError("Int8WeightOnly(share_embedding=True) shares the int8 output head's codes with the "
+                              "input embedding, so it needs include_lm_head=True")
         if self.activations not in a8.ACTIVATIONS:
             raise bad_field(self, "activations", self.activations, ", ".join(a8.ACTIVATIONS))
         if self.activations == "int8" and self.group_size is not None:
@@ -224,6 +234,21 @@ class Int8Linear(nn.Module):
         else:
             self.weight_int8.copy_(codes)
 
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (any shape) of the dequantized weight: ``[*index.shape, in]`` in ``dtype``, computed in
+        fp32 as ``codes * scale`` (the lookups of a :class:`SharedInt8Embedding`). Reads only those rows."""
+        if self.activations == "int8":  # block layout [N/16, K/4, 16 rows, 4 columns]
+            blocks = self.weight_a8.view(self.out_features // a8.ROWS, self.in_features // 4, a8.ROWS, 4)
+            codes = blocks[index // a8.ROWS, :, index % a8.ROWS].reshape(*index.shape, self.in_features)
+        else:
+            codes = self.weight_int8[index]
+        scale = self.weight_scale[index]
+        if self.group_size is None:
+            w = codes.float() * scale.unsqueeze(-1)
+        else:
+            w = (codes.float().unflatten(-1, (-1, self.group_size)) * scale.unsqueeze(-1)).flatten(-2)
+        return w.to(dtype)
+
     def dequantize(self) -> torch.Tensor:
         """The float weight ``[out, in]`` these int8 values stand for."""
         codes = self.codes()
@@ -307,6 +332,64 @@ class Int8Linear(nn.Module):
         act = ", activations=int8" if self.activations == "int8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"compute_dtype={self.compute_dtype}{g}{act}")
+
+
+class SharedInt8Embedding(nn.Module):
+    """An input embedding that reads its rows from the int8 output head it is tied to, so one int8 copy serves both
+    (``share_embedding``): a lookup is ``codes[id] * scale[id]`` in fp32, cast to the model's dtype, times the
+    embedding's own ``embed_scale`` where it has one (Gemma's scaled embeddings).
+
+    The head stays the owner of the codes (this module holds no tensor of its own and is not the head's parent).
+    Saved, it writes the float weight those codes stand for as ``weight``, so a checkpoint keeps the layout of an
+    untied embedding and plain transformers loads the same numbers; loaded, it ignores that tensor (the head's codes
+    are the source).
+    """
+
+    def __init__(self, head: Int8Linear, embedding: nn.Embedding):
+        super().__init__()
+        self._head = (head,)  # a tuple: not registered as a submodule (the head's parent owns it)
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.out_dtype = embedding.weight.dtype
+        scale = getattr(embedding, "embed_scale", None)
+        self.embed_scale = float(scale) if scale is not None else None
+
+    @property
+    def head(self) -> Int8Linear:
+        return self._head[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.head.rows(input_ids, self.out_dtype)
+        if self.embed_scale is not None:
+            out = out * torch.tensor(self.embed_scale, dtype=self.out_dtype)
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        ids = torch.arange(self.num_embeddings, device=self.head.weight_scale.device)
+        destination[prefix + "weight"] = self.head.rows(ids, self.out_dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key in state_dict and tuple(state_dict[key].shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"{key}: shape {tuple(state_dict[key].shape)} != "
+                              f"{(self.num_embeddings, self.embedding_dim)}")
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from the int8 output head"
+
+
+def shareable_embedding(embedding: nn.Module) -> bool:
+    """Whether :class:`SharedInt8Embedding` reproduces ``embedding``'s lookups: a plain ``nn.Embedding`` without
+    ``max_norm``, or a scaled one (Gemma) whose ``embed_scale`` is a scalar."""
+    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None:
+        return False
+    if type(embedding) is nn.Embedding:
+        return True
+    scale = getattr(embedding, "embed_scale", None)
+    return type(embedding).__name__.endswith("ScaledWordEmbedding") and scale is not None and \
+        (not torch.is_tensor(scale) or scale.numel() == 1)
 
 
 @register_quantizer(Int8WeightOnly)

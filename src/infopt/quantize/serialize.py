@@ -11,7 +11,9 @@
 
 ``modules`` is read from the live model when it is saved (every :class:`Int8Linear`, :class:`Int4Linear`
 and :class:`W8A8Linear`), so it always matches the weights written beside it. ``tied: true`` marks a head
-tied to the input embedding that was quantized as a separate copy (the embedding keeps its weight).
+tied to the input embedding that was quantized as a separate copy (the embedding keeps its weight);
+``shares_embedding: true`` an int8 head whose codes the embedding reads (``share_embedding``: the embedding is
+saved as the float values of those codes, and loading shares it again).
 Quantized layers of other kinds (bitsandbytes, FP8) are listed with their class name as ``kind``: a loader
 refuses them by name instead of building float layers that would be left randomly initialised.
 
@@ -37,7 +39,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from .int4 import Int4Linear
-from .int8 import Int8Linear
+from .int8 import Int8Linear, SharedInt8Embedding
 from .w8a8 import W8A8Linear
 
 __all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
@@ -70,6 +72,8 @@ def layer_spec(module: nn.Module) -> dict[str, Any] | None:
     """The ``modules`` entry of one layer: a dict for an infopt quantized layer, ``{"kind": <class name>}`` for a
     quantized layer of another kind, None for anything else (float layers, norms)."""
     kind = _KIND_OF.get(type(module))
+    if isinstance(module, SharedInt8Embedding):
+        return None  # saved as a float embedding; its head's spec says shares_embedding
     if kind is None:
         origin = type(module).__module__
         if origin.startswith(_QUANTIZED_PACKAGES) and not list(module.children()):
@@ -115,6 +119,11 @@ def quantization_config_for(model: nn.Module, configs: Iterable[Any] = ()) -> di
         owner = target.rpartition(".")[0]
         if owner in modules:
             modules[owner]["tied"] = True
+    embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    head = getattr(embed, "head", None)
+    for fqn, mod in model.named_modules():
+        if head is not None and mod is head and fqn in modules:
+            modules[fqn]["shares_embedding"] = True  # the embedding reads this head's codes (share_embedding)
     return {"quant_method": QUANT_METHOD, "format": FORMAT_VERSION, "infopt_version": __version__,
             "configs": [c.to_dict() for c in configs], "modules": modules}
 

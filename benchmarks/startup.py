@@ -1,0 +1,80 @@
+"""Start-up: how long ``infopt.load`` of a saved optimized model takes until its first generated token.
+
+Usage: python benchmarks/startup.py [--recipe cpu-fast] [--runs 2] [--json out.json]
+
+Optimizes the default model with the recipe, saves it with ``infopt.save_optimized``, then starts fresh Python
+processes that each import infopt, ``infopt.load`` the folder and generate one token from a short prompt. The first
+process runs with an empty compile cache (``TORCHINDUCTOR_CACHE_DIR`` in a new temporary folder: a new machine, or
+a folder copied elsewhere), the later ones with the cache the first one filled (the same machine, a second
+process). Each process reports its own phases: import, load (build, re-apply the recipe, read the weights), first
+token; and the whole process's wall time. Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import infopt
+t1 = time.perf_counter()
+model, tok = infopt.load(sys.argv[1])
+t2 = time.perf_counter()
+ids = tok("The capital of France is", return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=1, do_sample=False)
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_token_s": t3 - t2, "load_to_token_s": t3 - t1,
+                  "token": int(out[0, -1])}))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--recipe", default="cpu-fast")
+    p.add_argument("--runs", type=int, default=2, help="processes in all: the first cold, the rest warm")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import infopt
+    from infopt.bench.harness import machine_info
+    from infopt.models import load_default
+
+    work = Path(tempfile.mkdtemp(prefix="infopt-startup-"))
+    model, tok = load_default()
+    t0 = time.perf_counter()
+    infopt.optimize(model, args.recipe)
+    optimize_s = time.perf_counter() - t0
+    folder = infopt.save_optimized(model, work / "model", tokenizer=tok)
+    size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6
+    del model
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+    runs = []
+    for i in range(args.runs):
+        t = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", CHILD, str(folder)], capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - t
+        if out.returncode:
+            sys.exit(f"run {i} failed:\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r.update(cache="cold" if i == 0 else "warm", process_wall_s=wall)
+        runs.append(r)
+        print(f"{r['cache']:>5}: import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, first token "
+              f"{r['first_token_s']:.1f} s; load to first token {r['load_to_token_s']:.1f} s "
+              f"(process {wall:.1f} s)", flush=True)
+    result = {"machine": machine_info(), "recipe": args.recipe, "optimize_s": optimize_s, "folder_mb": size_mb,
+              "runs": runs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
