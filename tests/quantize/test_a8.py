@@ -252,14 +252,16 @@ def test_a8_layers_multiply_prompts_by_a_weight_dequantized_per_call(x_dtype, mo
     lin = torch.nn.Linear(64, 32, bias=True)
     layer = Int4Linear.from_float(lin, group_size=32, layout="a8")
     assert layer.weight_dense is None
-    for fast_bf16 in (False, True):
-        monkeypatch.setattr(int4, "_FAST_BF16", [fast_bf16])
-        x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
-        dtype = torch.bfloat16 if fast_bf16 or x_dtype == torch.bfloat16 else torch.float32
-        want = torch.matmul(x.to(dtype), a8.int4_dense_t_reference(layer.weight_packed, layer.scale_min, 32, dtype))
-        assert torch.equal(layer(x), want.to(x_dtype) + layer.bias)
-    x = torch.randn(int4.A8_PROMPT_MIN_ROWS - 1, 64)  # fewer rows: the integer kernel
-    assert torch.equal(layer(x), a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32) + layer.bias)
+    kernel = lambda x: a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32) + layer.bias  # noqa: E731
+    monkeypatch.setattr(int4, "_FAST_BF16", [True])
+    x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
+    w_t = a8.int4_dense_t_reference(layer.weight_packed, layer.scale_min, 32)
+    assert torch.equal(layer(x), torch.matmul(x.to(torch.bfloat16), w_t).to(x_dtype) + layer.bias)
+    x = torch.randn(int4.A8_PROMPT_MIN_ROWS - 1, 64, dtype=x_dtype)  # fewer rows: the integer kernel
+    assert torch.equal(layer(x), kernel(x))
+    monkeypatch.setattr(int4, "_FAST_BF16", [False])  # without native bf16 GEMMs the kernel takes every row count
+    x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
+    assert torch.equal(layer(x), kernel(x))
 
 
 # -- layers and recipes --------------------------------------------------------------------------------------------
@@ -411,9 +413,11 @@ def test_pass_leaves_calls_on_different_inputs_alone():
     torch.testing.assert_close(gm(x, y, w1, s1, w2, s2), Two()(x, y, w1, s1, w2, s2), rtol=0, atol=0)
 
 
-def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies():
+def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies(monkeypatch):
+    from infopt.quantize import int4
     from infopt.quantize.int4 import A8_DENSE_MIN_ROWS
 
+    monkeypatch.setattr(int4, "_FAST_BF16", [True])  # where bf16 copies are kept
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.nn.Linear(64, 32, bias=False), group_size=32, layout="a8")
     layer.enable_dense()

@@ -177,8 +177,8 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         if isinstance(dense, torch.Tensor):
             total -= dense.numel() * dense.element_size()
     info = inspect_model(model)
-    if not info.tied_embeddings:
-        emb = model.get_submodule(info.embed_fqn).weight
+    emb = getattr(model.get_submodule(info.embed_fqn), "weight", None)  # None: it reads the head's codes
+    if not info.tied_embeddings and emb is not None:
         total -= emb.numel() * emb.element_size()
     return total
 

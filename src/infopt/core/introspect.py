@@ -214,7 +214,9 @@ def inspect_model(model: nn.Module) -> ModelInfo:
 
     lm_head = getattr(model, "lm_head", None)
     embed = model.get_submodule(family.embed)
-    tied = lm_head is not None and getattr(lm_head, "weight", None) is embed.weight
+    # (an embedding that reads a quantized head's codes, quantize's share_embedding, has no weight of its own)
+    embed_weight = getattr(embed, "weight", None)
+    tied = lm_head is not None and embed_weight is not None and getattr(lm_head, "weight", None) is embed_weight
     p = next(model.parameters())
     return ModelInfo(
         model_type=model_type,

@@ -77,7 +77,8 @@ ACTIVATIONS = ("float", "int8", "auto")
 
 def resolve(activations: str, device: torch.device | str = "cpu") -> str:
     """``"int8"`` or ``"float"`` for a config's ``activations`` on ``device``: ``"auto"`` is ``"int8"`` where the C++
-    kernel runs with AVX512-VNNI (where it was measured faster than the float-activation kernels), else ``"float"``.
+    kernel runs with AVX512-VNNI or AVX2 (where it was measured faster than the float-activation kernels: on a 2-core
+    AVX512-VNNI Xeon and on a 2-core AVX2 EPYC; ``benchmarks/int4_rows.py``), else ``"float"``.
 
     Example:
         >>> resolve("float"), resolve("auto", "cuda")
@@ -85,7 +86,7 @@ def resolve(activations: str, device: torch.device | str = "cpu") -> str:
     """
     if activations != "auto":
         return activations
-    return "int8" if torch.device(device).type == "cpu" and isa() == "avx512_vnni" else "float"
+    return "int8" if torch.device(device).type == "cpu" and isa() in ("avx512_vnni", "avx2") else "float"
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

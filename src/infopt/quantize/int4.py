@@ -214,14 +214,22 @@ DENSE_MIN_ROWS = 8
 ``benchmarks/int4_rows.py``)."""
 
 
+DENSE_FP32_MIN_ROWS = 16
+"""The same for a copy kept in fp32, on CPUs without native bf16 GEMMs (2-core AVX2 EPYC, 576x1536: at 8 rows 0.24 ms
+against 0.21 in the int4 kernel, at 16 rows 0.32 against 0.41; a bf16 copy there takes 1.5 ms)."""
+
+
 A8_DENSE_MIN_ROWS = 32
 """The same crossover for the ``a8`` layout, whose integer kernel stays ahead of a bf16 GEMM up to ~32 rows (576x1536
 at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, on AMX)."""
 
 A8_PROMPT_MIN_ROWS = 64
-"""Rows from which an ``a8`` layer without a dense copy dequantizes its weight on the fly
-(:func:`infopt.quantize.a8.int4_dense_t`) and runs one GEMM instead of the integer kernel (prompts; see
-``benchmarks/int4_rows.py``)."""
+"""Rows from which an ``a8`` layer without a dense copy, on a CPU with native bf16 GEMMs (:func:`fast_bf16_gemm`),
+dequantizes its weight to bf16 for the call (:func:`infopt.quantize.a8.int4_dense_t`) and runs one GEMM instead of
+the integer kernel (prompts). An estimate: the resident copy's crossover (:data:`A8_DENSE_MIN_ROWS`) plus the
+dequantization's cost, not yet measured on such a CPU. Elsewhere the integer kernel keeps every row count: on a
+2-core AVX2 EPYC a 576x1536 layer takes 4.6 ms at 512 rows in it against 7.2 ms dequantized to fp32 (and 6.2 ms
+for a resident fp32 weight; ``benchmarks/int4_rows.py``)."""
 
 
 def fast_bf16_gemm() -> bool:
@@ -457,22 +465,32 @@ class Int4Linear(nn.Module):
         return w
 
     def enable_dense(self) -> None:
-        """Keep the dequantized weight in bf16 for calls of :data:`DENSE_MIN_ROWS` rows or more."""
-        self.weight_dense = self.dequantize().to(torch.bfloat16).contiguous()
+        """Keep the dequantized weight for calls of :data:`DENSE_MIN_ROWS` rows or more: in bf16 on CPUs with native
+        bf16 GEMMs (:func:`fast_bf16_gemm`), else in the layer's dtype (there a bf16 GEMM is emulated, slower than
+        the int4 kernel: :data:`DENSE_FP32_MIN_ROWS`). An ``a8`` layer keeps no copy on such CPUs: its integer
+        kernel beats an fp32 GEMM at every row count measured."""
+        fast = _FAST_BF16[0] or self._storage_device().type != "cpu"
+        if not fast and self.layout == "a8":
+            self.weight_dense = None
+            return
+        dtype = torch.bfloat16 if fast else self.out_dtype
+        self.weight_dense = self.dequantize().to(dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        dense = self.weight_dense is not None and rows >= (A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS)
+        wd = self.weight_dense
+        dense = wd is not None and rows >= (
+            A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS if wd.dtype == torch.bfloat16
+            else DENSE_FP32_MIN_ROWS)
         if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
         if dense:
-            y = F.linear(x.to(torch.bfloat16), self.weight_dense).to(x.dtype)
-        elif self.layout == "a8" and rows >= A8_PROMPT_MIN_ROWS:
-            # prompts: one GEMM over the weight dequantized for this call (bf16 where the CPU multiplies it natively)
-            dtype = torch.bfloat16 if x.dtype == torch.bfloat16 or _FAST_BF16[0] else torch.float32
-            w_t = a8.int4_dense_t(self.weight_packed, self.scale_min, self.group_size, dtype)
-            y = torch.matmul(x.to(dtype), w_t).to(x.dtype)
+            y = F.linear(x.to(wd.dtype), wd).to(x.dtype)
+        elif self.layout == "a8" and rows >= A8_PROMPT_MIN_ROWS and _FAST_BF16[0]:
+            # prompts: one bf16 GEMM over the weight dequantized for this call
+            w_t = a8.int4_dense_t(self.weight_packed, self.scale_min, self.group_size, torch.bfloat16)
+            y = torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
         elif self.layout == "a8":
             y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
         elif self.layout == "plain":
