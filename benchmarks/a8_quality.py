@@ -26,20 +26,22 @@ ref = make_reference(base, tokenizer=tok, max_tokens=args.max_tokens, dtype="flo
 methods = {
     "int4 g32 + int8 head (cpu-fast's weights)": Int4WeightOnly(group_size=32, include_lm_head=True),
     "same, int8 activations": Int4WeightOnly(group_size=32, include_lm_head=True, activations="int8"),
+    "same, + shared embedding (cpu-fast's quantize step)": Int4WeightOnly(
+        group_size=32, include_lm_head=True, activations="int8", share_embedding=True),
     "int8": Int8WeightOnly(),
     "int8, int8 activations": Int8WeightOnly(activations="int8"),
     "int8 + head, int8 activations": Int8WeightOnly(include_lm_head=True, activations="int8"),
 }
 rows = []
 print(f"{ref.tokens} tokens; kernel ISA {a8.isa()}")
-print(f"{'method':<44} {'ppl':>8} {'KL':>9} {'top-1':>7}")
+print(f"{'method':<52} {'ppl':>8} {'KL':>9} {'top-1':>7}")
 for label, cfg in methods.items():
     model = copy.deepcopy(base)
     infopt.optimize(model, [cfg])
     r = evaluate(model, ref)
     rows.append({"method": label, "config": cfg.to_dict(), "ppl": r.ppl, "ppl_ref": r.ppl_ref, "kl": r.kl,
                  "top1": r.top1})
-    print(f"{label:<44} {r.ppl:>8.3f} {r.kl:>9.5f} {r.top1:>7.4f}", flush=True)
+    print(f"{label:<52} {r.ppl:>8.3f} {r.kl:>9.5f} {r.top1:>7.4f}", flush=True)
     del model
 if args.json:
     with open(args.json, "w") as f:
