@@ -179,7 +179,7 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
         RuntimeError: the saved tensors do not fit the rebuilt model.
     """
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     d = Path(directory)
     if not d.exists():
