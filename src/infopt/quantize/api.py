@@ -218,16 +218,14 @@ def quantize_(
 def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]) -> dict[str, nn.Module]:
     """``{embedding fqn: SharedInt8Embedding}`` when the new head is an :class:`Int8Linear` built from a head tied to
     an embedding it can stand in for; else nothing (the embedding keeps its weight)."""
-    from .int8 import Int8Linear, SharedInt8Embedding, shareable_embedding
+    from .int8 import SharedInt8Embedding
 
-    head = replacements.get(info.lm_head_fqn)
-    embed = model.get_input_embeddings()
+    embed = model.get_submodule(info.embed_fqn)
     old_head = model.get_submodule(info.lm_head_fqn)
-    if not isinstance(head, Int8Linear) or embed is None or getattr(old_head, "weight", None) is not \
-            getattr(embed, "weight", None) or not shareable_embedding(embed):
-        return {}
-    fqn = next(name for name, mod in model.named_modules() if mod is embed)
-    return {fqn: SharedInt8Embedding(head, embed)}
+    if embed is None or getattr(old_head, "weight", None) is not getattr(embed, "weight", None):
+        return {}  # not tied
+    shared = SharedInt8Embedding.for_head(replacements.get(info.lm_head_fqn), embed)
+    return {} if shared is None else {info.embed_fqn: shared}
 
 
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:

@@ -224,11 +224,11 @@ class InfoptHfQuantizer(HfQuantizer):
 def _share_embedding(model: nn.Module, head: nn.Module) -> None:
     """Let the embedding read the int8 head's codes again (it was saved as their float values, so lookups are
     unchanged) and free its float weight."""
-    from .int8 import Int8Linear, SharedInt8Embedding, shareable_embedding
+    from .int8 import SharedInt8Embedding
 
-    embed = model.get_input_embeddings()
-    if isinstance(head, Int8Linear) and shareable_embedding(embed):
-        model.set_input_embeddings(SharedInt8Embedding(head, embed))
+    shared = SharedInt8Embedding.for_head(head, model.get_input_embeddings())
+    if shared is not None:
+        model.set_input_embeddings(shared)
 
 
 def register() -> None:

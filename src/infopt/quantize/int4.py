@@ -59,9 +59,9 @@ class Int4WeightOnly(StepConfig):
         activations: ``"float"`` (default): activations stay floating point (bf16 in the kernel);
             ``"int8"``: each call quantizes its activations to int8 per row and group of ``group_size``
             channels and multiplies them with the int4 codes in integers (:mod:`infopt.quantize.a8`,
-            AVX512-VNNI on CPUs that have it). Faster at one to a few rows, and a further lossy step with
+            AVX512-VNNI or AVX2 on CPUs that have them). Faster at one to a few rows, and a further lossy step with
             its own KL/top-1 figures; the head, when quantized to int8, takes int8 activations too.
-            ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI, else ``"float"``
+            ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI or AVX2, else ``"float"``
             (:func:`infopt.quantize.a8.resolve`; the ``cpu-fast`` preset's choice).
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (:data:`A8_DENSE_MIN_ROWS` in the ``a8``

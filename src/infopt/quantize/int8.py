@@ -43,14 +43,14 @@ class Int8WeightOnly(StepConfig):
             head is read whole every token while the embedding gives one row per token.
         activations: ``"float"`` (default) or ``"int8"``: each call quantizes its activations to int8
             per row and group of 16 channels and multiplies them with the int8 codes in integers
-            (:mod:`infopt.quantize.a8`; AVX512-VNNI on CPUs that have it). Lossy beyond the weights;
+            (:mod:`infopt.quantize.a8`; AVX512-VNNI or AVX2 on CPUs that have them). Lossy beyond the weights;
             per-channel scales only (``group_size`` None), ``out_features`` a multiple of 16.
-            ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI and the layer fits it, else
+            ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI or AVX2 and the layer fits it, else
             ``"float"`` (:func:`infopt.quantize.a8.resolve`).
         share_embedding: with ``include_lm_head`` and a head tied to the input embedding, the embedding
             looks its rows up in the head's int8 codes (:class:`SharedInt8Embedding`) instead of keeping its
             float weight: one int8 copy serves both (the default model's 113 MiB fp32 embedding goes). Lossy
-            for the embedding (per-row int8, as the head), measured in docs/quantization.md. An untied or
+            for the embedding (per-row int8, as the head), measured in docs/performance.md. An untied or
             unusual embedding (``max_norm``, a non-scalar scale) keeps its weight, with a note in the report.
 
     Raises:
@@ -354,6 +354,14 @@ class SharedInt8Embedding(nn.Module):
         self.out_dtype = embedding.weight.dtype
         scale = getattr(embedding, "embed_scale", None)
         self.embed_scale = float(scale) if scale is not None else None
+
+    @classmethod
+    def for_head(cls, head: nn.Module, embedding: nn.Module) -> SharedInt8Embedding | None:
+        """The embedding that stands in for ``embedding`` over ``head``'s codes, or None when ``head`` is no
+        :class:`Int8Linear` or :func:`shareable_embedding` says no (the caller checks the tie)."""
+        if isinstance(head, Int8Linear) and shareable_embedding(embedding):
+            return cls(head, embedding)
+        return None
 
     @property
     def head(self) -> Int8Linear:
