@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,7 +9,7 @@ import torch
 from torch import nn
 
 from ..core.introspect import ModelInfo
-from ..core.patch import record_custom
+from ..core.patch import ModelSlot, record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import LoopPart, Unsupported, set_part
 from ..kvcache.paged import Paged
@@ -75,7 +74,7 @@ class Batching(StepConfig):
         return []
 
 
-_ENGINES: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
+_ENGINES = ModelSlot("engine")
 
 
 def batching_engine(model: nn.Module) -> Engine | None:

@@ -15,6 +15,7 @@ import inspect
 import logging
 import time
 import types
+import weakref
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,24 @@ def isolated_compile(fn, *, name: str, **kwargs):
     return torch.compile(types.MethodType(copy, owner) if owner is not None else copy, **kwargs)
 
 
+def _weak_backend(forward: CompiledForward):
+    """The dynamo backend of ``forward``'s graphs, holding it weakly.
+
+    Dynamo keeps every backend it was given in a process-wide table (``eval_frame.cached_backends``), so a
+    bound ``forward._compiler`` there would keep the forward, its model and its graphs alive after the user drops
+    the model; this small function is all that stays.
+    """
+    ref = weakref.ref(forward)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        owner = ref()
+        if owner is None:
+            raise RuntimeError("the model this decode step was compiled for has been garbage-collected")
+        return owner._compiler(gm, example_inputs)
+
+    return backend
+
+
 def token_bucket(k: int) -> int:
     """The compiled width for ``k`` new tokens: the next power of two (a verify of ``k`` tokens runs the graph of
     its bucket, padded; so adaptive draft lengths compile a few graphs, not one per length).
@@ -233,7 +252,7 @@ class CompiledForward(Forward):
         if fn is None:
             b, k, length, padded = key
             fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
-                                  backend=self._compiler, fullgraph=self.config.fullgraph, dynamic=self.config.dynamic)
+                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph, dynamic=self.config.dynamic)
             self._fns[key] = fn
             self.stats.shapes.append(_shape_name(key))
         return fn

@@ -12,6 +12,7 @@ Only instances are patched, never classes or ``transformers`` module globals.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
@@ -32,10 +33,55 @@ __all__ = [
     "set_attr",
     "record_custom",
     "undo",
+    "ModelSlot",
+    "STATE_PREFIX",
 ]
 
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
+# The handle lives in the model's ``__dict__`` under this name (not in a module-level table): its
+# records' undo closures reference the model (a wrapped ``generate``, a swap on the root), so a
+# table holding handles would keep every patched model alive forever; an attribute makes that a
+# plain reference cycle the garbage collector frees with the model.
+STATE_PREFIX = "_infopt_"
+_HANDLE_ATTR = STATE_PREFIX + "patch_handle"
 _MISSING = object()
+
+
+class ModelSlot:
+    """One piece of per-model state infopt keeps (a decoder, an engine, counters), stored in the model's
+    ``__dict__`` as ``_infopt_<name>``.
+
+    The state's objects usually reference the model, so a module-level table keyed by the model would
+    keep every model it ever saw alive; an attribute makes it a cycle freed with the model. It is
+    not a submodule, parameter or buffer: ``state_dict``, ``save_pretrained`` and ``to`` ignore it.
+
+    Example:
+        >>> slot = ModelSlot("example")
+        >>> m = nn.Linear(2, 2)
+        >>> slot.get(m) is None
+        True
+        >>> slot[m] = 3; slot.get(m)
+        3
+        >>> slot.pop(m), slot.get(m)
+        (3, None)
+    """
+
+    def __init__(self, name: str):
+        self.attr = STATE_PREFIX + name
+
+    def get(self, model: nn.Module, default: Any = None) -> Any:
+        return model.__dict__.get(self.attr, default)
+
+    def __setitem__(self, model: nn.Module, value: Any) -> None:
+        model.__dict__[self.attr] = value
+
+    def __getitem__(self, model: nn.Module) -> Any:
+        try:
+            return model.__dict__[self.attr]
+        except KeyError:
+            raise KeyError(f"{type(model).__name__} has no infopt {self.attr[len(STATE_PREFIX):]} state") from None
+
+    def pop(self, model: nn.Module, default: Any = None) -> Any:
+        return model.__dict__.pop(self.attr, default)
 
 
 @dataclass
@@ -67,6 +113,17 @@ class PatchHandle:
 
     records: list[PatchRecord] = field(default_factory=list)
     _spill_dir: str | None = None
+    _spill_cleanup: weakref.finalize | None = None
+
+    def __deepcopy__(self, memo: dict) -> PatchHandle:
+        # A deep copy of a patched model gets an empty handle: the records' closures point at the
+        # original model's modules, so replaying them on the copy would undo the original.
+        return PatchHandle()
+
+    def __reduce__(self):
+        # Pickling a model keeps no undo history (closures cannot be pickled, and a spill file
+        # belongs to this process).
+        return (PatchHandle, ())
 
     def add(self, record: PatchRecord) -> PatchRecord:
         self.records.append(record)
@@ -83,6 +140,8 @@ class PatchHandle:
     def spill_dir(self) -> str:
         if self._spill_dir is None:
             self._spill_dir = tempfile.mkdtemp(prefix="infopt-undo-")
+            # removed on undo, when the model (and so this handle) is garbage-collected, or at exit
+            self._spill_cleanup = weakref.finalize(self, shutil.rmtree, self._spill_dir, ignore_errors=True)
         return self._spill_dir
 
     def undo(self) -> int:
@@ -93,10 +152,9 @@ class PatchHandle:
                 record.revert()
                 n += 1
         self.records.clear()
-        if self._spill_dir is not None:
-            for name in os.listdir(self._spill_dir):
-                os.remove(os.path.join(self._spill_dir, name))
-            os.rmdir(self._spill_dir)
+        if self._spill_cleanup is not None:
+            self._spill_cleanup()
+            self._spill_cleanup = None
             self._spill_dir = None
         return n
 
@@ -104,18 +162,21 @@ class PatchHandle:
 def get_handle(model: nn.Module) -> PatchHandle:
     """The model's :class:`PatchHandle`, created empty on first use.
 
-    Handles live in a weak table keyed by the model, so the handle adds no attribute to the model.
+    The handle is kept in the model's ``__dict__`` (``_infopt_patch_handle``, not a submodule,
+    parameter or buffer, so ``state_dict`` and saving are unaffected) and removed by :func:`undo`.
+    A patched model that is dropped without ``undo`` is freed with its handle, and the temporary
+    folder holding its spilled original weights is deleted then (or at interpreter exit).
     """
-    handle = _HANDLES.get(model)
+    handle = model.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         handle = PatchHandle()
-        _HANDLES[model] = handle
+        model.__dict__[_HANDLE_ATTR] = handle
     return handle
 
 
 def has_patches(model: nn.Module) -> bool:
     """True when infopt has live changes recorded on ``model``."""
-    handle = _HANDLES.get(model)
+    handle = model.__dict__.get(_HANDLE_ATTR)
     return bool(handle and any(not r.undone for r in handle.records))
 
 
@@ -305,7 +366,7 @@ def undo(model: nn.Module) -> int:
         >>> undo(m), hasattr(m, "flag")
         (1, False)
     """
-    handle = _HANDLES.pop(model, None)
+    handle = model.__dict__.pop(_HANDLE_ATTR, None)
     if handle is None:
         return 0
     return handle.undo()

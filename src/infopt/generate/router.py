@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.patch import record_custom, wrap_method
+from ..core.patch import ModelSlot, record_custom, wrap_method
 from .call import GenerateCall, Unsupported, parse_call
 from .forward import Forward
 from .lean import lean_decode
@@ -196,7 +196,7 @@ class Decoder:
         return out
 
 
-_DECODERS: weakref.WeakKeyDictionary[nn.Module, Decoder] = weakref.WeakKeyDictionary()
+_DECODERS = ModelSlot("decoder")
 
 
 def decoder_for(model: nn.Module) -> Decoder | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any
 
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
-from ..core.patch import get_handle, record_custom
+from ..core.patch import STATE_PREFIX, ModelSlot, get_handle, record_custom
 from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
 from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
 from .config import DraftModel, PromptLookup, SelfDraft
@@ -20,7 +19,7 @@ from .loop import Controller, SpecStats, speculative_decode
 
 __all__ = ["enable_", "stats", "build_self_draft", "load_draft"]
 
-_STATS: weakref.WeakKeyDictionary[nn.Module, SpecStats] = weakref.WeakKeyDictionary()
+_STATS = ModelSlot("speculative_stats")
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -98,8 +97,9 @@ def build_self_draft(model: nn.Module, config: SelfDraft) -> tuple[nn.Module, in
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
     draft = copy.deepcopy(model, memo)
-    for name in ("generate", "forward", "infopt"):  # instance-level patches of the target stay with it
-        draft.__dict__.pop(name, None)
+    for name in list(draft.__dict__):  # instance-level patches and infopt state of the target stay with it
+        if name in ("generate", "forward", "infopt") or name.startswith(STATE_PREFIX):
+            draft.__dict__.pop(name, None)
     if config.num_layers is not None:
         info = inspect_model(draft)
         layers = draft.get_submodule(info.layer_fqns[0].rpartition(".")[0]) if info.layer_fqns else None
