@@ -15,14 +15,15 @@ import inspect
 import logging
 import time
 import types
-import weakref
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.compat import CACHE_KWARG
 from ..generate import Forward, decoder_for, rollback, static_length
 
 log = logging.getLogger("infopt.compile")
@@ -214,7 +215,7 @@ class CompiledForward(Forward):
 
             kw[KV_LEN_KWARG] = cache_position[-1:] + 1
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
-                         attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kw)
+                         attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: cache}, **kw)
         return out.logits[:, -input_ids.shape[1]:].float()
 
     def _compiler(self, gm: torch.fx.GraphModule, example_inputs):

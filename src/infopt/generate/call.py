@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.compat import CACHE_KWARGS
+
 __all__ = ["Unsupported", "GenerateCall", "parse_call", "nondefault_fields", "sampling_field", "BEAM_KWARGS"]
 
 
@@ -231,7 +233,7 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
         raise Unsupported("empty prompt")
     if input_ids.is_floating_point():
         raise Unsupported("input_ids are not integer token ids")
-    for k in ("inputs_embeds", "past_key_values", "assistant_model", "prompt_lookup_num_tokens"):
+    for k in ("inputs_embeds", *CACHE_KWARGS, "assistant_model", "prompt_lookup_num_tokens"):
         if kwargs.get(k) is not None:
             raise Unsupported(f"caller supplied {k}")
     for k in BEAM_KWARGS:

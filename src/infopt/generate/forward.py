@@ -11,6 +11,8 @@ import inspect
 import torch
 from torch import nn
 
+from ..core.compat import CACHE_KWARG
+
 __all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback"]
 
 _TAKES: dict[type, bool] = {}
@@ -52,7 +54,7 @@ class Forward:
         """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions."""
         kw = {"logits_to_keep": keep} if self.keeps else {}
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, **kw).logits
+                            use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
         return logits[:, -keep:]
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
@@ -72,7 +74,7 @@ class Forward:
             attention_mask = attention_mask[:, : int(cache_position[-1]) + 1]
         # the model derives the cache slots itself, as in generate (an evicting cache maps them its own way)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True, **kw)
+                         use_cache=True, **{CACHE_KWARG: cache}, **kw)
         return out.logits[:, -k:].float()
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.compat import CACHE_KWARG
 from ..core.patch import ModelSlot, record_custom, wrap_method
 from .call import GenerateCall, Unsupported, parse_call
 from .forward import Forward
@@ -190,7 +191,7 @@ class Decoder:
         cache = self.cache.open(call)
         out = None
         try:
-            out = original(*call.args, past_key_values=cache, **call.kwargs)
+            out = original(*call.args, **{CACHE_KWARG: cache}, **call.kwargs)
         finally:
             self.cache.close(call, out if torch.is_tensor(out) else getattr(out, "sequences", None))
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.compat import cache_from
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["HeavyHitterCache", "HeavyHitterLayer", "attention_weights_hook"]
@@ -149,7 +150,7 @@ def attention_weights_hook(module, args, kwargs, output):
     Raises:
         RuntimeError: the module returned no weights (a non-eager attention backend).
     """
-    cache = kwargs.get("past_key_values")
+    cache = cache_from(kwargs)
     if not isinstance(cache, HeavyHitterCache):
         return None
     weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None

@@ -25,6 +25,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, PagedStep, bind
+from ..core.compat import CACHE_KWARG
 from ..core.errors import IncompatibleModelError
 from .blocks import BlockAllocator, BlockStateError, OutOfBlocks, hash_block
 from .pool import KVBlockPool
@@ -383,7 +384,7 @@ class PagedCache(Cache):
         logits ``[S, vocab]`` (from its last new token). A failed forward is rolled back with :meth:`abort_step`."""
         batch = self.begin_step(entries)
         try:
-            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, past_key_values=self,
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **{CACHE_KWARG: self},
                         use_cache=True, logits_to_keep=batch.logits_indices, **forward_kwargs)
         except BaseException:
             self.abort_step()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.compat import cache_from
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["SinkCache", "SinkLayer", "rerotate", "rope_inv_freq", "position_hook"]
@@ -243,7 +244,7 @@ class SinkCache(Cache):
 def position_hook(module, args, kwargs):
     """Forward pre-hook for a causal LM: with a :class:`SinkCache` in ``past_key_values``, make room for the
     call's tokens and give them in-cache ``position_ids`` (whatever ``generate`` computed)."""
-    cache = kwargs.get("past_key_values")
+    cache = cache_from(kwargs)
     if not isinstance(cache, SinkCache):
         return None
     x = kwargs.get("input_ids", args[0] if args else None)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.compat import cache_from
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, _text_config, inspect_model
 from ..core.patch import set_attr, swap_module
@@ -31,7 +32,8 @@ from .tensor import TP_FAMILIES
 
 __all__ = ["pipeline_parallel_", "check_pipeline", "stage_bounds"]
 
-_SLICEABLE = ("attention_mask", "position_embeddings", "position_ids", "past_key_values", "use_cache", "cache_position")
+_SLICEABLE = ("attention_mask", "position_embeddings", "position_ids", "past_key_values", "cache", "use_cache",
+              "cache_position")
 
 
 def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -102,7 +104,7 @@ class _Slot(nn.Module):
         import torch.distributed as dist
 
         seq = hidden.shape[1]
-        cache = kwargs.get("past_key_values")
+        cache = cache_from(kwargs)
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         # chunks append to a growing cache layer by layer; caches that lay out a step's tokens up front do not chunk
         n = min(self.micro_batches, seq) if cache is None or type(cache).__name__ == "DynamicCache" else 1
@@ -136,7 +138,7 @@ class _Slot(nn.Module):
         if self.stage_layers is not None:
             hidden_states = self._run_stage(hidden_states, kwargs)
         elif self.placeholder:
-            cache = kwargs.get("past_key_values")
+            cache = cache_from(kwargs)
             if cache is not None and kwargs.get("use_cache", True) is not False:
                 b, s = hidden_states.shape[:2]
                 ph = hidden_states.new_zeros(b, 1, s, 1)  # [B, 1, S, 1]: tokens counted, nothing stored
