@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -19,12 +20,15 @@ RECIPE_FILE = "infopt_recipe.yaml"
 WEIGHTS_FILE = "infopt_model.safetensors"
 
 
-def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
+def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None, *, compiled: bool = True) -> Path:
     """Write an optimized model so :func:`load_optimized` restores it exactly.
 
     The folder holds the HF ``config.json`` (and ``generation_config.json``), the tokenizer if
     given, the recipe as ``infopt_recipe.yaml``, and the model's state dict *as optimized*
-    (int8 weights stay int8) in ``infopt_model.safetensors``.
+    (int8 weights stay int8) in ``infopt_model.safetensors``. With a ``compile`` step on CPU and
+    ``compiled=True``, each decode shape the model has compiled is also compiled ahead of time into
+    ``infopt_compiled/`` (about a minute per shape for the default model), which :func:`load_optimized`
+    loads instead of compiling (:mod:`infopt.compile.saved`).
 
     Raises:
         ValueError: the model was not optimized with :func:`infopt.optimize`.
@@ -44,6 +48,11 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None) -> P
     _write_recipe(model, out)
     save_model(model, str(out / WEIGHTS_FILE))
     _normal_mode(out / WEIGHTS_FILE)
+    if compiled:
+        from .compile.saved import COMPILED_DIR, save_steps
+
+        if save_steps(model, out):
+            _normal_mode(*(out / COMPILED_DIR).iterdir())
     return out
 
 
@@ -203,7 +212,12 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
     model = _blank_model(config, dtype).to(device).eval()
     if (d / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(d), local_files_only=True)
-    optimize(model, Recipe.from_yaml((d / RECIPE_FILE).read_text()), rebuild=True)
+    from .compile.saved import COMPILED_DIR, MANIFEST, load_steps, skipping_warmup
+
+    recipe = Recipe.from_yaml((d / RECIPE_FILE).read_text())
+    precompiled = (d / COMPILED_DIR / MANIFEST).is_file()
+    with skipping_warmup() if precompiled else contextlib.nullcontext():
+        optimize(model, recipe, rebuild=True)
     state: dict[str, torch.Tensor] = {}
     for f in _state_files(d):
         state.update(load_file(str(f), device=str(device)))
@@ -214,6 +228,8 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
         raise RuntimeError(
             f"the weights in {d} do not fit the rebuilt model: missing {bad_missing[:5]}, unexpected {unexpected[:5]}"
         )
+    if precompiled and not load_steps(model, d):
+        _warm_up(model, recipe)  # saved steps that do not fit this machine: compile as a recipe without them would
     tok = None
     if (d / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -221,6 +237,14 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
 
 
 load = load_optimized
+
+
+def _warm_up(model: nn.Module, recipe) -> None:
+    from .compile import Compile, warmup
+
+    step = next((s for s in recipe.steps if isinstance(s, Compile)), None)
+    if step is not None and step.warmup_batch_sizes and step.warmup_lengths:
+        warmup(model, batch_sizes=step.warmup_batch_sizes, lengths=step.warmup_lengths)
 
 
 def _blank_model(config, dtype: torch.dtype) -> nn.Module:

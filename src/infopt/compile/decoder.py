@@ -56,6 +56,8 @@ class CompileStats:
         eager_shapes: shapes whose step could not hold a compiled graph and runs eagerly, with the reason
             (a warning says so once per shape).
         eager_calls: decode steps run eagerly for those shapes.
+        loaded: shapes whose compiled step was loaded from a saved model's folder instead of compiled
+            (:mod:`infopt.compile.saved`).
     """
 
     compiles: int = 0
@@ -66,11 +68,13 @@ class CompileStats:
     compiles_after_warmup: int = 0
     eager_shapes: dict[str, str] = field(default_factory=dict)
     eager_calls: int = 0
+    loaded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"compiles": self.compiles, "seconds": round(self.seconds, 2), "shapes": list(self.shapes),
                 "calls": self.calls, "warmed_up": self.warmed_up, "compiles_after_warmup": self.compiles_after_warmup,
-                "eager_shapes": dict(self.eager_shapes), "eager_calls": self.eager_calls}
+                "eager_shapes": dict(self.eager_shapes), "eager_calls": self.eager_calls,
+                "loaded": self.loaded}
 
 
 def compile_stats(model: nn.Module) -> CompileStats | None:

@@ -223,6 +223,11 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
                          "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
+    from .saved import warmup_skipped
+
+    if ctx.rebuild and warmup_skipped():
+        ctx.notes.append("decode step loaded as saved with the model (infopt_compiled/), not compiled")
+        return
     if not (config.warmup_batch_sizes and config.warmup_lengths):
         ctx.notes.append(f"decode step compiled lazily (mode={config.mode}, backend={config.backend}); "
                          "the first call of each shape compiles")

@@ -1,0 +1,190 @@
+"""Compiled decode steps saved with an optimized model, so loading it skips the compile.
+
+Tracing the decode step of a 30-layer model through dynamo takes about 12 s on a small CPU even when Inductor's
+cache holds its kernels, and a new machine compiles them too (about a minute). :func:`save_steps` compiles each
+decode shape the model has compiled ahead of time (``torch.compile(...).aot_compile``) and writes it next to the
+weights (``infopt_compiled/``); :func:`load_steps` loads them into the rebuilt model's compiled forward, so
+``infopt.load`` of a ``cpu-fast`` folder reaches its first token in seconds.
+
+The saved steps carry no dynamo guards: infopt itself picks the graph by shape (batch, token bucket, cache
+length, padded or not), and the manifest records what a graph also assumes (torch, transformers and infopt
+versions, the CPU's vector ISA, the model's dtype). A folder whose manifest does not match the machine and the
+installed versions, or a step that fails to load, is compiled as before, with a warning. At call time a
+saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
+otherwise that shape is compiled anew.
+
+CPU only for now: CUDA steps are not saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("infopt.compile")
+
+__all__ = ["COMPILED_DIR", "save_steps", "load_steps", "fingerprint", "skipping_warmup"]
+
+COMPILED_DIR = "infopt_compiled"
+MANIFEST = "manifest.json"
+
+_SKIP_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("infopt_skip_warmup", default=False)
+
+
+@contextlib.contextmanager
+def skipping_warmup():
+    """Inside, a ``compile`` step applied while rebuilding a saved model does not warm up (its steps are loaded)."""
+    token = _SKIP_WARMUP.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_WARMUP.reset(token)
+
+
+def warmup_skipped() -> bool:
+    return _SKIP_WARMUP.get()
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What a saved step assumes beyond its shape: the versions that produced it, the CPU's ISA and the model's
+    dtype and device type."""
+    import transformers
+
+    from .. import __version__
+
+    p = next(model.parameters())
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
+            "python": list(sys.version_info[:2]), "machine": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(p.dtype),
+            "device": p.device.type}
+
+
+def _step_name(key: tuple) -> str:
+    b, k, length, padded = key
+    return f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}"
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
+    """Compile ahead of time, and write under ``directory/infopt_compiled``, every decode shape ``model`` has
+    compiled (its warm-up shapes and any compiled since). Returns the file names written (empty when the model
+    has no compile step, runs on CUDA, or compiled nothing).
+
+    A shape that cannot be compiled ahead of time is left out with a warning; the loaded model compiles it as
+    before.
+    """
+    from ..generate import decoder_for, rollback
+    from ..kvcache.static import StaticCaches
+    from .decoder import CompiledForward, CompiledForwards, mode_options
+
+    dec = decoder_for(model)
+    if dec is None or not isinstance(dec.forwards, CompiledForwards) or not isinstance(dec.cache, StaticCaches):
+        return []
+    fwd = dec.forward_for(model)
+    config = dec.forwards.config
+    device = next(model.parameters()).device
+    if not isinstance(fwd, CompiledForward) or device.type != "cpu" or config.backend != "inductor":
+        return []
+    keys = [k for k in fwd._fns if k not in fwd._eager]
+    if not keys:
+        return []
+    out = Path(directory) / COMPILED_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    opts = {**mode_options(config.mode, device, config.cpp_wrapper), "guard_filter_fn": _drop_all_guards}
+    token = model.generation_config.bos_token_id
+    token = 0 if token is None or isinstance(token, list) else int(token)
+    written: dict[str, list] = {}
+    for key in keys:
+        b, k, length, padded = key
+        name = _step_name(key)
+        try:
+            with torch.no_grad():
+                cache = dec.cache.cache_for(model, b, length)
+                ids = torch.full((b, 1), token, dtype=torch.long, device=device)
+                fwd.prefill(ids, torch.zeros_like(ids), None, cache)  # a cache's layers allocate on first use
+                pos = torch.arange(1, 1 + k, device=device)
+                mask = torch.ones(b, length, dtype=torch.long, device=device) if padded else None
+                args = (fwd, ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, mask, cache)
+                compiled = torch.compile(type(fwd)._forward, fullgraph=True, backend="inductor", options=opts)
+                aot = compiled.aot_compile((args, {}))
+                rollback(cache, 1)
+            aot.save_compiled_function(str(out / f"{name}.bin"))
+            written[name] = list(key)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the shape to be compiled at load
+            warnings.warn(f"infopt: the decode step for {name} could not be saved compiled ({type(e).__name__}: "
+                          f"{str(e)[:200]}); loading the model compiles it", RuntimeWarning, stacklevel=2)
+    if not written:
+        return []
+    (out / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint(model), "steps": written}, indent=1))
+    return [f"{n}.bin" for n in written]
+
+
+class _Saved:
+    """A loaded step, called as the compiled function of its shape while the model is as it was saved."""
+
+    def __init__(self, fn, fwd, key: tuple, dtype: torch.dtype, device: torch.device):
+        self.fn, self.fwd, self.key, self.dtype, self.device = fn, fwd, key, dtype, device
+
+    def __call__(self, *args):
+        p = next(self.fwd.model.parameters())
+        if p.dtype != self.dtype or p.device != self.device or torch.is_grad_enabled():
+            # not what it was compiled for: compile this shape the usual way, guarded, from now on
+            self.fwd._fns.pop(self.key, None)
+            self.fwd._graphs.pop(self.key, None)
+            return self.fwd._compiled(self.key)(*args)
+        return self.fn(self.fwd, *args)
+
+
+def load_steps(model: nn.Module, directory: str | Path) -> int:
+    """Load the steps :func:`save_steps` wrote into ``model``'s compiled forward. Returns how many were loaded:
+    0 when the folder has none or its manifest does not match (the caller then warms up as usual)."""
+    from ..generate import decoder_for
+    from . import decoder as decoder_module
+    from .decoder import CompiledForward, _shape_name
+
+    folder = Path(directory) / COMPILED_DIR
+    manifest = folder / MANIFEST
+    dec = decoder_for(model)
+    if not manifest.is_file() or dec is None:
+        return 0
+    fwd = dec.forward_for(model)
+    if not isinstance(fwd, CompiledForward):
+        return 0
+    meta = json.loads(manifest.read_text())
+    want = fingerprint(model)
+    if meta.get("fingerprint") != want:
+        diff = {k: (meta.get("fingerprint", {}).get(k), v) for k, v in want.items()
+                if meta.get("fingerprint", {}).get(k) != v}
+        log.warning("infopt: the compiled decode steps saved in %s were made for another setup (%s); compiling them "
+                    "here instead", directory, diff)
+        return 0
+    p = next(model.parameters())
+    loaded = 0
+    for name, key in meta.get("steps", {}).items():
+        key = tuple(key)
+        try:
+            with open(folder / f"{name}.bin", "rb") as f:
+                fn = torch.compiler.load_compiled_function(f, f_globals=decoder_module.__dict__)
+        except Exception as e:  # noqa: BLE001 - a step that does not load is compiled instead
+            warnings.warn(f"infopt: the saved decode step {name} did not load ({type(e).__name__}: {str(e)[:200]}); "
+                          "it is compiled instead", RuntimeWarning, stacklevel=2)
+            continue
+        fwd._fns[key] = _Saved(fn, fwd, key, p.dtype, p.device)
+        fwd._graphs[key] = 1
+        fwd.stats.shapes.append(_shape_name(key))
+        fwd.stats.loaded += 1
+        loaded += 1
+    return loaded

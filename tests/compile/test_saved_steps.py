@@ -1,0 +1,74 @@
+"""Compiled decode steps saved with the model: ``infopt.load`` runs them without compiling, with the same tokens,
+and falls back to compiling when they do not fit (another setup, a changed dtype)."""
+
+import json
+
+import torch
+
+import infopt
+from infopt.compile import compile_stats
+from infopt.compile.saved import COMPILED_DIR, MANIFEST
+from infopt.models import tiny_model
+
+RECIPE = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64]}}]}
+IDS = torch.tensor([[3, 17, 9, 41, 5, 11, 2, 8]])
+
+
+def _saved(tmp_path):
+    torch.manual_seed(0)
+    m = tiny_model("llama")
+    infopt.optimize(m, RECIPE)
+    want = m.generate(IDS, max_new_tokens=12, do_sample=False)
+    folder = infopt.save_optimized(m, tmp_path / "saved")
+    return folder, want
+
+
+def test_load_runs_the_saved_step_without_compiling(tmp_path):
+    folder, want = _saved(tmp_path)
+    manifest = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())
+    assert manifest["steps"] and all((folder / COMPILED_DIR / f"{n}.bin").is_file() for n in manifest["steps"])
+    model, _ = infopt.load(folder)
+    stats = compile_stats(model)
+    assert stats.loaded == len(manifest["steps"]) and stats.compiles == 0
+    got = model.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    assert stats.compiles == 0 and stats.calls > 0  # the decode steps ran the loaded graph
+
+
+def test_a_manifest_from_another_setup_compiles_instead(tmp_path):
+    folder, want = _saved(tmp_path)
+    path = folder / COMPILED_DIR / MANIFEST
+    meta = json.loads(path.read_text())
+    meta["fingerprint"]["torch"] = "0.0.0"
+    path.write_text(json.dumps(meta))
+    model, _ = infopt.load(folder)
+    stats = compile_stats(model)
+    assert stats.loaded == 0 and stats.compiles >= 1  # warmed up as a folder without saved steps is
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
+
+
+def test_a_saved_step_is_not_used_with_grad_enabled(tmp_path):
+    folder, _ = _saved(tmp_path)
+    model, _ = infopt.load(folder)
+    from infopt.generate import decoder_for
+
+    f = decoder_for(model).forward_for()
+    key = next(iter(f._fns))
+    saved = f._fns[key]
+    with torch.enable_grad():
+        cache = decoder_for(model).cache.cache_for(model, 1, 256)
+        ids = torch.ones(1, 1, dtype=torch.long)
+        f.prefill(ids, torch.zeros_like(ids), None, cache)
+        pos = torch.tensor([1])
+        saved(ids, pos[None], pos, None, cache)
+    assert f._fns.get(key) is not saved  # replaced by a guarded compile of the shape
+    assert compile_stats(model).compiles >= 1
+
+
+def test_no_compile_step_writes_no_compiled_folder(tmp_path):
+    m = tiny_model("llama")
+    infopt.optimize(m, {"steps": [{"kvcache": "static"}]})
+    folder = infopt.save_optimized(m, tmp_path / "plain")
+    assert not (folder / COMPILED_DIR).exists()
+    folder = infopt.save_optimized(m, tmp_path / "plain2", compiled=False)
+    assert not (folder / COMPILED_DIR).exists()
