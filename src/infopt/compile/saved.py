@@ -8,7 +8,7 @@ weights (``infopt_compiled/``); :func:`load_steps` loads them into the rebuilt m
 
 The saved steps carry no dynamo guards: infopt itself picks the graph by shape (batch, token bucket, cache
 length, padded or not), and the manifest records what a graph also assumes (torch, transformers and infopt
-versions, the CPU's vector ISA, the model's dtype). A folder whose manifest does not match the machine and the
+versions, a hash of the compile step's source, the CPU's vector ISA, the model's dtype). A folder whose manifest does not match the machine and the
 installed versions, or a step that fails to load, is compiled as before, with a warning. At call time a
 saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
 otherwise that shape is compiled anew.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import json
 import logging
 import platform
@@ -63,7 +64,12 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     from .. import __version__
 
     p = next(model.parameters())
+    # the saved bytecode is the compile step's own code and its graph passes: a change to them (within one version
+    # number, during development) must not run a stale step
+    here = Path(__file__).parent
+    source = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("decoder.py", "passes.py"))).hexdigest()[:16]
     return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
+            "source": source,
             "python": list(sys.version_info[:2]), "machine": platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(p.dtype),
             "device": p.device.type}
