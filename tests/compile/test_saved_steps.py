@@ -72,3 +72,13 @@ def test_no_compile_step_writes_no_compiled_folder(tmp_path):
     assert not (folder / COMPILED_DIR).exists()
     folder = infopt.save_optimized(m, tmp_path / "plain2", compiled=False)
     assert not (folder / COMPILED_DIR).exists()
+
+
+def test_speculative_models_keep_their_warm_up(tmp_path):
+    m = tiny_model("llama")
+    infopt.optimize(m, {"steps": [{"speculative": {"method": "prompt_lookup"}}, {"kvcache": "static"},
+                                  {"compile": {"warmup_lengths": [64]}}]})
+    folder = infopt.save_optimized(m, tmp_path / "spec")
+    assert not (folder / COMPILED_DIR).exists()
+    model, _ = infopt.load(folder)
+    assert compile_stats(model).warmed_up and compile_stats(model).loaded == 0

@@ -13,7 +13,8 @@ installed versions, or a step that fails to load, is compiled as before, with a 
 saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
 otherwise that shape is compiled anew.
 
-CPU only for now: CUDA steps are not saved.
+CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding or the batching
+engine (they warm up on load as before).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
 
     dec = decoder_for(model)
     if dec is None or not isinstance(dec.forwards, CompiledForwards) or not isinstance(dec.cache, StaticCaches):
+        return []
+    if dec.speculative is not None or dec.engine is not None:
+        # a draft model's steps and the verify widths are warmed up together: such models load with their warm-up
         return []
     fwd = dec.forward_for(model)
     config = dec.forwards.config
