@@ -212,12 +212,11 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
     model = _blank_model(config, dtype).to(device).eval()
     if (d / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(d), local_files_only=True)
-    from .compile.saved import COMPILED_DIR, MANIFEST, load_steps, skipping_warmup
+    from .compile.saved import load_steps, skipping_warmup, steps_fit
 
-    recipe = Recipe.from_yaml((d / RECIPE_FILE).read_text())
-    precompiled = (d / COMPILED_DIR / MANIFEST).is_file()
+    precompiled = steps_fit(model, d)  # compiled steps saved for this setup replace the compile step's warm-up
     with skipping_warmup() if precompiled else contextlib.nullcontext():
-        optimize(model, recipe, rebuild=True)
+        optimize(model, Recipe.from_yaml((d / RECIPE_FILE).read_text()), rebuild=True)
     state: dict[str, torch.Tensor] = {}
     for f in _state_files(d):
         state.update(load_file(str(f), device=str(device)))
@@ -228,8 +227,8 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
         raise RuntimeError(
             f"the weights in {d} do not fit the rebuilt model: missing {bad_missing[:5]}, unexpected {unexpected[:5]}"
         )
-    if precompiled and not load_steps(model, d):
-        _warm_up(model, recipe)  # saved steps that do not fit this machine: compile as a recipe without them would
+    if precompiled:
+        load_steps(model, d)
     tok = None
     if (d / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
@@ -237,14 +236,6 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu")
 
 
 load = load_optimized
-
-
-def _warm_up(model: nn.Module, recipe) -> None:
-    from .compile import Compile, warmup
-
-    step = next((s for s in recipe.steps if isinstance(s, Compile)), None)
-    if step is not None and step.warmup_batch_sizes and step.warmup_lengths:
-        warmup(model, batch_sizes=step.warmup_batch_sizes, lengths=step.warmup_lengths)
 
 
 def _blank_model(config, dtype: torch.dtype) -> nn.Module:

@@ -29,7 +29,7 @@ def test_load_runs_the_saved_step_without_compiling(tmp_path):
     assert manifest["steps"] and all((folder / COMPILED_DIR / f"{n}.bin").is_file() for n in manifest["steps"])
     model, _ = infopt.load(folder)
     stats = compile_stats(model)
-    assert stats.loaded == len(manifest["steps"]) and stats.compiles == 0
+    assert stats.loaded == len(manifest["steps"]) and stats.compiles == 0 and stats.warmed_up
     got = model.generate(IDS, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
     assert stats.compiles == 0 and stats.calls > 0  # the decode steps ran the loaded graph

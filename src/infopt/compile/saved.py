@@ -35,7 +35,7 @@ from torch import nn
 
 log = logging.getLogger("infopt.compile")
 
-__all__ = ["COMPILED_DIR", "save_steps", "load_steps", "fingerprint", "skipping_warmup"]
+__all__ = ["COMPILED_DIR", "save_steps", "steps_fit", "load_steps", "fingerprint", "skipping_warmup"]
 
 COMPILED_DIR = "infopt_compiled"
 MANIFEST = "manifest.json"
@@ -65,6 +65,7 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     from .. import __version__
 
     p = next(model.parameters())
+    dtype = getattr(model, "dtype", p.dtype)  # the model's float dtype, the same before and after quantizing
     # the saved bytecode is the compile step's own code and its graph passes: a change to them (within one version
     # number, during development) must not run a stale step
     here = Path(__file__).parent
@@ -72,7 +73,7 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
             "source": source,
             "python": list(sys.version_info[:2]), "machine": platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(p.dtype),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(dtype),
             "device": p.device.type}
 
 
@@ -154,33 +155,40 @@ class _Saved:
             # not what it was compiled for: compile this shape the usual way, guarded, from now on
             self.fwd._fns.pop(self.key, None)
             self.fwd._graphs.pop(self.key, None)
+            self.fwd._key = self.key  # the shape the compiler callback counts (set by step() too)
             return self.fwd._compiled(self.key)(*args)
         return self.fn(self.fwd, *args)
 
 
+def steps_fit(model: nn.Module, directory: str | Path) -> bool:
+    """True when ``directory`` holds saved steps made for this setup (:func:`fingerprint` of ``model``, which may
+    still be the blank model being rebuilt); a folder made elsewhere is logged and compiles as usual."""
+    manifest = Path(directory) / COMPILED_DIR / MANIFEST
+    if not manifest.is_file():
+        return False
+    saved = json.loads(manifest.read_text()).get("fingerprint", {})
+    want = fingerprint(model)
+    if saved != want:
+        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+        log.warning("infopt: the compiled decode steps saved in %s were made for another setup (%s); compiling them "
+                    "here instead", directory, diff)
+        return False
+    return True
+
+
 def load_steps(model: nn.Module, directory: str | Path) -> int:
-    """Load the steps :func:`save_steps` wrote into ``model``'s compiled forward. Returns how many were loaded:
-    0 when the folder has none or its manifest does not match (the caller then warms up as usual)."""
+    """Load the steps :func:`save_steps` wrote into ``model``'s compiled forward (check :func:`steps_fit` first).
+    Returns how many were loaded; a step that does not load is compiled on its first call, with a warning."""
     from ..generate import decoder_for
     from . import decoder as decoder_module
     from .decoder import CompiledForward, _shape_name
 
     folder = Path(directory) / COMPILED_DIR
-    manifest = folder / MANIFEST
     dec = decoder_for(model)
-    if not manifest.is_file() or dec is None:
-        return 0
-    fwd = dec.forward_for(model)
+    fwd = dec.forward_for(model) if dec is not None else None
     if not isinstance(fwd, CompiledForward):
         return 0
-    meta = json.loads(manifest.read_text())
-    want = fingerprint(model)
-    if meta.get("fingerprint") != want:
-        diff = {k: (meta.get("fingerprint", {}).get(k), v) for k, v in want.items()
-                if meta.get("fingerprint", {}).get(k) != v}
-        log.warning("infopt: the compiled decode steps saved in %s were made for another setup (%s); compiling them "
-                    "here instead", directory, diff)
-        return 0
+    meta = json.loads((folder / MANIFEST).read_text())
     p = next(model.parameters())
     loaded = 0
     for name, key in meta.get("steps", {}).items():
@@ -197,4 +205,5 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
         fwd.stats.shapes.append(_shape_name(key))
         fwd.stats.loaded += 1
         loaded += 1
+    fwd.stats.warmed_up = fwd.stats.warmed_up or loaded > 0  # the saved shapes are the warm-up's
     return loaded

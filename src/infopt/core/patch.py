@@ -37,12 +37,7 @@ __all__ = [
     "STATE_PREFIX",
 ]
 
-# The handle lives in the model's ``__dict__`` under this name (not in a module-level table): its
-# records' undo closures reference the model (a wrapped ``generate``, a swap on the root), so a
-# table holding handles would keep every patched model alive forever; an attribute makes that a
-# plain reference cycle the garbage collector frees with the model.
 STATE_PREFIX = "_infopt_"
-_HANDLE_ATTR = STATE_PREFIX + "patch_handle"
 _MISSING = object()
 
 
@@ -82,6 +77,11 @@ class ModelSlot:
 
     def pop(self, model: nn.Module, default: Any = None) -> Any:
         return model.__dict__.pop(self.attr, default)
+
+
+# the handle's undo closures reference the model (a wrapped ``generate``, a swap on the root): kept on the model,
+# not in a table keyed by it, so a dropped model is freed with its handle
+_HANDLES = ModelSlot("patch_handle")
 
 
 @dataclass
@@ -167,16 +167,16 @@ def get_handle(model: nn.Module) -> PatchHandle:
     A patched model that is dropped without ``undo`` is freed with its handle, and the temporary
     folder holding its spilled original weights is deleted then (or at interpreter exit).
     """
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = _HANDLES.get(model)
     if handle is None:
         handle = PatchHandle()
-        model.__dict__[_HANDLE_ATTR] = handle
+        _HANDLES[model] = handle
     return handle
 
 
 def has_patches(model: nn.Module) -> bool:
     """True when infopt has live changes recorded on ``model``."""
-    handle = model.__dict__.get(_HANDLE_ATTR)
+    handle = _HANDLES.get(model)
     return bool(handle and any(not r.undone for r in handle.records))
 
 
@@ -366,7 +366,7 @@ def undo(model: nn.Module) -> int:
         >>> undo(m), hasattr(m, "flag")
         (1, False)
     """
-    handle = model.__dict__.pop(_HANDLE_ATTR, None)
+    handle = _HANDLES.pop(model)
     if handle is None:
         return 0
     return handle.undo()

@@ -96,10 +96,12 @@ def build_self_draft(model: nn.Module, config: SelfDraft) -> tuple[nn.Module, in
     memo: dict[int, Any] = {id(b): b for b in model.buffers()}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    # instance-level patches and infopt state (decoder, caches, engine) stay with the target: not copied, then dropped
+    own = [n for n in model.__dict__ if n in ("generate", "forward", "infopt") or n.startswith(STATE_PREFIX)]
+    memo.update({id(model.__dict__[n]): model.__dict__[n] for n in own})
     draft = copy.deepcopy(model, memo)
-    for name in list(draft.__dict__):  # instance-level patches and infopt state of the target stay with it
-        if name in ("generate", "forward", "infopt") or name.startswith(STATE_PREFIX):
-            draft.__dict__.pop(name, None)
+    for name in own:
+        draft.__dict__.pop(name, None)
     if config.num_layers is not None:
         info = inspect_model(draft)
         layers = draft.get_submodule(info.layer_fqns[0].rpartition(".")[0]) if info.layer_fqns else None
