@@ -58,3 +58,13 @@ def assert_state_equal(model, snap):
     assert set(now) == set(snap)
     for k, v in snap.items():
         assert torch.equal(now[k], v), k
+
+
+@pytest.fixture(autouse=True)
+def _fresh_calibration_cache():
+    """Each test calibrates for itself: the process-wide calibration cache starts empty."""
+    from infopt.quantize.calibration_cache import CACHE
+
+    CACHE.clear()
+    yield
+    CACHE.clear()

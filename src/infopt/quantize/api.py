@@ -204,7 +204,15 @@ def quantize_(
 
             ids = calibration_ids(model, calibration, tokenizer=tokenizer,
                                   samples=getattr(config, "samples", 32), seq_len=getattr(config, "seq_len", 512))
-        replacements = CALIBRATED[type(config)](model, config, targets, ids, rebuild)
+        plan = CALIBRATED[type(config)]
+        if rebuild:
+            replacements = plan(model, config, targets, None, True)
+        else:  # computed once per (weights, config, targets, ids): see calibration_cache
+            from .calibration_cache import cached_plan
+
+            replacements, _ = cached_plan(model, config, targets, ids,
+                                          lambda: (plan(model, config, targets, ids, False), {}),
+                                          rebuild=lambda: plan(model, config, targets, None, True))
     for fqn, new in replacements.items():
         swap_module(model, fqn, new, step=step or config.key, keep_original=keep_original)
     if callable(getattr(model, "save_pretrained", None)):

@@ -525,7 +525,13 @@ def _apply(model: nn.Module, config: QAT, ctx: ApplyContext) -> None:
         raise IncompatibleModelError("QAT found no linear layer to quantize; is the model already quantized?")
     ids = None if ctx.rebuild else calibration_ids(model, ctx.calibration, tokenizer=ctx.tokenizer,
                                                    samples=config.samples, seq_len=config.seq_len)
-    real, stats = _run(model, config, targets, ids, ctx.rebuild)
+    if ctx.rebuild:
+        real, stats = _run(model, config, targets, ids, True)
+    else:  # trained once per (weights, config, targets, ids): see calibration_cache
+        from .calibration_cache import cached_plan
+
+        real, stats = cached_plan(model, config, targets, ids, lambda: _run(model, config, targets, ids, False),
+                                  rebuild=lambda: _run(model, config, targets, None, True)[0])
     for fqn, layer in real.items():
         layer.train(model.get_submodule(fqn).training)
         swap_module(model, fqn, layer, step=config.key, keep_original="disk")

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import FAMILIES, inspect_model
@@ -259,7 +260,7 @@ def activation_absmax(model: nn.Module, ids: torch.Tensor, fqns: list[str] | tup
         for fqn in dict.fromkeys(fqns):
             handles.append(model.get_submodule(fqn).register_forward_pre_hook(make_hook(fqn)))
         with torch.no_grad():
-            for i in range(0, ids.shape[0], batch_size):
+            for i in tqdm(range(0, ids.shape[0], batch_size), desc="SmoothQuant calibration", unit="batch"):
                 model(input_ids=ids[i:i + batch_size], use_cache=False)
     finally:
         for h in handles:
