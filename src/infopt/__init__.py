@@ -22,12 +22,15 @@ from .io import load, save_optimized
 from .optimize import OptimizationReport, optimize, undo, validate
 from .quantize.community import load_quantized
 from .recipe import PRESETS, Recipe
+from .tuner import TuneResult, tune
 
 __all__ = [
     "__version__",
     "optimize",
     "undo",
     "validate",
+    "tune",
+    "TuneResult",
     "load",
     "save_optimized",
     "load_quantized",

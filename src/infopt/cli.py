@@ -100,7 +100,7 @@ def _cmd_demo(args) -> int:
 
 
 # modules that add their own subcommands: each defines register(subparsers) setting `fn` on its parser
-_PLUGINS = ("infopt.eval.cli", "infopt.memory.cli", "infopt.bench.cli")
+_PLUGINS = ("infopt.eval.cli", "infopt.memory.cli", "infopt.bench.cli", "infopt.tuner.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
