@@ -125,6 +125,16 @@ def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_conf
         def save_pretrained(save_directory, *args, **kwargs):
             from .quantize.serialize import quantization_config_for
 
+            if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
+                from .core.errors import CheckpointError
+
+                # transformers rewrites MoE expert tensors into its checkpoint layout as it saves (3D -> per expert),
+                # which per-expert quantized layers do not have; refuse rather than write a folder that cannot load
+                raise CheckpointError(
+                    "save_pretrained cannot write quantized mixture-of-experts experts (transformers converts expert "
+                    "weights to its checkpoint layout when saving); use infopt.save_optimized(model, dir) and "
+                    "infopt.load_optimized(dir), or quantize with experts=False"
+                )
             qc = quantization_config_for(model, _live_configs(model, configs))
             config = model.config
             previous = config.__dict__.get("quantization_config", _UNSET)

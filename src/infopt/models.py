@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "DEFAULT_GGUF",
     "TINY_ARCHS",
+    "MOE_ARCHS",
     "cache_dir",
     "default_gguf_path",
     "default_model_dir",
@@ -177,7 +178,10 @@ def load_default_tokenizer():
     return AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
 
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "gemma", "gpt2", "mistral", "qwen3", "phi3", "gemma3")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "gemma", "gpt2", "mistral", "qwen3", "phi3", "gemma3", "mixtral",
+                               "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+"""The mixture-of-experts members of :data:`TINY_ARCHS`: 4 experts, 2 per token (Qwen2-MoE adds a shared expert)."""
 _DEFAULT_VOCAB = 49152  # the default tokenizer's vocabulary, so tiny models can share it
 
 
@@ -209,6 +213,18 @@ def _tiny_config(arch: str, *, num_layers: int, hidden_size: int, num_heads: int
         return tf.Gemma3TextConfig(**llama_like, head_dim=hidden_size // num_heads, sliding_window=64)
     if arch == "phi3":
         return tf.Phi3Config(**llama_like)
+    # MoE: 4 experts of width hidden_size (Qwen2-MoE: a shared expert of twice that), 2 experts per token
+    moe = dict(llama_like, num_experts_per_tok=2)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=hidden_size,
+                                 shared_expert_intermediate_size=hidden_size * 2, norm_topk_prob=False)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=hidden_size, head_dim=hidden_size // num_heads,
+                                 norm_topk_prob=True)
+    if arch == "olmoe":
+        return tf.OlmoeConfig(**moe, num_experts=4)
     if arch == "gpt2":
         return tf.GPT2Config(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
                              **common)

@@ -14,6 +14,7 @@ import infopt.memory as memory
 from infopt.core.errors import InfoptError
 from infopt.core.introspect import param_bytes
 from infopt.memory import KNOWN_CONFIGS, GpuFit, MemoryInputError, arch_spec, estimate_memory
+from infopt.memory.cli import format_estimate
 from infopt.models import TINY_ARCHS, tiny_model
 
 
@@ -302,7 +303,7 @@ def _cfg(**over):
         ((_cfg(model_type="my-llama", intermediate_size="big"),), {}, "intermediate_size"),
         ((_cfg(num_key_value_heads=3),), {}, "num_key_value_heads"),
         ((_cfg(num_hidden_layers=0),), {}, "num_hidden_layers"),
-        (({"model_type": "my-moe", **_SMALL, "num_experts": 8, "moe_intermediate_size": 64},), {}, "moe|experts"),
+        (({"model_type": "my-moe", **_SMALL, "n_routed_experts": 8, "moe_intermediate_size": 64},), {}, "n_routed_experts"),
     ],
     ids=["weight-dtype", "kv-dtype", "float-dtype", "batch-0", "seq-neg", "seq-float", "tp-3", "tp-bool",
          "chunk-0", "fraction", "gpus", "unknown-name", "int", "no-hidden", "raw-no-hidden", "raw-str-inter",
@@ -401,3 +402,39 @@ def test_default_model_weights_and_kv(default_model):
     peak, kv = peak_prefill_bytes(model, batch=1, length=256)
     act = estimate_memory(model, seq_len=256).activations_bytes
     assert 0.85 < (peak - kv) / act < 1.15  # measured 0.97 when written
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_moe_resident_and_active_params_match_built_model(arch):
+    from infopt.core.moe import moe_param_counts
+
+    model = tiny_model(arch)
+    est = estimate_memory(model, seq_len=64)
+    counts = moe_param_counts(model)  # read off the built modules
+    assert est.num_params == counts["total"] == unique_param_count(model)
+    assert est.active_params == counts["active"] < est.num_params
+    assert abs(est.weights_bytes - param_bytes(model)) < 1024
+
+
+def test_moe_dense_layers_and_shared_expert_counted():
+    from infopt.core.moe import moe_param_counts
+
+    config = tf.Qwen2MoeConfig(**_SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1])
+    with torch.random.fork_rng(devices=[]):
+        model = tf.AutoModelForCausalLM.from_config(config).eval()
+    est = estimate_memory(model, seq_len=64)
+    assert est.spec.dense_layers == (1,)
+    assert est.num_params == unique_param_count(model)
+    assert est.active_params == moe_param_counts(model)["active"]
+    # one sparse layer: 8 experts x 3 x 32 x 64, of which 6/8 idle per token
+    assert est.num_params - est.active_params == 8 * 3 * 32 * 64 * 6 // 8
+    assert "8 experts, 2 per token" in format_estimate(est)
+
+
+def test_dense_model_active_equals_total():
+    est = estimate_memory(tiny_model("llama"), seq_len=64)
+    assert est.active_params == est.num_params

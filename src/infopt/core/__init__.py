@@ -3,6 +3,7 @@
 from .availability import is_available, lazy_import, require
 from .errors import IncompatibleModelError, InfoptError, MissingBackendError, QualityGateError, RecipeError
 from .introspect import ModelInfo, inspect_model, param_bytes
+from .moe import MoEBlock, is_moe, moe_blocks
 from .patch import PatchHandle, get_handle, has_patches, undo
 
 __all__ = [
@@ -17,6 +18,9 @@ __all__ = [
     "ModelInfo",
     "inspect_model",
     "param_bytes",
+    "MoEBlock",
+    "moe_blocks",
+    "is_moe",
     "PatchHandle",
     "get_handle",
     "has_patches",

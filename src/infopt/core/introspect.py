@@ -51,6 +51,20 @@ FAMILIES: dict[str, _Family] = {
     "gemma": _LLAMA_LIKE,
     "gemma2": _LLAMA_LIKE,
     "gemma3_text": _LLAMA_LIKE,
+    # mixture-of-experts families: attention as Llama; ``mlp`` is the sparse block (router ``gate``, 3D experts,
+    # see core/moe.py), or a dense MLP in the layers a config keeps dense (Qwen2/Qwen3-MoE ``mlp_only_layers``)
+    "mixtral": _LLAMA_LIKE,
+    "qwen2_moe": _Family(
+        layers="model.layers",
+        attn="self_attn",
+        attn_linears=("q_proj", "k_proj", "v_proj", "o_proj"),
+        mlp="mlp",
+        mlp_linears=("gate_proj", "up_proj", "down_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
+                     "shared_expert.down_proj"),
+        embed="model.embed_tokens",
+    ),
+    "qwen3_moe": _LLAMA_LIKE,
+    "olmoe": _LLAMA_LIKE,
     "phi3": _Family(
         layers="model.layers",
         attn="self_attn",

@@ -70,6 +70,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
     "mistral": dict(),
     "mixtral": dict(),
+    "qwen2_moe": dict(qkv_bias=True),
+    "qwen3_moe": dict(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
+    "olmoe": dict(qk_norm_full=True),
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
     "gemma": dict(qkv_bias="attention_bias", o_bias="attention_bias"),
@@ -78,8 +81,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": dict(),
     "gpt2": dict(qkv_bias=True, o_bias=True, mlp_bias=True, gated=False, layernorm=True, learned_positions=True),
 }
-# MoE layouts other than Mixtral's (shared experts, dense-then-sparse layers) are not modelled: refuse them
-_UNSUPPORTED_MOE_FIELDS = ("moe_intermediate_size", "n_routed_experts", "num_experts", "shared_expert_intermediate_size")
+# MoE layouts modelled: Mixtral's, Qwen2/Qwen3-MoE's (expert width moe_intermediate_size, a shared expert, dense
+# layers by decoder_sparse_step / mlp_only_layers) and OLMoE's; DeepSeek's (n_routed_experts) is refused
+_UNSUPPORTED_MOE_FIELDS = ("n_routed_experts",)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,12 @@ class ArchSpec:
         qk_norm: per-head RMSNorm on q and k (Qwen3, Gemma 3).
         qkv_bias, o_bias, mlp_bias: which projections carry a bias.
         position_embeddings: rows of a learned position table (GPT-2), else 0 (rope).
-        num_experts, experts_per_token: Mixtral-style MoE (1, 1 for dense models).
+        num_experts, experts_per_token: mixture of experts (1, 1 for dense models).
+        moe_intermediate_size: one routed expert's width (0: ``intermediate_size``, as in Mixtral).
+        shared_expert_size: width of a shared expert every token uses, with its ``[1, H]`` gate (Qwen2-MoE), or 0.
+        dense_layers: indices of the layers of an MoE model that keep a dense MLP (``mlp_only_layers``,
+            ``decoder_sparse_step``).
+        qk_norm_full: RMSNorm on the whole q and k projections (OLMoE) rather than per head.
         layer_windows: per layer, the KV window in tokens (sliding/chunked attention) or None (full).
         config_dtype: the dtype the config declares (``float32``/``bfloat16``/``float16``) or None.
         param_dtype: the floating dtype of the model's parameters when a model was passed, else None.
@@ -126,14 +135,28 @@ class ArchSpec:
     position_embeddings: int = 0
     num_experts: int = 1
     experts_per_token: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    qk_norm_full: bool = False
     layer_windows: tuple[int | None, ...] = ()
     config_dtype: str | None = None
     param_dtype: str | None = None
     notes: tuple[str, ...] = ()
 
-    def layer_projections(self) -> tuple[Projection, ...]:
-        """The projection matrices of one decoder layer (fused layouts such as Phi-3's ``qkv_proj`` count the same)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` holds experts (False for every layer of a dense model)."""
+        return self.num_experts > 1 and layer not in self.dense_layers
+
+    def layer_projections(self, sparse: bool | None = None) -> tuple[Projection, ...]:
+        """The projection matrices of one decoder layer (fused layouts such as Phi-3's ``qkv_proj`` count the same).
+
+        Args:
+            sparse: for an MoE model, a layer with experts (the default) or one of its dense layers.
+        """
+        sparse = self.num_experts > 1 if sparse is None else sparse and self.num_experts > 1
+        h = self.hidden_size
+        i = (self.moe_intermediate_size or self.intermediate_size) if sparse else self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim  # q_proj out, k/v_proj out
         out = [
             Projection("attention", "q_proj", h, q),
@@ -141,7 +164,7 @@ class ArchSpec:
             Projection("attention", "v_proj", h, kv),
             Projection("attention", "o_proj", q, h),
         ]
-        e = self.num_experts
+        e = self.num_experts if sparse else 1
         if self.gated_mlp:
             out += [Projection("mlp", "gate_proj", h, i, e), Projection("mlp", "up_proj", h, i, e),
                     Projection("mlp", "down_proj", i, h, e)]
@@ -149,7 +172,21 @@ class ArchSpec:
             out += [Projection("mlp", "fc", h, i, e), Projection("mlp", "proj", i, h, e)]
         if e > 1:
             out.append(Projection("mlp", "router", h, e, quantizable=False))
+            if self.shared_expert_size:
+                s = self.shared_expert_size
+                out += [Projection("mlp", "shared_gate_proj", h, s), Projection("mlp", "shared_up_proj", h, s),
+                        Projection("mlp", "shared_down_proj", s, h),
+                        Projection("mlp", "shared_expert_gate", h, 1, quantizable=False)]
         return tuple(out)
+
+    def inactive_expert_params(self) -> int:
+        """Routed-expert parameters one token does not use: ``(E - k) / E`` of the experts of every sparse layer
+        (0 for a dense model). Active parameters per token are the total minus this."""
+        if self.num_experts <= 1:
+            return 0
+        per_layer = sum(p.numel for p in self.layer_projections(sparse=True) if p.count == self.num_experts)
+        sparse = sum(self.is_sparse(i) for i in range(self.num_layers))
+        return per_layer * sparse * (self.num_experts - self.experts_per_token) // self.num_experts
 
     def layer_bias_params(self) -> dict[str, int]:
         """Bias elements of one decoder layer, by group (``attention``/``mlp``)."""
@@ -163,6 +200,8 @@ class ArchSpec:
         """Elements of every norm: per layer, q/k norms, and the final norm (LayerNorm has weight and bias)."""
         per = self.hidden_size * (2 if self.layernorm else 1)
         layer = self.norms_per_layer * per + (2 * self.head_dim if self.qk_norm else 0)
+        if self.qk_norm_full:
+            layer += (self.num_heads + self.num_kv_heads) * self.head_dim
         return self.num_layers * layer + per
 
     def kv_tokens(self, seq_len: int) -> tuple[int, ...]:
@@ -339,7 +378,7 @@ def arch_spec(config_or_model: Any) -> ArchSpec:
 
     Raises:
         MemoryInputError: a required field is missing or not a positive integer, the head counts do not
-            divide, or the config is an MoE layout other than Mixtral's.
+            divide, or the config is an MoE layout not modelled (DeepSeek's ``n_routed_experts``).
 
     Example:
         >>> s = arch_spec("llama-3-8b")
@@ -383,13 +422,23 @@ def arch_spec(config_or_model: Any) -> ArchSpec:
     max_pos = _get(cfg, "max_position_embeddings", "n_positions", default=None)
     max_pos = _positive_int("max_position_embeddings", max_pos) if max_pos is not None else None
 
-    experts = _positive_int("num_local_experts", _get(cfg, "num_local_experts", default=1))
     for f in _UNSUPPORTED_MOE_FIELDS:
         v = _get(cfg, f, default=None)
-        if v and not isinstance(v, bool) and not (f == "num_experts" and v == experts):  # Mixtral aliases it
-            raise bad_input(f, v, "a dense model or a Mixtral-style MoE (num_local_experts); other MoE layouts "
-                                  "are not modelled yet")
+        if v and not isinstance(v, bool):
+            raise bad_input(f, v, "a dense model or a Mixtral, Qwen2/Qwen3-MoE or OLMoE style MoE (num_local_experts "
+                                  "or num_experts); other MoE layouts are not modelled yet")
+    experts = _positive_int("num_local_experts", _get(cfg, "num_local_experts", "num_experts", default=None) or 1)
     top_k = _positive_int("num_experts_per_tok", _get(cfg, "num_experts_per_tok", default=1)) if experts > 1 else 1
+    moe_inter = shared = 0
+    dense_layers: tuple[int, ...] = ()
+    if experts > 1:
+        v = _get(cfg, "moe_intermediate_size", default=None)
+        moe_inter = _positive_int("moe_intermediate_size", v) if v else 0
+        v = _get(cfg, "shared_expert_intermediate_size", default=None)
+        shared = _positive_int("shared_expert_intermediate_size", v) if v else 0
+        step = _positive_int("decoder_sparse_step", _get(cfg, "decoder_sparse_step", default=None) or 1)
+        only = set(_get(cfg, "mlp_only_layers", default=None) or ())
+        dense_layers = tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
     windows = _layer_windows(cfg, layers, notes)
     tied = bool(_get(cfg, "tie_word_embeddings", default=True))
@@ -415,6 +464,10 @@ def arch_spec(config_or_model: Any) -> ArchSpec:
         position_embeddings=(max_pos or 0) if fam.get("learned_positions") else 0,
         num_experts=experts,
         experts_per_token=top_k,
+        moe_intermediate_size=moe_inter,
+        shared_expert_size=shared,
+        dense_layers=dense_layers,
+        qk_norm_full=fam.get("qk_norm_full", False),
         layer_windows=windows,
         # older config.json files spell it torch_dtype (reading that attribute off a config object warns)
         config_dtype=_dtype_name(_get(cfg, *(("dtype", "torch_dtype") if isinstance(cfg, Mapping) else ("dtype",)),

@@ -43,7 +43,9 @@ def format_estimate(est: MemoryEstimate) -> str:
     s = est.spec
     lines = [
         f"infopt memory: {est.name} ({est.model_type}) {_count(est.num_params)} params, {s.num_layers} layers, "
-        f"{s.num_heads} heads / {s.num_kv_heads} KV heads x {s.head_dim}",
+        f"{s.num_heads} heads / {s.num_kv_heads} KV heads x {s.head_dim}"
+        + (f"; MoE: {s.num_experts} experts, {s.experts_per_token} per token, {_count(est.active_params)} params "
+           "active per token (all resident)" if s.num_experts > 1 else ""),
         f"weights {est.weight_dtype}, KV cache {est.kv_dtype}, activations {est.float_dtype}; "
         f"batch {est.batch}, seq_len {est.seq_len}, tp {est.tp}",
         "",

@@ -68,7 +68,10 @@ class MemoryEstimate:
         weight_dtype, kv_dtype: as resolved (never "auto").
         float_dtype: dtype of activations and of the parts int8/int4 leave unquantized.
         batch, seq_len, tp, prefill_chunk, usable_fraction: the inputs.
-        num_params: parameter count (tied embeddings once).
+        num_params: parameter count (tied embeddings once): every parameter resident in memory.
+        active_params: parameters one token uses: ``num_params`` less the routed experts it is not sent to
+            (``(E - k) / E`` of each MoE layer's experts; shared experts and routers count). Equal to
+            ``num_params`` for a dense model.
         weights_bytes: all weights, with ``weights_breakdown`` by part (``embeddings``, ``attention``,
             ``mlp``, ``norms``, ``lm_head``, and ``quant_scales`` for int8/int4).
         kv_cache_bytes: keys and values for ``batch`` sequences of ``seq_len`` tokens.
@@ -100,6 +103,7 @@ class MemoryEstimate:
     fits: dict[str, GpuFit]
     spec: ArchSpec = field(repr=False)
     notes: tuple[str, ...] = ()
+    active_params: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (sizes in bytes; ``spec`` as a dict of shapes).
@@ -143,12 +147,14 @@ def _weights(spec: ArchSpec, weight_dtype: str, float_dtype: str) -> tuple[int, 
              "lm_head": ceil_bytes(n_head, fb)}
     scales = 0
     n_params = n_embed + n_head + n_norm
-    for lin in spec.layer_projections():
-        n = lin.numel * L
+    sparse = sum(spec.is_sparse(i) for i in range(L))
+    for lin, layers in [(lin, sparse) for lin in spec.layer_projections(sparse=True)] * (sparse > 0) + \
+            [(lin, L - sparse) for lin in spec.layer_projections(sparse=False)] * (L - sparse > 0):
+        n = lin.numel * layers
         n_params += n
         if quantized and lin.quantizable:
             parts[lin.group] += ceil_bytes(n, DTYPE_BITS[weight_dtype])
-            rows = lin.out_features * lin.count * L  # a matrix is [out, in]: scales go per row (int8) / row-group
+            rows = lin.out_features * lin.count * layers  # a matrix is [out, in]: scales per row (int8) / row-group
             if weight_dtype == "int8":
                 scales += rows * INT8_SCALE_BYTES_PER_ROW
             else:
@@ -326,6 +332,7 @@ def estimate_memory(
         prefill_chunk=chunk,
         usable_fraction=float(usable_fraction),
         num_params=n_params,
+        active_params=n_params - spec.inactive_expert_params(),
         weights_bytes=weights,
         weights_breakdown=parts,
         kv_cache_bytes=batch * kv_seq,

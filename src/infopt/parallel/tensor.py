@@ -19,6 +19,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import FAMILIES, ModelInfo, _text_config, inspect_model
+from ..core.moe import require_dense
 from ..core.patch import set_attr, swap_module
 from .dist import divisors, is_bnb_module, local_bytes, require_not_parallel, resolve_mesh
 from .layers import QUANT_LAYERS, GatherOutput, RowParallel, VocabParallelEmbedding, shard_cols, shard_rows
@@ -125,6 +126,8 @@ def plan_tensor_parallel(model: nn.Module, world: int, plan: Any = "auto", vocab
         2
     """
     info = info or inspect_model(model)
+    require_dense(model, "tensor parallelism", "its plan splits one dense MLP per layer, and the experts' 3D weights "
+                  "and the router are not split", instead="pipeline parallelism (infopt.parallel.pipeline_parallel_)")
     if info.model_type not in TP_FAMILIES:
         raise IncompatibleModelError(
             f"tensor parallelism has no plan for model_type '{info.model_type}' (fused projections); supported: "

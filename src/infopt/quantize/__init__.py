@@ -6,6 +6,7 @@ from ..core.import_hooks import after_import
 from .api import CALIBRATED, QUANTIZERS, quantize_, register_calibrated, register_quantizer
 from .awq import AWQ
 from .bnb import BnbInt8, BnbNF4
+from .experts import QuantizedExperts
 from .fp8 import FP8, FP8Linear
 from .gptq import GPTQ
 from .int4 import Int4Linear, Int4WeightOnly
@@ -16,7 +17,7 @@ from .smoothquant import SmoothQuantW8A8, smooth_
 from .w8a8 import W8A8Linear
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "register_quantizer", "register_calibrated", "Int8WeightOnly",
-           "Int8Linear", "Int4WeightOnly", "Int4Linear",
+           "Int8Linear", "Int4WeightOnly", "Int4Linear", "QuantizedExperts",
            "GPTQ", "AWQ", "QAT", "QATLinear", "prepare_qat_", "convert_qat_",
            "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4", "FP8", "FP8Linear",
            "quantization_config_for"]

@@ -24,8 +24,10 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model, param_bytes
+from ..core.moe import moe_blocks
 from ..core.patch import swap_module
 from ..core.step import ApplyContext, StepConfig, register_transform
+from .experts import EXPERT_QUANTIZERS, experts_targets
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
            "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES"]
@@ -182,7 +184,8 @@ def quantize_(
     if check is not None:
         check(model, info, (config,))
     targets = quantize_targets(model, config, filter_fn, include, exclude)
-    if not targets:
+    experts = experts_targets(model, config, filter_fn, include, exclude)
+    if not targets and not experts:
         raise IncompatibleModelError(
             f"quantize_({type(config).__name__}) found no linear layer to quantize; check include/exclude/filter_fn, "
             "or whether the model is already quantized"
@@ -213,6 +216,8 @@ def quantize_(
             replacements, _ = cached_plan(model, config, targets, ids,
                                           lambda: (plan(model, config, targets, ids, False), {}),
                                           rebuild=lambda: plan(model, config, targets, None, True))
+    for fqn in experts:  # MoE experts (3D weights): one quantized layer per expert and projection
+        replacements[fqn] = EXPERT_QUANTIZERS[type(config)](model.get_submodule(fqn), config)
     for fqn, new in replacements.items():
         swap_module(model, fqn, new, step=step or config.key, keep_original=keep_original)
     if callable(getattr(model, "save_pretrained", None)):
@@ -239,6 +244,8 @@ def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
     before = param_bytes(model)
     n = len(quantize_targets(model, config))
+    n_experts = len(experts_targets(model, config))
+    blocks = moe_blocks(model)
     quantize_(model, config, calibration=ctx.calibration, tokenizer=ctx.tokenizer, rebuild=ctx.rebuild,
               step=config.key)
     after = param_bytes(model)
@@ -246,6 +253,14 @@ def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
     ctx.stats["weight_bytes_before"] = before
     ctx.stats["weight_bytes_after"] = after
     ctx.notes.append(f"{n} linear layers -> {type(config).__name__}; weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
+    if blocks:
+        ctx.stats["experts_quantized"] = n_experts
+        if n_experts:
+            ctx.notes.append(f"{n_experts} of {len(blocks)} MoE experts modules quantized per expert; routers stay float")
+        else:
+            why = "experts=False" if type(config) in EXPERT_QUANTIZERS else \
+                f"{type(config).__name__} quantizes linear layers only (int8/int4 weight-only also quantize experts)"
+            ctx.notes.append(f"the {len(blocks)} MoE experts modules stay in float ({why})")
     if getattr(config, "share_embedding", False):
         from .int8 import SharedInt8Embedding
 

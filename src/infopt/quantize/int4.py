@@ -29,6 +29,7 @@ from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
+from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
@@ -73,6 +74,10 @@ class Int4WeightOnly(StepConfig):
         share_embedding: with an int8 head (``include_lm_head``, ``lm_head_bits=8``) tied to the input
             embedding, the embedding reads its rows from the head's codes instead of keeping its float weight
             (see :class:`infopt.quantize.int8.SharedInt8Embedding`).
+        experts: on a mixture-of-experts model, also quantize the experts (default True; they hold most of the
+            weights): each expert's ``gate_up`` and ``down`` become :class:`Int4Linear` layers with their own
+            scales (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in
+            float. ``include``/``exclude`` globs match the experts module's name (``"*.mlp.experts"``).
 
     Raises:
         RecipeError: a group size the kernels do not take, a non-boolean flag.
@@ -96,6 +101,7 @@ class Int4WeightOnly(StepConfig):
     dense_prefill: bool = False
     activations: str = "float"
     share_embedding: bool = False
+    experts: bool = True
 
     def __post_init__(self):
         if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
@@ -106,7 +112,7 @@ class Int4WeightOnly(StepConfig):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
         if self.activations not in a8.ACTIVATIONS:
             raise bad_field(self, "activations", self.activations, ", ".join(a8.ACTIVATIONS))
-        for name in ("symmetric", "include_lm_head", "dense_prefill", "share_embedding"):
+        for name in ("symmetric", "include_lm_head", "dense_prefill", "share_embedding", "experts"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
         if self.share_embedding and not (self.include_lm_head and self.lm_head_bits == 8):
@@ -115,6 +121,7 @@ class Int4WeightOnly(StepConfig):
 
     def check(self, model, info, steps):
         check_int4_shapes(model, self, self.group_size)
+        check_experts_shapes(model, self, self.group_size, out_multiple=16)
         return []
 
     def head_config(self) -> StepConfig | None:
@@ -517,3 +524,8 @@ def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear
     if config.dense_prefill:
         layer.enable_dense()
     return layer
+
+
+@register_experts_quantizer(Int4WeightOnly)
+def _make_experts(experts: nn.Module, config: Int4WeightOnly) -> QuantizedExperts:
+    return QuantizedExperts.from_experts(experts, lambda w: _make(w, config, False))

@@ -14,6 +14,7 @@ from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import register_quantizer
+from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import choose_qparams, dequantize, group_block, quantize
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
@@ -52,6 +53,9 @@ class Int8WeightOnly(StepConfig):
             float weight: one int8 copy serves both (the default model's 113 MiB fp32 embedding goes). Lossy
             for the embedding (per-row int8, as the head), measured in docs/performance.md. An untied or
             unusual embedding (``max_norm``, a non-scalar scale) keeps its weight, with a note in the report.
+        experts: on a mixture-of-experts model, also quantize the experts (default True): each expert's
+            ``gate_up`` and ``down`` become :class:`Int8Linear` layers with their own per-channel scales
+            (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in float.
 
     Raises:
         RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
@@ -72,6 +76,7 @@ class Int8WeightOnly(StepConfig):
     include_lm_head: bool = False
     activations: str = "float"
     share_embedding: bool = False
+    experts: bool = True
 
     def __post_init__(self):
         if self.group_size is not None and (
@@ -80,7 +85,7 @@ class Int8WeightOnly(StepConfig):
             raise bad_field(self, "group_size", self.group_size, "null (per output channel) or a positive integer")
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise bad_field(self, "compute_dtype", self.compute_dtype, ", ".join(_COMPUTE_DTYPES))
-        for name in ("include_lm_head", "share_embedding"):
+        for name in ("include_lm_head", "share_embedding", "experts"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
         if self.share_embedding and not self.include_lm_head:
@@ -92,6 +97,7 @@ class Int8WeightOnly(StepConfig):
             raise bad_field(self, "group_size", self.group_size, "null with activations: int8 (one scale per channel)")
 
     def check(self, model, info, steps):
+        check_experts_shapes(model, self, self.group_size, out_multiple=16 if self.activations == "int8" else 1)
         if self.group_size is not None:
             from .api import check_group_size
 
@@ -409,3 +415,8 @@ def _make(module: nn.Module, config: Int8WeightOnly, conv1d: bool) -> Int8Linear
             activations = "float"
     return Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d, group_size=config.group_size,
                                  activations=activations)
+
+
+@register_experts_quantizer(Int8WeightOnly)
+def _make_experts(experts: nn.Module, config: Int8WeightOnly) -> QuantizedExperts:
+    return QuantizedExperts.from_experts(experts, lambda w: _make(w, config, False))
