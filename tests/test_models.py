@@ -71,3 +71,16 @@ def test_default_model_lossless_and_lossy_recipes(default_model):
     finally:
         infopt.undo(model)
     assert compare(model, reference)["kl"] == 0.0
+
+
+def test_random_model_families_have_their_checkpoint_shapes():
+    from infopt.models import RANDOM_FAMILIES, load_model, random_model
+
+    assert set(RANDOM_FAMILIES) == {"qwen2", "qwen3", "gemma3", "gpt2"}
+    model, tok = load_model("random:gpt2")
+    assert model.config.n_layer == 12 and model.config.vocab_size == 50257 and tok.vocab_size <= 50257
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 124
+    again = random_model("gpt2")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    with pytest.raises(ValueError, match="allowed: qwen2, qwen3, gemma3, gpt2"):
+        load_model("random:bert")

@@ -24,6 +24,8 @@ __all__ = [
     "load_default",
     "load_default_tokenizer",
     "load_model",
+    "random_model",
+    "RANDOM_FAMILIES",
     "tiny_model",
 ]
 
@@ -110,7 +112,9 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     """Load ``(model, tokenizer)`` from a local Hugging Face folder (no hub access).
 
     Args:
-        path: a folder written by ``save_pretrained``, or ``"default"`` for the embedded model.
+        path: a folder written by ``save_pretrained``, ``"default"`` for the embedded model, or
+            ``"random:<family>"`` for a random-weight model of another family (:func:`random_model`) with the
+            default tokenizer.
         dtype: parameter dtype.
         device: where to put the model.
 
@@ -119,13 +123,16 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, d
     """
     if str(path) == "default":
         return load_default(dtype=dtype, device=device)
+    if str(path).startswith("random:"):
+        return random_model(str(path)[len("random:"):], dtype=dtype, device=device, with_tokenizer=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(
-            f"model path '{path}' is not a folder. Pass a local folder written by save_pretrained, or 'default' "
-            "for the embedded SmolLM2-135M-Instruct (infopt never downloads from a model hub)"
+            f"model path '{path}' is not a folder. Pass a local folder written by save_pretrained, 'default' "
+            "for the embedded SmolLM2-135M-Instruct, or 'random:<family>' for a random-weight model of "
+            f"{', '.join(RANDOM_FAMILIES)} (infopt never downloads from a model hub)"
         )
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True).to(device)
     model.eval()
@@ -280,3 +287,71 @@ def tiny_model(
         return model, load_default_tokenizer()
     return model
 
+
+
+RANDOM_FAMILIES: dict[str, str] = {
+    "qwen2": "Qwen2.5-0.5B's shapes (hidden 896, 14/2 heads, 151,936 vocabulary, tied) cut to 12 layers: 315M",
+    "qwen3": "Qwen3-0.6B's shapes (hidden 1024, 16/8 heads of 128, q/k norms, 151,936 vocabulary, tied) cut to 8 "
+             "layers: 281M",
+    "gemma3": "Gemma 3 270M's shapes (hidden 640, 18 layers, 4 heads over ONE KV head of 256, 262,144 vocabulary, "
+              "sliding-window layers 5:1): 268M",
+    "gpt2": "GPT-2 small (hidden 768, 12 layers, learned positions, fused qkv Conv1D, 50,257 vocabulary): 124M",
+}
+"""Families :func:`random_model` builds, each with the shapes of a real checkpoint of that family."""
+
+
+def _random_config(family: str):
+    import transformers as tf
+
+    common = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=4096)
+    if family == "qwen2":
+        return tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=12,
+                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if family == "qwen3":
+        return tf.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                              **common)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                   query_pre_attn_scalar=256, **common)
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    raise ValueError(f"random_model family={family!r}; allowed: {', '.join(RANDOM_FAMILIES)}")
+
+
+def random_model(family: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                 with_tokenizer: bool = False):
+    """A random-weight causal LM with the shapes of a real ~100-300M checkpoint of another family than the
+    default model's (:data:`RANDOM_FAMILIES`), for benchmarks (``infopt bench --model random:gemma3``): speed and
+    token identity are measurable on random weights; quality figures are not meaningful.
+
+    Args:
+        family: a key of :data:`RANDOM_FAMILIES`.
+        dtype: parameter dtype.
+        device: where to put the model.
+        seed: initialisation seed (the same seed gives the same weights).
+        with_tokenizer: also return the default model's tokenizer (its 49,152 ids fit every family's vocabulary).
+
+    Returns:
+        The model in eval mode, or ``(model, tokenizer)``.
+
+    Raises:
+        ValueError: an unknown family.
+
+    Example:
+        >>> random_model("bert")
+        Traceback (most recent call last):
+        ...
+        ValueError: random_model family='bert'; allowed: qwen2, qwen3, gemma3, gpt2
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = _random_config(family)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to(device).eval()
+    return (model, load_default_tokenizer()) if with_tokenizer else model

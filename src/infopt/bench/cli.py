@@ -69,7 +69,9 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a recipe against plain transformers on one workload")
     p.add_argument("--workload", default="decode", choices=list(WORKLOADS))
     p.add_argument("--recipe", default="none", help="preset, recipe file, or 'none' (baseline only)")
-    p.add_argument("--model", default="default", help="'default' or a local HF folder")
+    p.add_argument("--model", default="default",
+                   help="'default', a local HF folder, or 'random:FAMILY' (random weights in a real checkpoint's "
+                        "shapes; FAMILY: qwen2, qwen3, gemma3, gpt2)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N, or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's dtype (default: float32)")
     p.add_argument("--repeats", type=int, default=3)

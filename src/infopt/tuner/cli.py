@@ -44,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--workload", default="decode", choices=list(WORKLOADS))
     p.add_argument("--gate", default="lossless", help="'lossless' or limits such as max_kl=0.02[,min_top1=0.98]")
     p.add_argument("--budget", type=float, default=1800.0, help="seconds the search may take (default: 1800)")
-    p.add_argument("--model", default="default", help="'default' or a local HF folder")
+    p.add_argument("--model", default="default", help="'default', a local HF folder, or 'random:FAMILY'")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--candidates", help="comma-separated presets or recipe files to try instead of the defaults")
