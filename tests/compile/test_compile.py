@@ -72,6 +72,19 @@ def test_compile_with_speculative_verifies_and_drafts_through_compiled_graphs():
     assert cs.calls > calls and cs.compiles_after_warmup == 0 and cs.eager_calls == 0
     assert cs.compiles == len(cs.shapes), cs.shapes  # one graph per shape: the warm-up matches the loops' strides
     assert stats(m)["rounds"] > 0 and routing_stats(m).loops == {"speculative": 3}
+    # the warm-up timed each verify width and the draft's step; the calls' draft-length choice reads them
+    from infopt.speculative.api import _round_costs
+
+    dec = decoder_for(m)
+    fwd = dec.forward_for()
+    widths = sorted(w for (b, w, n) in fwd.timings if b == 1 and n == 256)
+    assert widths == [1, 2, 4] and all(t > 0 for t in fwd.timings.values())
+    assert fwd.step_seconds(1, 3, 256) == fwd.timings[(1, 4, 256)]  # 3 tokens run the 4-token graph
+    draft_cost, verify = _round_costs(fwd, dec, dec.speculative.drafter, 1, 256, 3)
+    one = fwd.timings[(1, 1, 256)]
+    assert verify == [1.0] + [fwd.step_seconds(1, k + 1, 256) / one for k in (1, 2, 3)]
+    assert draft_cost == dec.forward_for(dec.speculative.drafter.draft).timings[(1, 1, 256)] / one
+    assert _round_costs(fwd, dec, dec.speculative.drafter, 1, None, 3) == (dec.speculative.drafter.draft_cost, None)
 
 
 def _prompts():

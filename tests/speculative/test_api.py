@@ -16,8 +16,8 @@ from tests.conftest import assert_state_equal, state_snapshot
     ({"speculative": {"method": "prompt_lookup", "num_tokens": 6, "ngram": [2, 4]}}, PromptLookup(6, (2, 4))),
     ({"speculative": {"method": "self_draft", "quantize": "int8", "num_tokens": "adaptive"}},
      SelfDraft(quantize="int8")),
-    ({"speculative": {"method": "self_draft", "quantize": {"method": "int4", "group_size": 32, "include_lm_head": True},
-                     "num_layers": 4}},
+    ({"speculative": {"method": "self_draft", "num_layers": 4, "quantize": {
+        "method": "int4", "group_size": 32, "include_lm_head": True, "activations": "auto"}}},
      SelfDraft(quantize="int4", num_layers=4)),
     ({"speculative": {"method": "draft_model", "draft": "default", "num_tokens": 4}}, DraftModel("default", 4)),
 ], ids=["lookup", "self-int8", "self-int4-layers", "draft-default"])

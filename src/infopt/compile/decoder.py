@@ -200,6 +200,7 @@ class CompiledForward(Forward):
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
+        self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
         # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
         # the GQA backend on CPU they then read only those keys, in place, on the C++ kernel
         from ..attention import paged
@@ -261,6 +262,10 @@ class CompiledForward(Forward):
             self._fns[key] = fn
             self.stats.shapes.append(_shape_name(key))
         return fn
+
+    def step_seconds(self, batch: int, k: int, length: int) -> float | None:
+        """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's)."""
+        return self.timings.get((batch, token_bucket(k), length))
 
     def step(self, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
         length = static_length(cache)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -209,8 +210,31 @@ def _warm_widths(model: nn.Module, batch_sizes, cache_lengths, token: int) -> No
                         continue
                     pos = torch.arange(1, 1 + k, device=device)
                     # contiguous, as the loops pass them: a graph is specialised on strides
-                    fwd.step(ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, None, cache)
+                    args = (ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, None, cache)
+                    fwd.step(*args)
                     rollback(cache, k)
+                    # the compiled graph's time, which the speculative loop's draft-length choice reads (a verify
+                    # of 2..16 tokens costs about the same on a CPU, where an eager estimate would grow with k)
+                    fwd.timings[(b, k, length)] = _median_seconds(fwd.step, args, k, device)
+
+
+def _median_seconds(step, args: tuple, k: int, device: torch.device, repeats: int = 3) -> float:
+    """Median wall time of ``step(*args)`` (a ``k``-token step on the cache ``args[-1]``, rolled back after each
+    run)."""
+    from ..generate import rollback
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step(*args)  # a graph's second call may still compile (its guards see the cache filled once)
+    rollback(args[-1], k)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        step(*args)
+        sync()
+        times.append(time.perf_counter() - t0)
+        rollback(args[-1], k)
+    return sorted(times)[len(times) // 2]
 
 
 @register_transform(Compile)

@@ -57,6 +57,11 @@ class Forward:
                             use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
         return logits[:, -keep:]
 
+    def step_seconds(self, batch: int, k: int, length: int) -> float | None:
+        """The measured time of a ``k``-token :meth:`step` of ``batch`` rows on a cache of ``length`` slots, or None
+        where it was not measured (eager forwards are not; a compile step's warm-up times its graphs)."""
+        return None
+
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
              attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """``k`` new tokens per row after the cached ones: fp32 logits ``[B, k, V]``.

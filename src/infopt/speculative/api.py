@@ -130,6 +130,10 @@ def build_self_draft(model: nn.Module, config: SelfDraft) -> tuple[nn.Module, in
     return draft, _owned_bytes(draft, model)
 
 
+SELF_DRAFT_PRIOR = 0.85
+"""The acceptance a self draft starts from: a quantized copy of the target agrees with it on most tokens (0.94-0.99
+per token for int4 g32 on the default model, ``infopt bench --workload decode --recipe cpu-lossless``)."""
+
 VERIFY_COST = 0.06
 """Extra cost of one more verified token in a target forward, in decode steps (see ``_self_draft_cost``)."""
 
@@ -167,12 +171,32 @@ def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, A
     if isinstance(config, SelfDraft):
         draft, extra = build_self_draft(model, config)
         # no confidence stop: a copy of the target agrees with it even where both are unsure
-        return ModelDrafter(draft, draft_cost=_self_draft_cost(model, config), confidence=0.0), {
+        return ModelDrafter(draft, draft_cost=_self_draft_cost(model, config), confidence=0.0,
+                            prior_acceptance=SELF_DRAFT_PRIOR), {
             "draft_extra_bytes": extra}
     from ..core.errors import RecipeError
 
     raise RecipeError(f"speculative.enable_ takes DraftModel, PromptLookup or SelfDraft; got {type(config).__name__}: "
                       f"{config!r}")
+
+
+def _round_costs(forward, decoder, drafter: Drafter, batch: int, length: int | None,
+                 cap: int) -> tuple[float, list[float] | None]:
+    """The draft and verify costs (in target decode steps) a call's controller uses: the compiled forwards'
+    warm-up timings of this batch and cache length where they exist, else the drafter's estimate and None."""
+    draft_cost = drafter.draft_cost
+    one = forward.step_seconds(batch, 1, length) if length is not None else None
+    if not one:
+        return draft_cost, None
+    verify = [1.0]
+    for k in range(1, cap + 1):
+        t = forward.step_seconds(batch, k + 1, length)
+        verify.append(t / one if t else 1.0 + VERIFY_COST * k)
+    draft = getattr(drafter, "draft", None)
+    if draft is not None:
+        t = decoder.forward_for(draft).step_seconds(batch, 1, length)
+        draft_cost = t / one if t else draft_cost
+    return draft_cost, verify
 
 
 class SpeculativePart(LoopPart):
@@ -192,9 +216,12 @@ class SpeculativePart(LoopPart):
             if cache.layers and not croppable(cache):
                 raise Unsupported("a cache that cannot roll back")
             capacity = static_length(cache)
-            controller = Controller(self.config.fixed_tokens, cap, self.drafter.draft_cost, VERIFY_COST,
-                                    self.drafter.prior_acceptance, self.drafter.probe_every)
-            out = speculative_decode(call, cache, decoder.forward_for(), self.drafter, controller, self.stats,
+            forward = decoder.forward_for()
+            draft_cost, verify_costs = _round_costs(forward, decoder, self.drafter, B, capacity, cap)
+            controller = Controller(self.config.fixed_tokens, cap, draft_cost, VERIFY_COST,
+                                    self.drafter.prior_acceptance, self.drafter.probe_every,
+                                    verify_costs=verify_costs)
+            out = speculative_decode(call, cache, forward, self.drafter, controller, self.stats,
                                      capacity=capacity, decoder=decoder)
         finally:
             decoder.close_cache(call, out)

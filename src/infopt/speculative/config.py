@@ -150,9 +150,13 @@ def _quantize_config(obj, value) -> StepConfig | None:
         return value
     kinds = STEP_TYPES.get("quantize", {})
     if isinstance(value, str):
-        # the draft's head is quantized too (int8): a tied fp32 head is the largest tensor a small draft reads
+        # the draft's head is quantized too (int8): a tied fp32 head is the largest tensor a small draft reads.
+        # int4's activations are int8 where the C++ kernel has VNNI/AVX2 ("auto"): the draft only proposes tokens
+        # the original weights verify, so its extra rounding costs acceptance, never exactness, and the int8-dot
+        # kernel is the faster one (benchmarks/int4_rows.py; docs/speculative.md)
         if value == "int4":  # the default model's 576 channels take group size 32, not the default 128
-            return kinds["int4"](group_size=32, include_lm_head=True) if "int4" in kinds else _missing(obj, value)
+            return (kinds["int4"](group_size=32, include_lm_head=True, activations="auto") if "int4" in kinds
+                    else _missing(obj, value))
         if value == "int8":
             return kinds["int8"](include_lm_head=True) if "int8" in kinds else _missing(obj, value)
         if value in kinds:
@@ -182,7 +186,8 @@ class SelfDraft(_Speculative):
 
     Args:
         quantize: a quantize step config (``Int4WeightOnly(group_size=32)``, ``Int8WeightOnly()``), a method
-            name (``"int4"``: int4 with group size 32 and an int8 head; ``"int8"``: int8 with an int8 head), a
+            name (``"int4"``: int4 with group size 32, an int8 head and int8 activations where the CPU has the
+            kernel for them; ``"int8"``: int8 with an int8 head), a
             recipe mapping, or None (no quantization).
         num_layers: keep only the first ``num_layers`` decoder layers in the draft (None: all).
         num_tokens: tokens drafted per round, or ``"adaptive"`` (the default).

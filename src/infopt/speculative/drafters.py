@@ -107,11 +107,14 @@ class ModelDrafter(Drafter):
         draft_cost: its one-token forward time relative to the target's (for the adaptive draft length).
         confidence: a row stops drafting after a token the draft gives less than this probability (0: never);
             the verification rule does not depend on it, so the output is unchanged, only fewer drafts wasted.
+        prior_acceptance: the acceptance rate the adaptive draft length assumes before any round is verified.
     """
 
-    def __init__(self, draft: nn.Module, draft_cost: float = 0.3, confidence: float = 0.4):
+    def __init__(self, draft: nn.Module, draft_cost: float = 0.3, confidence: float = 0.4,
+                 prior_acceptance: float = 0.7):
         self.draft = draft
         self.draft_cost = draft_cost
+        self.prior_acceptance = prior_acceptance
         self.confidence = confidence
         self.cache = None
         self.forward: Forward | None = None

@@ -68,13 +68,16 @@ class Controller:
     """Picks each round's draft length: fixed, or adaptive from the running acceptance rate.
 
     Adaptive: with per-token acceptance ``a`` a round drafting ``k`` yields ``(1 - a^(k+1)) / (1 - a)``
-    tokens per row and costs ``1 + (verify_cost + draft_cost) k`` plain decode steps; it picks the ``k`` in
-    ``0..cap`` with the most tokens per cost, 0 (a plain decode step) when drafting does not pay. Acceptance
-    runs in streaks (a passage being copied, a stretch of boilerplate), so ``a`` is tracked separately after
-    rounds whose drafts were all accepted and after rounds with a rejection. While at 0 it probes with a
-    one-token draft after ``probe_every`` plain rounds, doubling the wait (up to 8x) while probes fail. Costs are relative, measured once per drafter kind
-    (``benchmarks/speculative_profile.py``), not timed per round: a loaded machine's timing noise would
-    steer the choice, and the same inputs give the same draft lengths.
+    tokens per row and costs ``draft_cost k + verify(k)`` plain decode steps, where ``verify(k)`` is the
+    target's ``k + 1``-token forward: ``1 + verify_cost k`` by default, or ``verify_costs[k]`` where the forward
+    was timed (a compile step's warm-up times its graphs: on a CPU a 2..16-token verify costs about the
+    same, well above one token). It picks the ``k`` in ``0..cap`` with the most tokens per cost, 0 (a plain
+    decode step) when drafting does not pay. Acceptance runs in streaks (a passage being copied, a stretch of
+    boilerplate), so ``a`` is tracked separately after rounds whose drafts were all accepted and after rounds
+    with a rejection. While at 0 it probes with a one-token draft after ``probe_every`` plain rounds, doubling
+    the wait (up to 8x) while probes fail. Costs are fixed for a decode call, never timed per round: a loaded
+    machine's timing noise would steer the choice, and the same inputs give the same draft lengths (the
+    defaults were measured once per drafter kind with ``benchmarks/speculative_profile.py``).
 
     Args:
         fixed: a fixed draft length, or None for adaptive.
@@ -85,12 +88,22 @@ class Controller:
         probe_every: plain rounds between probes.
         shrink: weight (in tokens) of the overall acceptance in the after-accept / after-reject estimates; small
             for drafters whose acceptance comes in long streaks (prompt lookup).
+        verify_costs: ``cap + 1`` costs of a verify with ``0..cap`` drafts, in decode steps (``verify_costs[0]``
+            is 1); None: ``1 + verify_cost k``.
     """
 
+    MIN_EVIDENCE = 4
+    """Rounds verified before the controller may fall back to plain decoding."""
+
     def __init__(self, fixed: int | None, cap: int, draft_cost: float, verify_cost: float = 0.06,
-                 prior_acceptance: float = 0.7, probe_every: int = 16, shrink: float = 4.0):
+                 prior_acceptance: float = 0.7, probe_every: int = 16, shrink: float = 4.0,
+                 verify_costs: list[float] | None = None):
         self.fixed, self.cap = fixed, cap
-        self.cost = draft_cost + verify_cost
+        if verify_costs is None:
+            verify_costs = [1.0 + verify_cost * k for k in range(cap + 1)]
+        if len(verify_costs) < cap + 1:
+            raise ValueError(f"verify_costs has {len(verify_costs)} entries; {cap + 1} needed (0..cap drafts)")
+        self.round_cost = [draft_cost * k + verify_costs[k] for k in range(cap + 1)]  # in decode steps
         # decayed counts of accepted tokens and of accepted + rejected ones: over all rounds (with a prior worth
         # four rounds), and split by the previous round's outcome: after a full accept [0], after a rejection [1]
         self.all_num, self.all_den = 4.0 * prior_acceptance, 4.0
@@ -115,7 +128,7 @@ class Controller:
         a = min(self.acceptance, 0.98)
         best_k, best = 0, 1.0
         for k in range(1, self.cap + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost * k)
+            rate = (1 - a ** (k + 1)) / (1 - a) / self.round_cost[k]
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -126,6 +139,11 @@ class Controller:
         k = self.best_k()
         if self.verified < 2:
             k = min(k, 2)
+        if self.verified < self.MIN_EVIDENCE:
+            # one unlucky first round must not stop drafting for a whole probe interval: the estimate is still
+            # mostly the prior, and where a verify costs well above a decode step (a compiled CPU forward), a
+            # single rejection moves it below break-even
+            k = max(k, 1)
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds >= self.interval:  # acceptance may have changed (a passage to copy begins)
