@@ -320,3 +320,25 @@ def test_compile_static_and_sampling_draw_generates_tokens_for_a_seed():
         torch.manual_seed(5)
         assert torch.equal(m.generate(p, **kw), a)
     assert compile_stats(m).calls >= calls + 3 * 11 and routing_stats(m).loops == {"lean": 3}
+
+
+def test_a_data_dependent_trace_falls_back_to_eager_with_one_warning(monkeypatch):
+    """A decode step dynamo cannot trace for a reason that is not one of its own exceptions (a data-dependent shape
+    raises GuardOnDataDependentSymNode, a RuntimeError) still never fails the call: that shape runs eagerly, with
+    one warning, and the tokens are the eager step's. Here: MoE experts traced through their per-expert loop, which
+    infopt.quantize.experts normally hides from dynamo in one custom op."""
+    from infopt.quantize import Int4WeightOnly
+    from infopt.quantize.experts import QuantizedExperts
+
+    monkeypatch.setattr(QuantizedExperts, "forward", QuantizedExperts._dispatch)
+    ref, m = tiny_model("mixtral"), tiny_model("mixtral")
+    infopt.optimize(ref, [Int4WeightOnly(group_size=32)])
+    with pytest.warns(RuntimeWarning, match="could not hold a compiled graph") as caught:
+        infopt.optimize(m, [Int4WeightOnly(group_size=32), Static(max_length=256), Compile(backend="eager")])
+        for p in _prompts():
+            assert torch.equal(m.generate(p, max_new_tokens=10, do_sample=False),
+                               ref.generate(p, max_new_tokens=10, do_sample=False))
+    assert sum("could not hold" in str(w.message) for w in caught) == 1
+    stats = compile_stats(m)
+    assert stats.calls == 0 and stats.eager_calls >= 3 * 9
+    assert "DataDependent" in next(iter(stats.eager_shapes.values()))

@@ -148,3 +148,57 @@ def test_save_pretrained_refuses_quantized_experts(tmp_path):
     infopt.optimize(m, [Int8WeightOnly()])
     with pytest.raises(CheckpointError, match="save_optimized"):
         m.save_pretrained(tmp_path / "hf")
+
+
+def _routing(model, ids):
+    """(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) as layer 0's experts receive them."""
+    got = {}
+    block = model.model.layers[0].mlp
+    h = block.experts.register_forward_pre_hook(lambda mod, args: got.setdefault("args", args))
+    with torch.no_grad():
+        model(ids)
+    h.remove()
+    return got["args"]
+
+
+def test_experts_op_runs_the_eager_dispatch_and_copies_get_their_own_handle():
+    """Compiled graphs reach the experts through infopt::quantized_experts and an int handle: the op gives the
+    module's own output, a deep copy names itself (not the module it was copied from), and a handle whose module
+    is gone raises instead of running other weights."""
+    import copy
+    import gc
+
+    m = tiny_model("mixtral")
+    quantize_(m, Int4WeightOnly(group_size=32))
+    x, idx, w = _routing(m, IDS)
+    experts = m.model.layers[0].mlp.experts
+    with torch.no_grad():
+        want = experts(x, idx, w)
+        assert torch.equal(torch.ops.infopt.quantized_experts(x, idx, w, experts._handle), want)
+        clone = copy.deepcopy(experts)
+        assert clone._handle != experts._handle
+        clone.down_proj[0] = clone.down_proj[1]  # the copy's weights differ: its handle must reach them
+        assert torch.equal(torch.ops.infopt.quantized_experts(x, idx, w, clone._handle), clone(x, idx, w))
+        handle = clone._handle
+        del clone
+        gc.collect()
+        with pytest.raises(RuntimeError, match="no longer exists"):
+            torch.ops.infopt.quantized_experts(x, idx, w, handle)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_compiled_decode_step_holds_one_graph_token_identical(arch):
+    """The per-expert loop has data-dependent shapes; under compile it is one opaque op, so the whole decode step is
+    one graph (aot_eager: dynamo and AOTAutograd trace it with fake tensors, as inductor does) and decodes the same
+    tokens as the quantized model without compile."""
+    from infopt.compile import Compile, compile_stats
+    from infopt.kvcache import Static
+
+    ref, m = tiny_model(arch), tiny_model(arch)
+    infopt.optimize(ref, [Int4WeightOnly(group_size=32)])
+    infopt.optimize(m, [Int4WeightOnly(group_size=32), Static(max_length=256), Compile(backend="aot_eager")])
+    ids = IDS[:, :12]
+    assert torch.equal(m.generate(ids, max_new_tokens=16, do_sample=False),
+                       ref.generate(ids, max_new_tokens=16, do_sample=False))
+    stats = compile_stats(m)
+    assert stats.compiles == 1 and not stats.eager_shapes and stats.eager_calls == 0 and stats.calls >= 15

@@ -296,9 +296,12 @@ class CompiledForward(Forward):
             try:
                 out = fn(*args)
                 self.stats.calls += 1
-            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
-                # dynamo traces without running the model, so the cache is as it was: run this step eagerly, and
-                # this shape from now on. A failed compile never fails the user's call.
+            except Exception as e:  # noqa: BLE001 - see below; an error the eager step shares is raised by it
+                # Not only dynamo's own exceptions: a trace can stop on a data-dependent shape
+                # (GuardOnDataDependentSymNode, a RuntimeError), inductor on a kernel it cannot build. Dynamo traces
+                # without running the model, and a graph that failed while running wrote the static cache only at
+                # this step's positions, which the eager step writes again: run this step eagerly, and this shape
+                # from now on. A failed compile never fails the user's call.
                 self._fall_back(key, e)
                 self.stats.eager_calls += 1
                 out = self._forward(*args)

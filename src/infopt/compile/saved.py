@@ -13,8 +13,8 @@ installed versions, or a step that fails to load, is compiled as before, with a 
 saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
 otherwise that shape is compiled anew.
 
-CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding or the batching
-engine (they warm up on load as before).
+CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding, the batching
+engine or quantized MoE experts (they warm up on load as before).
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
         return []
     if dec.speculative is not None or dec.engine is not None:
         # a draft model's steps and the verify widths are warmed up together: such models load with their warm-up
+        return []
+    if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
+        # quantized MoE experts run in a graph as infopt::quantized_experts naming this process's live module by a
+        # handle (infopt.quantize.experts): a saved graph would name a module the loading process does not have
         return []
     fwd = dec.forward_for(model)
     config = dec.forwards.config

@@ -9,6 +9,13 @@ router (``gate``) and the shared expert's sigmoid gate are never touched: routin
 model's precision. The forward keeps transformers' contract ``forward(x [T, H], top_k_index [T, k],
 top_k_weights [T, k]) -> [T, H]``, so the block's own routing code runs unchanged.
 
+Under ``torch.compile`` the expert dispatch is one opaque custom op, ``infopt::quantized_experts``: how many tokens
+each expert gets is known only when the router has run, so dynamo cannot trace the per-expert loop into a graph
+(``bincount`` and each expert's slice have data-dependent sizes, which fail a ``fullgraph`` trace). The op runs the
+same eager loop inside the compiled decode step, so a compiled step reads only the routed experts' weights and
+gives the eager step's numbers, and the rest of the layer (attention, router, shared expert) is compiled around it.
+transformers opaques its ``grouped_mm`` fallback the same way.
+
 Saved (``state_dict``): ``gate_up_proj.<e>.*`` and ``down_proj.<e>.*``, each expert's tensors in its layer
 kind's portable layout. ``infopt.save_optimized`` / ``infopt.load_optimized`` round-trip it bit for bit;
 ``save_pretrained`` refuses such a model with a :class:`~infopt.core.errors.CheckpointError` (transformers converts
@@ -17,6 +24,8 @@ expert tensors into its checkpoint layout as it saves, which per-expert quantize
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -28,6 +37,34 @@ from ..core.moe import moe_blocks
 
 __all__ = ["QuantizedExperts", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
            "check_experts_shapes"]
+
+# handle -> the live QuantizedExperts it names. A compiled graph holds the handle (an int constant), not the
+# module: custom ops take tensors and scalars. Entries leave with their module.
+_LIVE: dict[int, weakref.ref] = {}
+_NEXT_HANDLE = itertools.count()
+
+
+def _register(module: nn.Module) -> int:
+    handle = next(_NEXT_HANDLE)
+    _LIVE[handle] = weakref.ref(module, lambda _, h=handle: _LIVE.pop(h, None))
+    return handle
+
+
+# schema given explicitly: this file's annotations are strings (``from __future__ import annotations``)
+@torch.library.custom_op("infopt::quantized_experts", mutates_args=(),
+                         schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) -> Tensor")
+def _quantized_experts_op(hidden_states, top_k_index, top_k_weights, handle):
+    ref = _LIVE.get(handle)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise RuntimeError(f"infopt::quantized_experts: the experts module this graph was compiled for (handle "
+                           f"{handle}) no longer exists; compile the model that holds the experts again")
+    return module._dispatch(hidden_states, top_k_index, top_k_weights)
+
+
+@_quantized_experts_op.register_fake
+def _(hidden_states, top_k_index, top_k_weights, handle):
+    return torch.empty_like(hidden_states)
 
 
 class QuantizedExperts(nn.Module):
@@ -51,6 +88,12 @@ class QuantizedExperts(nn.Module):
         self.gate_up_proj = nn.ModuleList(gate_up)
         self.down_proj = nn.ModuleList(down)
         self.act_fn = act_fn
+        self._handle = _register(self)  # names this module to infopt::quantized_experts in compiled graphs
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # a copy (deepcopy, pickle) gets a handle of its own: its compiled graphs must reach its own weights
+        self._handle = _register(self)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, make: Callable[[nn.Module], nn.Module]) -> QuantizedExperts:
@@ -86,6 +129,12 @@ class QuantizedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         # hidden_states: [T, H]; top_k_index, top_k_weights: [T, k]
+        if torch.compiler.is_compiling():  # the loop below has data-dependent shapes: one opaque op (module doc)
+            return torch.ops.infopt.quantized_experts(hidden_states, top_k_index, top_k_weights, self._handle)
+        return self._dispatch(hidden_states, top_k_index, top_k_weights)
+
+    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                  ) -> torch.Tensor:
         k = top_k_index.shape[-1]
         out = torch.zeros_like(hidden_states)
         flat = top_k_index.reshape(-1)  # [T * k]
