@@ -186,8 +186,10 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset("cpu-lossless", "token-identical greedy output, faster: speculative decoding drafted by an int4 copy of "
-               "the model (int8 head) and verified by the original weights",
-               ({"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}},)),
+               "the model (int8 head, int8 activations where the CPU has the kernel) and verified by the original "
+               "weights, on a static KV cache with compiled verify and draft steps",
+               ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}},
+                {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode within KL < 0.02: int4 weights (group 32, int8 head that a tied "
                "embedding shares; int8 activations on AVX512-VNNI and AVX2 CPUs), static KV cache, compiled decode step",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,

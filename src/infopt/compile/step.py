@@ -11,6 +11,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
+from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import decoder_for, set_part, uncounted
 from .decoder import CompiledForwards, CompileStats, compile_stats
@@ -61,6 +62,10 @@ class Compile(StepConfig):
         warmup_lengths: call lengths (prompt + new tokens) compiled at apply time; each stands for
             its 256-token cache bucket (capped at the static cache's ``max_length``). Empty: compile
             lazily on the first call of each shape.
+        pack_linears: run the model's fp32 ``nn.Linear`` layers on oneDNN's prepacked weights
+            (:mod:`infopt.compile.packed`: 1.5-4x faster fp32 linears at decode widths on the CPUs measured;
+            the packed copy costs the layers' fp32 size in memory). ``"auto"``: on a CPU model in fp32 with
+            a torch build that has them; ``True`` insists (an error where unavailable); ``False`` never.
 
     Raises:
         RecipeError: an unknown mode or backend, or bad warm-up sizes.
@@ -71,8 +76,9 @@ class Compile(StepConfig):
     """
 
     stage: ClassVar[str] = "compile"
-    # not marked lossless: fused kernels reorder floating-point sums, so logits can differ in the last bits
-    # (greedy output is token-identical on the test models, which tests check, but is not guaranteed)
+    # the original weights in their dtype: fused kernels reorder floating-point sums (as tensor parallelism does),
+    # nothing is rounded to a lower precision; tests check greedy output token-identical to plain generate
+    lossless: ClassVar[bool] = True
     mode: str = "default"
     fullgraph: bool = True
     dynamic: bool = False
@@ -80,6 +86,7 @@ class Compile(StepConfig):
     cpp_wrapper: bool = False
     warmup_batch_sizes: tuple[int, ...] = (1,)
     warmup_lengths: tuple[int, ...] = (256,)
+    pack_linears: bool | str = "auto"
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -91,6 +98,8 @@ class Compile(StepConfig):
                 raise bad_field(self, name, getattr(self, name), "true or false")
         _positive_ints(self, "warmup_batch_sizes", self.warmup_batch_sizes)
         _positive_ints(self, "warmup_lengths", self.warmup_lengths)
+        if self.pack_linears not in (True, False, "auto"):
+            raise bad_field(self, "pack_linears", self.pack_linears, "auto, true or false")
 
     def check(self, model, info, steps):
         if self.backend == "inductor" and info.device.type == "cpu" and _cxx_compiler() is None:
@@ -161,61 +170,77 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     device = next(model.parameters()).device
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
+    from tqdm.auto import tqdm
+
     spec = decoder_for(model).speculative is not None
     new = 3  # two decode steps: the second shows a call of the same shape does not compile again
-    with uncounted(model):
-        for b in batch_sizes:
-            for length in lengths:
-                cache = bucket_length(min(length, limit), limit)
-                start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
-                prompt = max(1, min(start + 1, cache - new))
-                for pad in (False, True) if padded else (False,):
-                    ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
-                    mask = torch.ones_like(ids)
-                    if pad:
-                        mask[0, 0] = 0
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                   do_sample=False, pad_token_id=token)
-    if spec:
-        _warm_widths(model, batch_sizes, [bucket_length(min(n, limit), limit) for n in lengths], token)
+    cache_lengths = [bucket_length(min(n, limit), limit) for n in lengths]
+    plan = _width_plan(model, batch_sizes, cache_lengths) if spec else []
+    calls = len(batch_sizes) * len(lengths) * (2 if padded else 1)
+    # a cold compile of a real model takes seconds to minutes per graph (inductor caches them on disk after)
+    bar = tqdm(total=calls + len(plan), desc="infopt compile: warming decode graphs", unit="shape", leave=False)
+    try:
+        with uncounted(model):
+            for b in batch_sizes:
+                for length in lengths:
+                    cache = bucket_length(min(length, limit), limit)
+                    start = cache - ((cache - 1) % BUCKET + 1)  # calls longer than this land in the bucket
+                    prompt = max(1, min(start + 1, cache - new))
+                    for pad in (False, True) if padded else (False,):
+                        ids = torch.full((b, prompt), token, dtype=torch.long, device=device)
+                        mask = torch.ones_like(ids)
+                        if pad:
+                            mask[0, 0] = 0
+                        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                       do_sample=False, pad_token_id=token)
+                        bar.update()
+        _warm_widths(model, plan, token, bar.update)
+    finally:
+        bar.close()
     stats.warmed_up = True
     return stats
 
 
-def _warm_widths(model: nn.Module, batch_sizes, cache_lengths, token: int) -> None:
-    """Compile every verify width a speculative round can use (one graph per token bucket) and the draft model's
-    one- and two-token steps, by calling the forwards directly on the static caches real calls will reuse."""
-    from ..generate import rollback
+def _width_plan(model: nn.Module, batch_sizes, cache_lengths) -> list[tuple[nn.Module, int, int, list[int]]]:
+    """``(module, batch, cache length, widths)`` for every verify width a speculative round can use (one graph per
+    token bucket) and the draft model's one- and two-token steps; empty without a static cache."""
     from ..kvcache.static import StaticCaches
     from .decoder import token_bucket
 
     dec = decoder_for(model)
     if not isinstance(dec.cache, StaticCaches):
-        return
+        return []
     part = dec.speculative
     targets = [(model, sorted({token_bucket(k) for k in range(1, part.config.cap + 2)}))]
     draft = getattr(part.drafter, "draft", None)
     if draft is not None:
         targets.append((draft, [1, 2]))  # a draft step, and a catch-up after a fully accepted round
+    return [(mod, b, length, widths) for mod, widths in targets for b in batch_sizes for length in cache_lengths]
+
+
+def _warm_widths(model: nn.Module, plan, token: int, done=lambda: None) -> None:
+    """Compile the widths of :func:`_width_plan` by calling the forwards directly on the static caches real calls
+    will reuse, and time each graph (the speculative loop's draft-length choice reads the timings)."""
+    from ..generate import rollback
+
+    dec = decoder_for(model)
     device = next(model.parameters()).device
-    for mod, widths in targets:
+    for mod, b, length, widths in plan:
         fwd = dec.forward_for(mod)
-        for b in batch_sizes:
-            for length in cache_lengths:
-                cache = dec.cache.cache_for(mod, b, length)  # the allocation real calls of this shape reuse
-                ids = torch.full((b, 1), token, dtype=torch.long, device=device)
-                fwd.prefill(ids, torch.zeros_like(ids), None, cache)
-                for k in widths:
-                    if 1 + k > length:
-                        continue
-                    pos = torch.arange(1, 1 + k, device=device)
-                    # contiguous, as the loops pass them: a graph is specialised on strides
-                    args = (ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, None, cache)
-                    fwd.step(*args)
-                    rollback(cache, k)
-                    # the compiled graph's time, which the speculative loop's draft-length choice reads (a verify
-                    # of 2..16 tokens costs about the same on a CPU, where an eager estimate would grow with k)
-                    fwd.timings[(b, k, length)] = _median_seconds(fwd.step, args, k, device)
+        cache = dec.cache.cache_for(mod, b, length)  # the allocation real calls of this shape reuse
+        ids = torch.full((b, 1), token, dtype=torch.long, device=device)
+        fwd.prefill(ids, torch.zeros_like(ids), None, cache)
+        for k in widths:
+            if 1 + k > length:
+                continue
+            pos = torch.arange(1, 1 + k, device=device)
+            # contiguous, as the loops pass them: a graph is specialised on strides
+            args = (ids.expand(b, k).contiguous(), pos.expand(b, k).contiguous(), pos, None, cache)
+            fwd.step(*args)
+            rollback(cache, k)
+            # on a CPU a compiled verify of 2..16 tokens costs about the same, where an eager estimate grows with k
+            fwd.timings[(b, k, length)] = _median_seconds(fwd.step, args, k, device)
+        done()
 
 
 def _median_seconds(step, args: tuple, k: int, device: torch.device, repeats: int = 3) -> float:
@@ -237,6 +262,33 @@ def _median_seconds(step, args: tuple, k: int, device: torch.device, repeats: in
     return sorted(times)[len(times) // 2]
 
 
+def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
+    """Queue the packing of the model's fp32 linears (after every step is applied: a self draft copies and
+    quantizes the original layers first), before the warm-up compiles the graphs that call them."""
+    from . import packed
+
+    if config.pack_linears is False:
+        return
+    wanted = info.device.type == "cpu" and info.dtype == torch.float32
+    if config.pack_linears is True and not (wanted and packed.can_pack()):
+        raise IncompatibleModelError(
+            f"Compile(pack_linears=True) needs an fp32 model on CPU and a torch build with oneDNN (model: "
+            f"{info.dtype} on {info.device.type}; oneDNN prepacked linear available: {packed.can_pack()}); use "
+            "pack_linears: auto")
+    if not (wanted and packed.can_pack()):
+        return
+
+    def pack():
+        layers = packed.pack_linears_(model)
+        if layers:
+            record_custom(model, f"{len(layers)} fp32 linears on prepacked weights",
+                          lambda: packed.unpack_linears_(layers), step=config.key)
+            ctx.notes.append(f"{len(layers)} fp32 linears run on oneDNN prepacked weights (+"
+                             f"{packed.packed_bytes(layers) / 2**20:.0f} MiB beside the originals)")
+
+    ctx.after.append(pack)
+
+
 @register_transform(Compile)
 def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
     info = ctx.info or inspect_model(model)
@@ -247,6 +299,7 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
                          "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
+    _pack(model, config, ctx, info)
     from .saved import warmup_skipped
 
     if ctx.rebuild and warmup_skipped():

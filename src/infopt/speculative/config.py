@@ -13,8 +13,10 @@ from ..core.step import STEP_TYPES, StepConfig, bad_field, register_step
 
 __all__ = ["DraftModel", "PromptLookup", "SelfDraft", "ADAPTIVE_CAP", "check_draft_folder"]
 
-ADAPTIVE_CAP = {"draft_model": 8, "self_draft": 8, "prompt_lookup": 10}
-"""Longest draft an adaptive ``num_tokens`` may pick, per method."""
+ADAPTIVE_CAP = {"draft_model": 7, "self_draft": 7, "prompt_lookup": 10}
+"""Longest draft an adaptive ``num_tokens`` may pick, per method. A model draft's 7 tokens and the pending one make
+an 8-token verify, a power of two: a compiled verify runs one graph per power-of-two width, and on a CPU a verify of
+9..16 tokens costs a third more than one of 2..8 while a model draft's eighth token is rarely worth it."""
 
 
 def _check_num_tokens(obj, value) -> None:
