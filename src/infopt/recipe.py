@@ -187,7 +187,7 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("cpu-lossless", "token-identical greedy output, faster: speculative decoding drafted by an int4 copy of "
                "the model (int8 head, int8 activations where the CPU has the kernel) and verified by the original "
-               "weights, on a static KV cache with compiled verify and draft steps",
+               "weights, on a static KV cache with compiled verify and draft steps (fp32 linears on prepacked weights)",
                ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}},
                 {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode within KL < 0.02: int4 weights (group 32, int8 head that a tied "

@@ -3,14 +3,18 @@ and falls back to compiling when they do not fit (another setup, a changed dtype
 
 import json
 
+import pytest
 import torch
 
 import infopt
 from infopt.compile import compile_stats
+from infopt.compile.packed import can_pack
 from infopt.compile.saved import COMPILED_DIR, MANIFEST
 from infopt.models import tiny_model
 
-RECIPE = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64]}}]}
+# packed fp32 linears would keep the steps unsaved (their graphs name this process's packed weights; see
+# test_packed_models_keep_their_warm_up): these tests are about the saved steps
+RECIPE = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64], "pack_linears": False}}]}
 IDS = torch.tensor([[3, 17, 9, 41, 5, 11, 2, 8]])
 
 
@@ -82,3 +86,17 @@ def test_speculative_models_keep_their_warm_up(tmp_path):
     assert not (folder / COMPILED_DIR).exists()
     model, _ = infopt.load(folder)
     assert compile_stats(model).warmed_up and compile_stats(model).loaded == 0
+
+
+@pytest.mark.skipif(not can_pack(), reason="this torch build has no oneDNN prepacked linear")
+def test_packed_models_keep_their_warm_up(tmp_path):
+    torch.manual_seed(0)
+    m = tiny_model("llama")
+    infopt.optimize(m, {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64]}}]})
+    assert any("_infopt_packed" in x.__dict__ for x in m.modules())
+    want = m.generate(IDS, max_new_tokens=12, do_sample=False)
+    folder = infopt.save_optimized(m, tmp_path / "saved")
+    assert not (folder / COMPILED_DIR / MANIFEST).exists()
+    model, _ = infopt.load(folder)
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
+    assert compile_stats(model).loaded == 0 and any("_infopt_packed" in x.__dict__ for x in model.modules())

@@ -28,6 +28,10 @@ __all__ = ["can_pack", "pack_linears_", "unpack_linears_", "packed_bytes", "PACK
 PACK_ROWS = 16
 """The row count oneDNN picks the blocked layout for: the widest compiled verify (narrower calls run it as well)."""
 
+MIN_ELEMENTS = 1 << 19
+"""Smaller weights stay on ``F.linear``: the custom op's Python call (about 20 us) outweighs what packing saves on
+a 576 x 576 or 576 x 192 layer at one row (``benchmarks/packed_linear.py``)."""
+
 # handle -> (weight storage pointer, weight version, packed weight); entries leave with their module. A handle is
 # the layer's index plus its model's slot times _SLOT: the same numbers each time a model is packed again, so its
 # compiled graphs (which hold them as constants) hit inductor's cache after an undo; live models never share one.
@@ -35,6 +39,7 @@ _PACKED: dict[int, tuple[int, int, torch.Tensor]] = {}
 _SLOTS: dict[int, int] = {}  # slot -> the token of the pack_linears_ call holding it
 _SLOT = 1 << 20
 _TOKENS = itertools.count()
+_MODEL_SLOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the slot it was last packed in
 
 
 def _release(slot: int, token: int) -> None:
@@ -79,20 +84,21 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
 
 
-def _targets(model: nn.Module) -> list[nn.Linear]:
+def _targets(model: nn.Module, min_elements: int) -> list[nn.Linear]:
     seen: set[int] = set()
     out = []
     for m in model.modules():
         if (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype == torch.float32
-                and m.weight.device.type == "cpu" and "forward" not in m.__dict__):
+                and m.weight.device.type == "cpu" and "forward" not in m.__dict__
+                and m.weight.numel() >= min_elements):
             seen.add(id(m))
             out.append(m)
     return out
 
 
-def pack_linears_(model: nn.Module) -> list[nn.Linear]:
-    """Route every fp32 CPU ``nn.Linear`` of ``model`` (exactly that class, its forward not already patched)
-    through ``infopt::packed_linear``, in place.
+def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list[nn.Linear]:
+    """Route every fp32 CPU ``nn.Linear`` of ``model`` (exactly that class, its forward not already patched, with
+    at least ``min_elements`` weights) through ``infopt::packed_linear``, in place.
 
     Returns:
         The layers changed; :func:`unpack_linears_` of them undoes it.
@@ -109,10 +115,13 @@ def pack_linears_(model: nn.Module) -> list[nn.Linear]:
     if not can_pack():
         raise RuntimeError("this torch build has no oneDNN prepacked linear (torch.ops.mkldnn._linear_pointwise); "
                            "use Compile(pack_linears=False)")
-    layers = _targets(model)
+    layers = _targets(model, min_elements)
     if not layers:
         return layers
-    slot = next(i for i in itertools.count() if i not in _SLOTS)
+    slot = _MODEL_SLOT.get(model)  # a model packed again (after an undo) takes its slot back: the same handles
+    if slot is None or slot in _SLOTS:
+        slot = next(i for i in itertools.count() if i not in _SLOTS)
+    _MODEL_SLOT[model] = slot
     token = _SLOTS[slot] = next(_TOKENS)
     with torch.no_grad():
         for i, m in enumerate(layers):
