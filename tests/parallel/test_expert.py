@@ -68,6 +68,7 @@ def test_refusals_under_a_process_group(results):
     assert "Use expert parallelism ({parallel: {expert: N}}" in r["tensor_on_moe"]
     assert "already expert-parallel over 2 ranks; call infopt.undo(model) first" in r["twice"]
     assert "Quantize before splitting" in r["quantize_after"]
+    assert r["midway"] == "MemoryError: no room for block 2 on purpose"  # the first block's swap was reverted
     assert r["untouched"] and r["undone"]
 
 

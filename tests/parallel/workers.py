@@ -387,6 +387,21 @@ def ep_refusals():
     out["dense"] = _error(lambda: expert_parallel_(tiny("llama")))
     out["dense_recipe"] = _error(lambda: infopt.optimize(tiny("llama"), {"parallel": {"expert": 2}}))
     out["tensor_on_moe"] = _error(lambda: tensor_parallel_(m))
+    import infopt.parallel.expert as ep
+
+    real, calls = ep._local_experts, []
+
+    def fail_on_second_block(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no room for block 2 on purpose")
+        return real(*args)
+
+    ep._local_experts = fail_on_second_block  # the first block is swapped (and its experts spilled), then this fails
+    try:
+        out["midway"] = _error(lambda: expert_parallel_(m))
+    finally:
+        ep._local_experts = real
     out["untouched"] = _same_state(m, snap) and not infopt.core.has_patches(m)
     expert_parallel_(m)
     out["twice"] = _error(lambda: tensor_parallel_(m))

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
-from ..core.patch import set_attr, swap_module
+from ..core.patch import get_handle, set_attr, swap_module
 from ..quantize.experts import QuantizedExperts
 from .dist import local_bytes, require_not_parallel, resolve_mesh
 from .pipeline import stage_bounds
@@ -355,21 +355,29 @@ def expert_parallel_(model: nn.Module, mesh=None, *, dispatch: str = "all_to_all
     rank, world = mesh.get_local_rank(), mesh.size()
     plan = plan_expert_parallel(model, world)
     key = step or "parallel"
-    new = {}
-    with torch.no_grad():  # build every replacement first: a failure leaves the model untouched
-        for fqn, e, ranges in zip(plan.experts_fqns, plan.num_experts, plan.ranges, strict=True):
-            experts = model.get_submodule(fqn)
-            start, stop = ranges[rank]
-            hidden = int(getattr(experts, "hidden_dim", 0) or 0)
-            inter = int(getattr(experts, "intermediate_dim", 0) or 0)
-            if not hidden or not inter:
-                b = next(b for b in moe_blocks(model) if b.experts_fqn == fqn)
-                hidden, inter = b.hidden_size, b.intermediate_size
-            new[fqn] = ExpertParallel(_local_experts(experts, start, stop), list(ranges), num_experts=e,
-                                      hidden_dim=hidden, intermediate_dim=inter, group=mesh.get_group(), rank=rank,
-                                      dispatch=dispatch)
-    for fqn, mod in new.items():
-        swap_module(model, fqn, mod, step=key, keep_original=keep_original)
+    handle = get_handle(model)
+    first = len(handle.records)
+    # block by block, so a rank's peak is the full model plus one block's slice (not plus all its experts);
+    # a failure part-way reverts the blocks already swapped, leaving the model as it was
+    try:
+        with torch.no_grad():
+            for fqn, e, ranges in zip(plan.experts_fqns, plan.num_experts, plan.ranges, strict=True):
+                experts = model.get_submodule(fqn)
+                start, stop = ranges[rank]
+                hidden = int(getattr(experts, "hidden_dim", 0) or 0)
+                inter = int(getattr(experts, "intermediate_dim", 0) or 0)
+                if not hidden or not inter:
+                    b = next(b for b in moe_blocks(model) if b.experts_fqn == fqn)
+                    hidden, inter = b.hidden_size, b.intermediate_size
+                new = ExpertParallel(_local_experts(experts, start, stop), list(ranges), num_experts=e,
+                                     hidden_dim=hidden, intermediate_dim=inter, group=mesh.get_group(), rank=rank,
+                                     dispatch=dispatch)
+                swap_module(model, fqn, new, step=key, keep_original=keep_original)
+    except BaseException:
+        for record in reversed(handle.records[first:]):
+            record.revert()
+        del handle.records[first:]
+        raise
     set_attr(model, model, "_infopt_parallel", {"kind": "expert", "world": world, "rank": rank, "dispatch": dispatch,
                                                 "experts": [r[rank] for r in plan.ranges],
                                                 "local_bytes": local_bytes(model)}, step=key)
