@@ -57,6 +57,8 @@ def test_recipe_with_quantize_static_cache_and_compile(results):
         comp = r["recipe-static-compile"]
         assert comp["steps"] == ["parallel", "kvcache:static", "compile"] and comp["tokens_equal"]
         assert comp["graphs_compiled"] > 0 and comp["warnings"] == []  # compiled, no fallback to eager
+        for saved in (rec["save_pretrained"], comp["save_pretrained"]):
+            assert saved.startswith("CheckpointError") and "cannot write an expert-parallel model" in saved
 
 
 def test_refusals_under_a_process_group(results):

@@ -365,11 +365,15 @@ def ep_recipe(steps):
         warnings.simplefilter("always")
         infopt.optimize(m, [{"parallel": {"expert": torch.distributed.get_world_size()}}, *steps])
         tokens = _greedy(m, ids, n=24)
+    import tempfile
+
     report = m.infopt
     step = next(s for s in report.steps if s.key == "parallel")
+    with tempfile.TemporaryDirectory() as folder:
+        saved = _error(lambda: m.save_pretrained(folder))
     out = {"tokens_equal": bool(torch.equal(tokens, ref)), "steps": [s.key for s in report.steps],
            "notes": step.notes, "stats": step.stats, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
-           "warnings": [str(w.message) for w in caught if "infopt" in str(w.message)]}
+           "warnings": [str(w.message) for w in caught if "infopt" in str(w.message)], "save_pretrained": saved}
     infopt.undo(m)
     return out
 
