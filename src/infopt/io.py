@@ -125,6 +125,13 @@ def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_conf
         def save_pretrained(save_directory, *args, **kwargs):
             from .quantize.serialize import quantization_config_for
 
+            if any(getattr(m, "infopt_expert_parallel", False) for m in model.modules()):
+                from .core.errors import CheckpointError
+
+                raise CheckpointError(
+                    "save_pretrained cannot write an expert-parallel model: this rank holds only its slice of the "
+                    "experts. Save before sharding, or infopt.undo(model) first"
+                )
             if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
                 from .core.errors import CheckpointError
 

@@ -114,7 +114,7 @@ def test_rules_refuse_quantizers_tensor_parallel_cannot_split(method):
         f"quantize:{method}", "parallel"]
 
 
-@pytest.mark.parametrize("name", ["dist", "launch", "pipeline", "step", "tensor"])
+@pytest.mark.parametrize("name", ["dist", "expert", "launch", "pipeline", "step", "tensor"])
 def test_docstring_examples_run(name):
     import doctest
     import importlib

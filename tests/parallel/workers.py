@@ -255,3 +255,206 @@ def nccl_world():
     """World size 1 over nccl on one GPU: the init path and a sharded forward on CUDA."""
     m = tiny("llama").to("cuda")
     return tp_case(m)
+
+
+# --- expert parallelism -------------------------------------------------------------------------------------------
+
+BATCH_IDS = [[2, 2, 2, 1, 17, 400, 23, 9], [1, 88, 17, 400, 23, 9, 1200, 5]]
+BATCH_MASK = [[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8]
+
+
+def tiny_moe(arch: str, **kw):
+    """A tiny MoE model: an arch of ``infopt.models.MOE_ARCHS``, or ``mixtral-3`` (3 experts, top-2: over 2 ranks
+    the experts split unevenly, 2 and 1)."""
+    if arch == "mixtral-3":
+        import transformers as tf
+
+        cfg = tf.MixtralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(cfg).eval()
+    return tiny(arch, **kw)
+
+
+def _routing_hooks(model):
+    """Record the expert ids every experts module receives; returns ``(records, remove)``."""
+    from infopt.core.moe import moe_blocks
+
+    records: list[torch.Tensor] = []
+    handles = [model.get_submodule(b.experts_fqn).register_forward_pre_hook(
+        lambda _m, args: records.append(args[1].detach().clone())) for b in moe_blocks(model)]
+    return records, lambda: [h.remove() for h in handles]
+
+
+def _expert_bytes(model) -> int:
+    from infopt.core.moe import moe_blocks
+    from infopt.parallel import local_bytes
+
+    return sum(local_bytes(model.get_submodule(b.experts_fqn)) for b in moe_blocks(model))
+
+
+def ep_case(arch: str, dispatch: str = "all_to_all", quant=None, batch: bool = False):
+    """One process vs expert parallel on the same model: logits, routing, greedy tokens, bytes, undo."""
+    import infopt
+    from infopt.parallel import expert_parallel_, local_bytes
+    from infopt.quantize import quantize_
+
+    model = tiny_moe(arch)
+    if batch:  # two prompts, one left-padded: 16 prefill rows, 2 per decode step
+        ids, mask = torch.tensor(BATCH_IDS), torch.tensor(BATCH_MASK)
+    else:  # 7 prefill rows (split 4/3), then 1 per decode step (rank 1 sends none)
+        ids, mask = torch.tensor(PROMPT), None
+    snap = _state(model)
+    with torch.no_grad():
+        float_logits = model(ids, attention_mask=mask).logits
+    if quant is not None:
+        quantize_(model, quant, keep_original="memory")
+    records, remove = _routing_hooks(model)
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+    ref_routing = list(records)
+    remove()
+    ref_tokens = _greedy(model, ids, attention_mask=mask)
+    before, experts_before = local_bytes(model), _expert_bytes(model)
+    expert_parallel_(model, dispatch=dispatch)
+    after, experts_after = local_bytes(model), _expert_bytes(model)
+    records, remove = _routing_hooks(model)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    routing = list(records)
+    remove()
+    tokens = _greedy(model, ids, attention_mask=mask)
+    experts = model.get_submodule(infopt.core.moe.moe_blocks(model)[0].experts_fqn)
+    out = {
+        "rel_err": rel_err(ref_logits, logits),
+        "routing_equal": len(routing) == len(ref_routing)
+        and all(torch.equal(a, b) for a, b in zip(routing, ref_routing, strict=True)),
+        "tokens_equal": bool(torch.equal(tokens, ref_tokens)),
+        "n_tokens": int(tokens.shape[1] - ids.shape[1]),
+        "experts_bytes_ratio": experts_after / experts_before,
+        "other_bytes_equal": before - experts_before == after - experts_after,
+        "experts": [experts.start, experts.stop],
+        "experts_type": type(experts).__name__,
+        "local_type": type(experts.local).__name__,
+        "blocks_found": len(infopt.core.moe.moe_blocks(model)),
+    }
+    infopt.undo(model)
+    with torch.no_grad():
+        out["undo_logits_equal"] = bool(torch.equal(model(ids, attention_mask=mask).logits, float_logits))
+    out["undo_state_equal"] = _same_state(model, snap)
+    return out
+
+
+def ep_recipe(steps):
+    """``{parallel: {expert: 2}}`` plus ``steps`` through optimize, against the same steps in one process."""
+    import infopt
+
+    ids = torch.tensor(PROMPT)
+    one = tiny_moe("mixtral")
+    infopt.optimize(one, steps)
+    ref = _greedy(one, ids, n=24)
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    m = tiny_moe("mixtral")
+    with warnings.catch_warnings(record=True) as caught:  # a compile step that falls back to eager warns
+        warnings.simplefilter("always")
+        infopt.optimize(m, [{"parallel": {"expert": torch.distributed.get_world_size()}}, *steps])
+        tokens = _greedy(m, ids, n=24)
+    import tempfile
+
+    report = m.infopt
+    step = next(s for s in report.steps if s.key == "parallel")
+    with tempfile.TemporaryDirectory() as folder:
+        saved = _error(lambda: m.save_pretrained(folder))
+    out = {"tokens_equal": bool(torch.equal(tokens, ref)), "steps": [s.key for s in report.steps],
+           "notes": step.notes, "stats": step.stats, "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+           "warnings": [str(w.message) for w in caught if "infopt" in str(w.message)], "save_pretrained": saved}
+    infopt.undo(m)
+    return out
+
+
+def ep_refusals():
+    """Bad input under a live process group: each fails with a clear error and leaves the model as it was."""
+    import infopt
+    from infopt.parallel import expert_parallel_, tensor_parallel_
+    from infopt.quantize import Int8WeightOnly, quantize_
+
+    out = {}
+    m = tiny_moe("mixtral")
+    snap = _state(m)
+    out["size_mismatch"] = _error(lambda: infopt.optimize(m, {"parallel": {"expert": 3}}))
+    out["dense"] = _error(lambda: expert_parallel_(tiny("llama")))
+    out["dense_recipe"] = _error(lambda: infopt.optimize(tiny("llama"), {"parallel": {"expert": 2}}))
+    out["tensor_on_moe"] = _error(lambda: tensor_parallel_(m))
+    import infopt.parallel.expert as ep
+
+    real, calls = ep._local_experts, []
+
+    def fail_on_second_block(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no room for block 2 on purpose")
+        return real(*args)
+
+    ep._local_experts = fail_on_second_block  # the first block is swapped (and its experts spilled), then this fails
+    try:
+        out["midway"] = _error(lambda: expert_parallel_(m))
+    finally:
+        ep._local_experts = real
+    out["untouched"] = _same_state(m, snap) and not infopt.core.has_patches(m)
+    expert_parallel_(m)
+    out["twice"] = _error(lambda: tensor_parallel_(m))
+    out["quantize_after"] = _error(lambda: quantize_(m, Int8WeightOnly()))
+    infopt.undo(m)
+    out["undone"] = _same_state(m, snap)
+    return out
+
+
+EP_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def ep_cases():
+    from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+
+    res = {arch: ep_case(arch) for arch in EP_ARCHS}
+    res["mixtral-all_reduce"] = ep_case("mixtral", "all_reduce")
+    res["qwen2_moe-all_reduce"] = ep_case("qwen2_moe", "all_reduce")
+    res["mixtral-batch"] = ep_case("mixtral", batch=True)
+    res["qwen2_moe-batch-all_reduce"] = ep_case("qwen2_moe", "all_reduce", batch=True)
+    res["mixtral-3"] = ep_case("mixtral-3")
+    res["mixtral-int8"] = ep_case("mixtral", quant=Int8WeightOnly(compute_dtype="float32"))
+    res["mixtral-int4"] = ep_case("mixtral", quant=Int4WeightOnly(group_size=32))
+    res["recipe-int8-static"] = ep_recipe([{"quantize": {"method": "int8", "compute_dtype": "float32"}},
+                                           {"kvcache": {"kind": "static", "max_length": 64}}])
+    # the exchange is one opaque custom op inside the compiled decode step (eager backend: tracing, not codegen)
+    res["recipe-static-compile"] = ep_recipe([{"kvcache": {"kind": "static", "max_length": 64}},
+                                              {"compile": {"backend": "eager", "warmup_lengths": [8]}}])
+    res["refusals"] = ep_refusals()
+    return res
+
+
+def nccl_expert_parallel():
+    """World size 1 over nccl on one GPU: the exchange's collectives (all-to-all, all-gather) on CUDA tensors."""
+    import infopt
+    from infopt.parallel import expert_parallel_
+
+    m = tiny_moe("mixtral").to("cuda")
+    ids = torch.tensor(PROMPT, device="cuda")
+    with torch.no_grad():
+        ref = m(ids).logits
+    ref_tokens = _greedy(m, ids)
+    out = {}
+    for dispatch in ("all_to_all", "all_reduce"):
+        expert_parallel_(m, dispatch=dispatch)
+        with torch.no_grad():
+            out[f"{dispatch}_rel_err"] = rel_err(ref, m(ids).logits)
+        out[f"{dispatch}_tokens_equal"] = bool(torch.equal(_greedy(m, ids), ref_tokens))
+        infopt.undo(m)
+    with torch.no_grad():
+        out["undo_logits_equal"] = bool(torch.equal(m(ids).logits, ref))
+    return out

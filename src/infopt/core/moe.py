@@ -125,9 +125,13 @@ def moe_blocks(model: nn.Module) -> tuple[MoEBlock, ...]:
     tc = get() if callable(get) else config
     layer_prefixes = tuple(n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.endswith("layers"))
     out = []
+    found: list[str] = []
     for fqn, experts in model.named_modules():
         if not is_experts_module(experts) or "." not in fqn:
             continue
+        if any(fqn.startswith(f + ".") for f in found):
+            continue  # experts held inside an infopt experts module (expert parallelism's local slice) are part of it
+        found.append(fqn)
         block_fqn = fqn.rsplit(".", 1)[0]
         block = model.get_submodule(block_fqn)
         if getattr(experts, "is_infopt_experts", False):

@@ -1,4 +1,4 @@
-"""The ``parallel`` recipe step: ``{parallel: {tensor: N}}`` or ``{parallel: {pipeline: N}}`` over the initialized process group."""
+"""The ``parallel`` recipe step: ``{parallel: {tensor: N}}``, ``{pipeline: N}`` or ``{expert: N}`` over the initialized process group."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .dist import require_not_parallel, require_process_group, world_size
+from .expert import DISPATCH
 
 __all__ = ["Parallel"]
 
@@ -23,56 +24,73 @@ def _positive_int_or_none(obj, name: str) -> None:
 @register_step
 @dataclass(frozen=True)
 class Parallel(StepConfig):
-    """Tensor or pipeline parallelism over the ranks of the already-initialized ``torch.distributed`` group.
+    """Tensor, pipeline or expert parallelism over the ranks of the already-initialized ``torch.distributed`` group.
 
-    Exactly one of ``tensor`` and ``pipeline`` is set, to the world size (``torchrun --nproc-per-node N``).
+    Exactly one of ``tensor``, ``pipeline`` and ``expert`` is set, to the world size (``torchrun --nproc-per-node N``).
 
     Args:
         tensor: ranks for tensor parallelism (:func:`~infopt.parallel.tensor_parallel_`, ``plan="auto"``).
         pipeline: ranks (stages) for pipeline parallelism (:func:`~infopt.parallel.pipeline_parallel_`).
+        expert: ranks for expert parallelism of a mixture-of-experts model
+            (:func:`~infopt.parallel.expert_parallel_`: each rank keeps a slice of every block's experts).
         vocab_parallel: tensor parallelism only: split embedding and head over the vocabulary (null: when it divides).
         dtensor: tensor parallelism only: shard float linears as DTensors (``parallelize_module``) instead of
             plain local shards; same numbers, slower on CPU.
         micro_batches: pipeline only: chunks a prefill is cut into so the stages overlap.
+        dispatch: expert only: ``"all_to_all"`` (tokens sent to their experts' ranks and back) or
+            ``"all_reduce"`` (each rank runs its experts over the shared batch, partial outputs summed).
 
     Raises:
-        RecipeError: both or neither of tensor/pipeline, a size that is not a positive integer.
+        RecipeError: not exactly one of tensor/pipeline/expert, a size that is not a positive integer, an unknown
+            dispatch.
 
     Example:
         >>> Parallel.from_dict({"parallel": {"tensor": 3}}).tensor
         3
-        >>> Parallel(pipeline=2).to_dict()
-        {'parallel': {'tensor': None, 'pipeline': 2, 'vocab_parallel': None, 'dtensor': False, 'micro_batches': 4}}
+        >>> Parallel(pipeline=2).to_dict()  # doctest: +NORMALIZE_WHITESPACE
+        {'parallel': {'tensor': None, 'pipeline': 2, 'expert': None, 'vocab_parallel': None, 'dtensor': False,
+                      'micro_batches': 4, 'dispatch': 'all_to_all'}}
     """
 
     stage: ClassVar[str] = "parallel"
     lossless: ClassVar[bool] = True  # same greedy tokens as one process (fp32); sums are reordered, not rounded
     tensor: int | None = None
     pipeline: int | None = None
+    expert: int | None = None
     vocab_parallel: bool | None = None
     dtensor: bool = False
     micro_batches: int = 4
+    dispatch: str = "all_to_all"
 
     def __post_init__(self):
         _positive_int_or_none(self, "tensor")
         _positive_int_or_none(self, "pipeline")
-        if (self.tensor is None) == (self.pipeline is None):
-            raise bad_field(self, "tensor/pipeline", (self.tensor, self.pipeline),
-                            "exactly one of them, e.g. {parallel: {tensor: 2}} or {parallel: {pipeline: 2}} "
-                            "(tensor and pipeline together are not supported)")
+        _positive_int_or_none(self, "expert")
+        sizes = (self.tensor, self.pipeline, self.expert)
+        if sum(v is not None for v in sizes) != 1:
+            raise bad_field(self, "tensor/pipeline/expert", sizes,
+                            "exactly one of them, e.g. {parallel: {tensor: 2}}, {parallel: {pipeline: 2}} or "
+                            "{parallel: {expert: 2}} (two kinds together are not supported)")
         if self.vocab_parallel is not None and not isinstance(self.vocab_parallel, bool):
             raise bad_field(self, "vocab_parallel", self.vocab_parallel, "null, true or false")
         if not isinstance(self.dtensor, bool):
             raise bad_field(self, "dtensor", self.dtensor, "true or false")
         if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 1:
             raise bad_field(self, "micro_batches", self.micro_batches, "a positive integer")
+        if self.dispatch not in DISPATCH:
+            raise bad_field(self, "dispatch", self.dispatch, ", ".join(DISPATCH))
+
+    @property
+    def mode(self) -> str:
+        """``"tensor"``, ``"pipeline"`` or ``"expert"``: the field that is set."""
+        return "tensor" if self.tensor is not None else "pipeline" if self.pipeline is not None else "expert"
 
     @property
     def size(self) -> int:
-        return self.tensor if self.tensor is not None else self.pipeline
+        return getattr(self, self.mode)
 
     def check(self, model: nn.Module, info, steps) -> list[str]:
-        mode = "tensor" if self.tensor is not None else "pipeline"
+        mode = self.mode
         require_process_group(f"parallel ({mode})")
         require_not_parallel(model, f"parallel ({mode})")
         world = world_size()
@@ -94,6 +112,11 @@ class Parallel(StepConfig):
             group = next((getattr(s, "group_size", None) for s in steps if s.stage == "quantize"), None)
             if isinstance(group, int) and group > 0:
                 _check_row_groups(model, tp, group)
+            return []
+        if self.expert is not None:
+            from .expert import plan_expert_parallel
+
+            plan_expert_parallel(model, world)
             return []
         from .pipeline import check_pipeline
 
@@ -122,6 +145,11 @@ def _apply(model: nn.Module, config: Parallel, ctx: ApplyContext) -> None:
 
         tensor_parallel_(model, vocab_parallel=config.vocab_parallel, dtensor=config.dtensor, step=config.key)
         what = f"tensor parallel over {config.tensor} ranks"
+    elif config.expert is not None:
+        from .expert import expert_parallel_
+
+        expert_parallel_(model, dispatch=config.dispatch, step=config.key)
+        what = f"expert parallel over {config.expert} ranks ({config.dispatch})"
     else:
         from .pipeline import pipeline_parallel_
 

@@ -127,7 +127,8 @@ def plan_tensor_parallel(model: nn.Module, world: int, plan: Any = "auto", vocab
     """
     info = info or inspect_model(model)
     require_dense(model, "tensor parallelism", "its plan splits one dense MLP per layer, and the experts' 3D weights "
-                  "and the router are not split", instead="pipeline parallelism (infopt.parallel.pipeline_parallel_)")
+                  "and the router are not split",
+                  instead="expert parallelism ({parallel: {expert: N}}, infopt.parallel.expert_parallel_)")
     if info.model_type not in TP_FAMILIES:
         raise IncompatibleModelError(
             f"tensor parallelism has no plan for model_type '{info.model_type}' (fused projections); supported: "

@@ -195,6 +195,11 @@ def experts_targets(model: nn.Module, config, filter_fn=None, include=None, excl
             continue
         if filter_fn is not None and not filter_fn(mod, fqn):
             continue
+        if getattr(mod, "infopt_expert_parallel", False):
+            raise IncompatibleModelError(
+                f"{type(config).__name__} cannot quantize {fqn}: its experts are split across ranks (expert "
+                "parallelism). Quantize before splitting (a recipe applies quantize first), or infopt.undo(model) first"
+            )
         if getattr(mod, "is_infopt_experts", False):
             continue  # already quantized
         if not b.standard:
