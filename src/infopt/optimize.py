@@ -209,8 +209,31 @@ def _validate(model: nn.Module, recipe: Any):
         for mod in step.required_backends():
             require(mod, feature=f"recipe step {step.key}")
     for step in r.steps:
-        fallbacks[step.key] = list(step.check(model, info, r.steps))
+        try:
+            fallbacks[step.key] = list(step.check(model, info, r.steps))
+        except IncompatibleModelError as e:
+            if r.source != f"preset {r.name}":
+                raise
+            # a preset's user did not write the step that failed: name the preset and the ones that apply here
+            fits = [name for name in PRESETS if name != r.name and _preset_fits(model, info, name)]
+            raise IncompatibleModelError(
+                f"preset '{r.name}' does not apply to this model ({info.device.type}): {e}. "
+                f"Presets that apply to it: {', '.join(fits) or 'none'}"
+            ) from None
     return r, fallbacks, info
+
+
+def _preset_fits(model: nn.Module, info, name: str) -> bool:
+    """True when every step of preset ``name`` passes its checks on ``model`` (nothing is changed)."""
+    from .core.errors import InfoptError
+
+    steps = Recipe.parse(name).steps
+    try:
+        for step in steps:
+            step.check(model, info, steps)
+    except InfoptError:
+        return False
+    return True
 
 
 def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = None, gate_text: str | None = None,

@@ -33,8 +33,8 @@ def _layout(news, kv_lens, block_size, h_kv, d, dv, dtype, seed):
     return k, v, table
 
 
-def _oracle(q, k, v, table, news, kv_lens, scale):
-    """Per query: softmax over the keys up to its own position, in float64."""
+def _oracle(q, k, v, table, news, kv_lens, scale, window=0):
+    """Per query: softmax over the keys up to its own position (the last ``window`` of them), in float64."""
     h, h_kv, bs = q.shape[1], k.shape[2], k.shape[1]
     out = torch.zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
     start = 0
@@ -46,8 +46,9 @@ def _oracle(q, k, v, table, news, kv_lens, scale):
         vs = vs.repeat_interleave(h // h_kv, dim=1)
         for i in range(n):
             p = length - n + i
-            w = (torch.einsum("hd,lhd->hl", q[start + i].double(), ks[:p + 1]) * scale).softmax(-1)
-            out[start + i] = torch.einsum("hl,lhd->hd", w, vs[:p + 1])
+            lo = max(0, p - window + 1) if window else 0
+            w = (torch.einsum("hd,lhd->hl", q[start + i].double(), ks[lo:p + 1]) * scale).softmax(-1)
+            out[start + i] = torch.einsum("hl,lhd->hd", w, vs[lo:p + 1])
         start += n
     return out
 
@@ -55,10 +56,12 @@ def _oracle(q, k, v, table, news, kv_lens, scale):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        heads=st.sampled_from([(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 24), (4, 2, 16)]),
-       block_size=st.sampled_from([1, 4, 16, 100, 256]), int32_table=st.booleans())
-def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table):
+       block_size=st.sampled_from([1, 4, 16, 100, 256]), int32_table=st.booleans(),
+       window=st.sampled_from([0, 0, 1, 5, 64, 300]))
+def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table, window):
     """Decode tokens, prefill chunks after earlier chunks and fresh prefills, any block size, GQA groups, head sizes
-    on and off the unrolled paths, both table dtypes; few or many sequences (so the key-split path runs too)."""
+    on and off the unrolled paths, both table dtypes; few or many sequences (so the key-split path runs too); with
+    and without a sliding window (starting inside tiles, blocks and split parts)."""
     h, h_kv, d = heads
     s = data.draw(st.integers(1, 6))
     news = data.draw(st.lists(st.integers(1, 40), min_size=s, max_size=s))
@@ -68,14 +71,15 @@ def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table):
     starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
     scale = 1 / math.sqrt(d)
     out = torch.ops.infopt.paged_attention(q, k, v, table.int() if int32_table else table, starts,
-                                           torch.tensor(kv_lens), scale)
+                                           torch.tensor(kv_lens), scale, window)
     assert out.dtype == dtype and out.shape == (sum(news), h, d)
-    ref = _oracle(q, k, v, table, news, kv_lens, scale)
+    ref = _oracle(q, k, v, table, news, kv_lens, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_kernel_equals_reference_kernel_on_a_packed_step():
+@pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
+def test_kernel_equals_reference_kernel_on_a_packed_step(window):
     """The same metadata the paged cache builds, through both kernels."""
     from infopt.attention.paged import PagedAttentionMetadata
 
@@ -88,9 +92,13 @@ def test_kernel_equals_reference_kernel_on_a_packed_step():
     meta = PagedAttentionMetadata(block_size=bs, block_table=table, kv_lens=torch.tensor(kv_lens),
                                   query_pos=torch.zeros_like(gather), mask=None, gather=gather, scatter=None,
                                   token_index=None, new_lens=n)
-    ref = _reference_packed(q, k, v, meta, 0.2)
-    out = torch.ops.infopt.paged_attention(q[0].transpose(0, 1), k, v, table, meta.query_start(), meta.kv_lens, 0.2)
+    ref = _reference_packed(q, k, v, meta, 0.2, window)
+    out = torch.ops.infopt.paged_attention(q[0].transpose(0, 1), k, v, table, meta.query_start(), meta.kv_lens, 0.2,
+                                           window or 0)
     torch.testing.assert_close(out[None], ref, atol=1e-5, rtol=1e-5)
+    if window:
+        oracle = _oracle(q[0].transpose(0, 1), k, v, table, news, kv_lens, 0.2, window)
+        torch.testing.assert_close(out.double(), oracle, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_layout_is_a_clear_error():

@@ -73,9 +73,9 @@ def test_refused_without_float8_dtypes(monkeypatch):
 
 
 def test_fp8_works_on_any_head_dim():
-    m = tiny_model("llama")  # head_dim 16: the int default group_size 64 is refused, fp8 has no groups
-    with pytest.raises(IncompatibleModelError, match="head_dim is 16"):
-        infopt.optimize(m, [Quantized()])
+    m = tiny_model("llama", hidden_size=128)  # head_dim 32: int group_size 24 is refused, fp8 has no groups
+    with pytest.raises(IncompatibleModelError, match="head_dim is 32"):
+        infopt.optimize(m, [Quantized(group_size=24, residual_length=48)])
     infopt.optimize(m, [Quantized(dtype="fp8")])
     assert "generate" in m.__dict__
 

@@ -238,11 +238,26 @@ def test_conflicting_recipes_refused(other, match):
     assert m.config._attn_implementation == "sdpa" and "generate" not in m.__dict__
 
 
-def test_sliding_window_models_refused():
-    m = tiny_model("gemma3")
-    with pytest.raises(IncompatibleModelError, match="sliding"):
-        infopt.optimize(m, [Paged()])
-    assert "generate" not in m.__dict__
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "reference"])
+def test_sliding_window_model_token_identical_past_the_window(cpu_kernel):
+    """gemma3 (window 64): each sliding layer's query sees the last 64 keys of its sequence, as in plain generate,
+    for a prompt and a left-padded batch running past the window, on either CPU kernel."""
+    from infopt.attention.paged import set_cpu_kernel
+
+    ref, m = tiny_model("gemma3"), tiny_model("gemma3")
+    infopt.optimize(m, [Paged()])
+    g = torch.Generator().manual_seed(0)
+    one = torch.randint(3, 1000, (1, 90), generator=g)
+    two = torch.randint(3, 1000, (2, 80), generator=g)
+    mask = torch.ones_like(two)
+    mask[0, :5] = 0
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=2)
+    previous = set_cpu_kernel(cpu_kernel)
+    try:
+        assert torch.equal(m.generate(one, **kw), ref.generate(one, **kw))
+        assert torch.equal(m.generate(two, attention_mask=mask, **kw), ref.generate(two, attention_mask=mask, **kw))
+    finally:
+        set_cpu_kernel(previous)
 
 
 # -- the packed step API (what a batching engine drives) -------------------------------------------

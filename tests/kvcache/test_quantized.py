@@ -38,20 +38,45 @@ def test_bad_fields_refused(field, value):
 
 
 def test_group_size_must_divide_head_dim_model_untouched():
-    m = tiny_model("llama")  # head_dim 16
+    m = tiny_model("llama", hidden_size=128)  # head_dim 32
     snap = state_snapshot(m)
-    with pytest.raises(IncompatibleModelError, match="head_dim is 16"):
-        infopt.optimize(m, [Quantized(group_size=64)])
+    with pytest.raises(IncompatibleModelError, match="head_dim is 32"):
+        infopt.optimize(m, [Quantized(group_size=24, residual_length=48)])
     assert "generate" not in m.__dict__
     assert_state_equal(m, snap)
     # keys per channel and values per channel group along tokens only: any head_dim works
-    infopt.optimize(m, [Quantized(group_size=64, axis_value="channel")])
+    infopt.optimize(m, [Quantized(group_size=24, residual_length=48, axis_value="channel")])
     assert "generate" in m.__dict__
 
 
-def test_sliding_window_model_refused():
-    with pytest.raises(IncompatibleModelError, match="sliding_attention"):
-        use_(tiny_model("gemma3"), Quantized(group_size=16, residual_length=64))
+def test_group_wider_than_head_dim_is_one_group_per_head():
+    """head_dim 16 under the default group_size 64: each token's head is one value group (the values stored are
+    those group_size=16 stores), keys keep their 64-token groups, and the step applies."""
+    m = tiny_model("llama")  # head_dim 16
+    ids = torch.randint(3, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        wide, narrow = Quantized(bits=4).new_cache(m), Quantized(bits=4, group_size=16, residual_length=128).new_cache(m)
+        m(ids, past_key_values=wide)
+        m(ids, past_key_values=narrow)
+    w, n = wide.layers[0]._stores, narrow.layers[0]._stores
+    assert wide.layers[0].n_quant == 128
+    assert all(torch.equal(w[k].view(), n[k].view()) for k in ("v", "v_scale", "v_zero"))
+    assert w["k_scale"].view().shape[-2] == 128 // 64  # a key channel's group: 64 tokens
+    per_token, dense = bytes_per_token(inspect_model(m), Quantized(bits=4))
+    assert wide.memory_bytes().used == pytest.approx(per_token * 128 + dense * 72, rel=1e-6)  # 72 tokens exact
+    infopt.optimize(m, [Quantized()])
+    assert m.generate(ids[:, :7], max_new_tokens=4, do_sample=False).shape == (1, 11)
+
+
+def test_sliding_window_model_served_with_the_window_applied():
+    """gemma3 (sliding window 64): every layer keeps all tokens and the model's mask applies the window, so greedy
+    output is plain generate's while prompt + new tokens stay in the residual window, past the sliding window too."""
+    ref, m = tiny_model("gemma3"), tiny_model("gemma3")
+    use_(m, Quantized(group_size=16, residual_length=128))
+    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=30, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    assert routing_stats(m).infopt == 1
 
 
 @pytest.mark.parametrize("spelling", [

@@ -122,6 +122,37 @@ def test_other_architectures(arch):
                            ref.generate(p, max_new_tokens=12, do_sample=False))
 
 
+def _windowed(arch):
+    m = tiny_model(arch)
+    if arch == "mistral":
+        m.config.sliding_window = 24  # Mistral's window comes from its config (tiny_model builds it without one)
+    return m
+
+
+@pytest.mark.parametrize("kvcache", [None, "static"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_window_models_past_the_window(arch, kvcache):
+    """Sliding-window layers (gemma3: 64, mistral here: 24) keep every token on a cache that rolls back; the mask
+    applies the window, so batch-1 calls past it stay plain generate's; a batch that may run past the window goes
+    to plain generate (a row's rejected slots would count towards its window)."""
+    from infopt.kvcache import Static
+
+    ref, m = _windowed(arch), _windowed(arch)
+    infopt.optimize(m, ([Static(max_length=256)] if kvcache else []) + [SelfDraft(quantize="int8", num_tokens=3)])
+    long = torch.randint(3, 400, (1, 80), generator=torch.Generator().manual_seed(0))
+    for p in (*prompts(3), long):
+        assert torch.equal(m.generate(p, max_new_tokens=20, do_sample=False),
+                           ref.generate(p, max_new_tokens=20, do_sample=False))
+    assert routing_stats(m).loops == {"speculative": 4}
+    batch = torch.cat([long, long.flip(1)])
+    assert torch.equal(m.generate(batch, max_new_tokens=8, do_sample=False),
+                       ref.generate(batch, max_new_tokens=8, do_sample=False))
+    # not speculative: to plain generate (with the reason), or transformers' loop on the static cache
+    stats = routing_stats(m)
+    assert stats.loops["speculative"] == 4
+    assert any("sliding-window" in r for r in stats.reasons) if not kvcache else stats.loops["transformers+cache"] == 1
+
+
 def test_static_cache_composes():
     from infopt.kvcache import Static
 

@@ -67,7 +67,10 @@ def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
     from . import paged
 
     return (query.device.type == "cpu" and not dropout and getattr(module, "is_causal", True)
-            and getattr(module, "sliding_window", None) is None and kwargs.get("position_bias") is None
+            # a window comes as the layer's attribute (Gemma 3) or as the call's keyword (Mistral): the kernel reads
+            # every key up to kv_len, so only full-attention layers may use it
+            and getattr(module, "sliding_window", None) is None and kwargs.get("sliding_window") is None
+            and kwargs.get("position_bias") is None
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and not kwargs.get("output_attentions", False)
             and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == value.dtype

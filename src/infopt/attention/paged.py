@@ -188,7 +188,15 @@ def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Te
     return pool[table].reshape(s, nb * pool.shape[1], pool.shape[2], pool.shape[3])[:, :length].transpose(1, 2)
 
 
-def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+def _in_window(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor | None:
+    """``[..., length]`` bool: key ``j`` is within the sliding window of a query at ``pos`` (``j > pos - window``);
+    None without a window. Causality is masked separately."""
+    if not window:
+        return None
+    return torch.arange(length, device=pos.device) > (pos[..., None] - window)
+
+
+def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     # query: [1, H, N, D], the step's tokens flattened; each sequence's new tokens are contiguous
     _, h, n_tok, d = query.shape
     h_kv, dv = key_pool.shape[2], value_pool.shape[-1]
@@ -200,7 +208,9 @@ def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata,
         length = dec_blocks * meta.block_size
         k = _gather_kv(key_pool, table, length)
         v = _gather_kv(value_pool, table, length)
-        mask = (torch.arange(length, device=query.device)[None, :] < meta.kv_lens[dec_rows][:, None])[:, None, None]
+        mask = torch.arange(length, device=query.device)[None, :] < meta.kv_lens[dec_rows][:, None]  # [Sd, L]
+        near = _in_window(meta.kv_lens[dec_rows] - 1, length, window)  # the decode token sits at kv_len - 1
+        mask = (mask if near is None else mask & near)[:, None, None]
         o = F.scaled_dot_product_attention(flat[dec_tokens][:, :, None], k, v, attn_mask=mask, scale=scaling,
                                            enable_gqa=h != h_kv)  # [Sd, H, 1, Dv]
         out[dec_tokens] = o[:, :, 0]
@@ -211,19 +221,21 @@ def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata,
         v = _gather_kv(value_pool, table, kv_len)
         q = flat[start:start + n].transpose(0, 1)[None]  # [1, H, n, D]
         mask = None
-        if n != kv_len:  # a later chunk: query i sits at position kv_len - n + i
+        if n != kv_len or window:  # a later chunk (query i sits at position kv_len - n + i), or a sliding window
             pos = torch.arange(kv_len - n, kv_len, device=query.device)
-            mask = (torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None])[None, None]
+            mask = torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None]
+            near = _in_window(pos, kv_len, window)
+            mask = (mask if near is None else mask & near)[None, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
                                            enable_gqa=h != h_kv)  # [1, H, n, Dv]
         out[start:start + n] = o[0].transpose(0, 1)
     return out[None]  # [1, N, H, Dv]
 
 
-def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     # query: [B, H, q, D]; pools: [num_blocks, block_size, H_kv, D]
     if meta.gather is not None and meta.single is None and query.shape[0] == 1:
-        return _reference_packed(query, key_pool, value_pool, meta, scaling)
+        return _reference_packed(query, key_pool, value_pool, meta, scaling, window)
     b, h, q, d = query.shape
     s, nb = meta.block_table.shape
     h_kv = key_pool.shape[2]
@@ -238,8 +250,16 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
     if meta.single is not None:  # one sequence: attend over exactly its kv_len tokens
         n, kv_len = meta.single
         k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-        mask = None if n in (1, kv_len) else mask[..., :kv_len]
-        causal = n == kv_len > 1  # a fresh prefill: SDPA's causal kernel, no mask materialized
+        if window and n == 1:  # one decode token: the window is the last `window` keys
+            k, v = k[:, :, max(0, kv_len - window):], v[:, :, max(0, kv_len - window):]
+            mask = None
+        elif window:
+            mask = mask[..., :kv_len] & _in_window(meta.query_pos[:, None, :], kv_len, window)
+        else:
+            mask = None if n in (1, kv_len) else mask[..., :kv_len]
+            causal = n == kv_len > 1  # a fresh prefill: SDPA's causal kernel, no mask materialized
+    elif window:  # query_pos: [S, Q] -> [S, 1, Q, L]
+        mask = mask & _in_window(meta.query_pos[:, None, :], mask.shape[-1], window)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=causal, scale=scaling,
                                          enable_gqa=h != h_kv)
     out = out.transpose(1, 2)  # [S, Q, H, D]
@@ -257,7 +277,7 @@ def _cpu_ready() -> bool:
         ready = extensions.load("paged_attention")
         if ready:
             @torch.library.register_fake("infopt::paged_attention")
-            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale):
+            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0):
                 return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
         _CPU_READY[0] = ready
     return _CPU_READY[0]
@@ -268,14 +288,14 @@ def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMet
             and key_pool.dtype in _CPU_DTYPES and _cpu_ready())
 
 
-def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     b, h, q, d = query.shape
     flat = query.transpose(1, 2).reshape(b * q, h, d)  # a view for packed steps ([1, H, N, D] from a transpose)
     if meta.token_index is not None:
         flat = flat[meta.token_index]
     scale = scaling if scaling is not None else d ** -0.5
     out = torch.ops.infopt.paged_attention(flat, key_pool, value_pool, meta.block_table, meta.query_start(),
-                                           meta.kv_lens, float(scale))  # [n, H, Dv]
+                                           meta.kv_lens, float(scale), int(window or 0))  # [n, H, Dv]
     if meta.token_index is not None:
         full = out.new_zeros(b * q, h, out.shape[-1])
         full[meta.token_index] = out
@@ -288,7 +308,7 @@ def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
             and meta.block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn"))
 
 
-def _flash(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
+def _flash(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     from flash_attn import flash_attn_varlen_func
 
     b, h, q, d = query.shape
@@ -297,8 +317,10 @@ def _flash(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling):
         flat = flat[meta.token_index]
     cu_q, cu_k, max_q, max_k, table = meta.flash_args()
     # causal masks align to the end of each sequence's keys: query i of n sees keys up to kv_len - n + i
+    # a sliding window: the query itself and the window - 1 keys before it
     out = flash_attn_varlen_func(flat.contiguous(), key_pool, value_pool, cu_q, cu_k, max_q, max_k,
-                                 softmax_scale=scaling, causal=True, block_table=table)
+                                 softmax_scale=scaling, causal=True, block_table=table,
+                                 window_size=(window - 1, 0) if window else (-1, -1))
     if meta.token_index is not None:
         full = out.new_zeros(b * q, h, out.shape[-1])
         full[meta.token_index] = out
@@ -329,9 +351,11 @@ def paged_attention_forward(
     Returns:
         ``(attn_output [B, q, H, D], None)``.
 
+    A sliding-window layer (the ``sliding_window`` keyword, as Gemma 3 and Mistral pass it) sees the last
+    ``sliding_window`` keys of its sequence, itself included.
+
     Raises:
-        IncompatibleModelError: the layer uses a sliding window or logit soft-capping, which the paged
-            kernels do not implement.
+        IncompatibleModelError: the layer uses logit soft-capping, which the paged kernels do not implement.
     """
     step = kwargs.pop("paged_step", None)
     meta = step.meta if step is not None else _take(key)
@@ -341,14 +365,14 @@ def paged_attention_forward(
         _count("sdpa")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    if kwargs.get("softcap") is not None:
         raise IncompatibleModelError(
-            f"{type(module).__name__} uses sliding-window attention or logit soft-capping, which the paged "
-            "attention backend does not implement; use kvcache static or the default cache for this model"
+            f"{type(module).__name__} uses logit soft-capping, which the paged attention backend does not "
+            "implement; use kvcache static or the default cache for this model"
         )
     if step is not None:  # the new K/V arrive here, not through a cache's update: write them into the blocks
         key, value = step.write(module.layer_idx, key, value)
-    return _attend(query, key, value, meta, scaling), None
+    return _attend(query, key, value, meta, scaling, kwargs.get("sliding_window")), None
 
 
 def _count(kernel: str) -> None:
@@ -356,15 +380,17 @@ def _count(kernel: str) -> None:
         _CALLS[kernel] += 1
 
 
-def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling) -> torch.Tensor:
+def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window: int | None = None
+            ) -> torch.Tensor:
+    # window: the layer's sliding window in keys (None: every earlier key)
     if _flash_ok(query, meta):
         _count("flash_attn")
-        return _flash(query, key_pool, value_pool, meta, scaling)
+        return _flash(query, key_pool, value_pool, meta, scaling, window)
     if _cpu_ok(query, key_pool, meta):
         _count("cpu")
-        return _cpu(query, key_pool, value_pool, meta, scaling)
+        return _cpu(query, key_pool, value_pool, meta, scaling, window)
     _count("reference")
-    return _reference(query, key_pool, value_pool, meta, scaling)
+    return _reference(query, key_pool, value_pool, meta, scaling, window)
 
 
 @dataclass

@@ -54,7 +54,7 @@ class CompileStats:
         compiles_after_warmup: graphs compiled by calls after the warm-up; each cost ``seconds / compiles``
             of a user's call. Warm up the shapes your calls use to keep it at 0.
         eager_shapes: shapes whose step could not hold a compiled graph and runs eagerly, with the reason
-            (a warning says so once per shape).
+            (one warning per model says so, for the first such shape).
         eager_calls: decode steps run eagerly for those shapes.
         loaded: shapes whose compiled step was loaded from a saved model's folder instead of compiled
             (:mod:`infopt.compile.saved`).
@@ -174,6 +174,7 @@ class CompiledForwards:
         self.config = config
         self.stats = CompileStats()
         self._told_cold = False
+        self._told_eager = False  # one warning per model when a shape falls back to eager, whatever the count
 
     def __call__(self, model: nn.Module) -> CompiledForward:
         return CompiledForward(model, self)
@@ -321,9 +322,15 @@ class CompiledForward(Forward):
             cause = inner
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         self.stats.eager_shapes[_shape_name(key)] = f"{type(cause).__name__}: {reason}"
+        if self.owner._told_eager:  # the model's one warning was given; the stats list every shape
+            log.info("the decode step for %s could not hold a compiled graph (%s: %s); it decodes eagerly",
+                     _shape_name(key), type(cause).__name__, reason[:200])
+            return
+        self.owner._told_eager = True
         warnings.warn(f"infopt compile: the decode step for {_shape_name(key)} could not hold a compiled graph "
                       f"({type(cause).__name__}: {reason[:200]}); that shape now decodes eagerly (same tokens, "
-                      "without the compiled speed-up). compile_stats(model).eager_shapes lists such shapes",
+                      "without the compiled speed-up), as will any other shape that cannot, without another "
+                      "warning. compile_stats(model).eager_shapes lists such shapes",
                       RuntimeWarning, stacklevel=4)
 
 

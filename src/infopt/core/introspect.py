@@ -17,6 +17,7 @@ __all__ = [
     "param_bytes",
     "linear_fqns",
     "context_length",
+    "attention_window",
 ]
 
 
@@ -149,6 +150,25 @@ def context_length(model: nn.Module) -> int | None:
     tc = _text_config(model.config)
     n = getattr(tc, "max_position_embeddings", None) or getattr(tc, "n_positions", None)
     return int(n) if n else None
+
+
+def attention_window(model: nn.Module) -> int | None:
+    """The narrowest attention window of ``model``'s layers in tokens (sliding-window or chunked layers: Gemma 3,
+    Mistral with ``sliding_window``), or None when every layer attends to all keys.
+
+    Read the way transformers' own caches read the layer structure (``get_layer_types_and_kwargs``).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> attention_window(tiny_model("gemma3")), attention_window(tiny_model("llama"))
+        (64, None)
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    _, per_layer = get_layer_types_and_kwargs(tc)
+    windows = [int(kw["sliding_window"]) for kw in per_layer if kw.get("sliding_window")]
+    return min(windows) if windows else None
 
 
 def inspect_model(model: nn.Module) -> ModelInfo:

@@ -10,6 +10,8 @@
 //   kv_lens      [S] int64: keys sequence s holds after this step's writes (its new tokens are the last ones)
 // Query i of the n new tokens of a sequence sits at position kv_len - n + i and sees keys 0 .. kv_len - n + i
 // (causal), which covers a decode token (n = 1), a prefill chunk after earlier chunks and a fresh prefill.
+// With a sliding window W > 0 (Gemma 3's local layers, Mistral) it sees only the last W of those keys: from
+// kv_len - n + i - W + 1; keys before the window of a work item's first query are never read.
 //
 // Work items are (sequence, KV head, chunk of up to QCHUNK queries): the query heads that share a KV head (GQA
 // group) are processed together, so each key and value row is loaded once for its whole group. When there are
@@ -305,7 +307,8 @@ struct Args {
   const void* table;
   bool table32;
   float scale;
-  int64_t slot;  // floats per partial-result slot: QCHUNK * H rows of (max, sum, accumulator)
+  int64_t slot;    // floats per partial-result slot: QCHUNK * H rows of (max, sum, accumulator)
+  int64_t window;  // keys a query sees, itself included (0: all earlier keys)
 };
 
 inline int64_t block_id(const Args& a, int64_t s, int64_t b) {
@@ -376,17 +379,25 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         krow[j - lo] = kb + (j - j0) * a.kt;
         vrow[j - lo] = vb + (j - j0) * a.vt;
       }
-      // scores of every (row, key) the causal mask allows: query qi sees the tile's first cnt keys
+      // scores of every (row, key) the mask allows: query qi sees the tile's keys [s0, s0 + cnt) (s0 > 0 only
+      // where a sliding window starts inside the tile); the scores of row r sit at sc[r * TILE .. + cnt)
+      auto visible = [&](int64_t qi, int64_t& s0) {
+        s0 = a.window > 0 ? std::max<int64_t>(0, pos0 + qi - a.window + 1 - lo) : 0;
+        return std::min(hi, pos0 + qi + 1) - lo - s0;
+      };
       for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;
+        int64_t s0;
+        const int64_t cnt = visible(qi, s0);
         if (cnt <= 0) continue;
         for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r = (qi * nh + hh) * G; r < (qi * nh + hh + 1) * G; ++r)
-            score(r, krow, hh * ksh, cnt, sc + r * TILE);
+            score(r, krow + s0, hh * ksh, cnt, sc + r * TILE);
       }
       for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t cnt = std::min(hi, pos0 + qi + 1) - lo;  // keys of this tile the query sees
+        int64_t s0;
+        const int64_t cnt = visible(qi, s0);  // keys of this tile the query sees
         if (cnt <= 0) continue;
+        const KV* const* vr = vrow + s0;
         float corr[4];
         for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r0 = (qi * nh + hh) * G, rend = r0 + G; r0 < rend; r0 += 4) {  // rows sharing a KV head
@@ -397,16 +408,16 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
             if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
               float* ar = acc + r0 * Dv;
               const float* pr = sc + r0 * TILE;
-              if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
-              else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
-              else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
-              else accumulate_rows<DH, 4, KV>(ar, Dv, corr, pr, TILE, vrow, hh * vsh, cnt);
+              if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
+              else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
+              else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
+              else accumulate_rows<DH, 4, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
               grouped = true;
             }
 #endif
             if (!grouped)
               for (int i = 0; i < nr; ++i)
-                accumulate<DH, KV>(acc + (r0 + i) * Dv, corr[i], sc + (r0 + i) * TILE, vrow, hh * vsh, cnt, Dv);
+                accumulate<DH, KV>(acc + (r0 + i) * Dv, corr[i], sc + (r0 + i) * TILE, vr, hh * vsh, cnt, Dv);
           }
       }
     }
@@ -470,7 +481,7 @@ void merge(const Args& a, const std::vector<Item>& heads, const float* partial, 
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lens,
-                           double scale) {
+                           double scale, int64_t window) {
   TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu(),
               "infopt::paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4,
@@ -493,6 +504,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   const int64_t S = kv_lens.size(0);
   TORCH_CHECK(query_start.size(0) == S + 1 && block_table.size(0) == S, "paged_attention: S mismatch");
   TORCH_CHECK(key_pool.size(3) == D && H % Hkv == 0, "paged_attention: head sizes do not match");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
   auto out = at::empty({N, H, Dv}, query.options());
   if (N == 0) return out;
 
@@ -501,7 +513,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
          value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          query_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), block_table.data_ptr(),
-         block_table.scalar_type() == at::kInt, static_cast<float>(scale), QCHUNK * H * (Dv + 2)};
+         block_table.scalar_type() == at::kInt, static_cast<float>(scale), QCHUNK * H * (Dv + 2), window};
   TORCH_CHECK(a.qstart[S] == N, "paged_attention: query_start[-1] must equal the number of query rows");
 
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -518,9 +530,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
     for (int64_t q0 = 0; q0 < n; q0 += QCHUNK)
       for (int64_t h = 0; h < Hkv; h += heads_per_item) {
         const int64_t q1 = std::min(n, q0 + QCHUNK);
-        const int64_t keys = L - n + q1;  // keys the chunk's last query sees
-        const int64_t cost = (keys * (q1 - q0) + 64) * heads_per_item;
-        base.push_back({s, h, h + heads_per_item, q0, q1, 0, keys, 0, 1, 0, cost});
+        const int64_t keys = L - n + q1;  // keys up to the chunk's last query
+        // the chunk's first query sees keys from k0 on (a sliding window's start; 0 without one)
+        const int64_t k0 = window > 0 ? std::max<int64_t>(0, L - n + q0 - window + 1) : 0;
+        const int64_t cost = ((keys - k0) * (q1 - q0) + 64) * heads_per_item;
+        base.push_back({s, h, h + heads_per_item, q0, q1, k0, keys, 0, 1, 0, cost});
       }
   }
   // split long items when there are fewer items than threads can share evenly
@@ -530,15 +544,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   for (const Item& it : base) {
     int64_t parts = 1;
     if (static_cast<int64_t>(base.size()) < want && threads > 1) {
-      parts = std::min<int64_t>((want + base.size() - 1) / base.size(), it.k1 / MIN_SPLIT_KEYS);
+      parts = std::min<int64_t>((want + base.size() - 1) / base.size(), (it.k1 - it.k0) / MIN_SPLIT_KEYS);
       parts = std::max<int64_t>(1, parts);
     }
     if (parts == 1) {
       items.push_back(it);
       continue;
     }
-    const int64_t per = ((it.k1 + parts - 1) / parts + BS - 1) / BS * BS;  // block-aligned part length
-    parts = (it.k1 + per - 1) / per;
+    const int64_t span = it.k1 - it.k0;
+    const int64_t per = ((span + parts - 1) / parts + BS - 1) / BS * BS;  // block-multiple part length
+    parts = (span + per - 1) / per;
     Item head = it;
     head.parts = parts;
     head.merge_slot = slots;
@@ -546,8 +561,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
     for (int64_t p = 0; p < parts; ++p) {
       Item x = head;
       x.part = p;
-      x.k0 = p * per;
-      x.k1 = std::min(it.k1, (p + 1) * per);
+      x.k0 = it.k0 + p * per;
+      x.k1 = std::min(it.k1, it.k0 + (p + 1) * per);
       x.cost = ((x.k1 - x.k0) * (x.q1 - x.q0) + 64) * (x.h1 - x.h0);
       items.push_back(x);
     }
@@ -580,7 +595,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
 
 TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor query_start, "
-        "Tensor kv_lens, float scale) -> Tensor");
+        "Tensor kv_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infopt, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -4,7 +4,7 @@ See docs/architecture.md for the path of one call, file by file.
 """
 
 from .call import BEAM_KWARGS, GenerateCall, Unsupported, nondefault_fields, parse_call, sampling_field
-from .forward import Forward, croppable, rollback, static_length, takes_logits_to_keep
+from .forward import Forward, croppable, full_length_dynamic_cache, rollback, static_length, takes_logits_to_keep
 from .lean import lean_decode, positions_of
 from .router import (
     CachePart,
@@ -20,6 +20,6 @@ from .router import (
 
 __all__ = [
     "BEAM_KWARGS", "CachePart", "Decoder", "Forward", "GenerateCall", "LoopPart", "RoutingStats", "Unsupported",
-    "croppable", "decoder_for", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
+    "croppable", "decoder_for", "full_length_dynamic_cache", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
     "rollback", "routing_stats", "sampling_field", "set_part", "static_length", "takes_logits_to_keep", "uncounted",
 ]

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..core.compat import CACHE_KWARG
 
-__all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback"]
+__all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache"]
 
 _TAKES: dict[type, bool] = {}
 
@@ -88,6 +88,28 @@ def croppable(cache) -> bool:
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
     return all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers)
+
+
+def full_length_dynamic_cache(config):
+    """A ``DynamicCache`` for ``config`` whose sliding-window layers keep every token, so it can roll back.
+
+    transformers' dynamic sliding-window layer drops keys that leave the window, and a dropped key cannot come
+    back when speculative decoding rejects draft tokens. A full layer keeps them; the model's sliding-window mask
+    (built over cache positions for every layer) still keeps each query to its window, so the attention result is
+    the same (Gemma 3, Mistral with a window), at the memory of the keys past the window.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> cache = full_length_dynamic_cache(tiny_model("gemma3").config)
+        >>> [type(layer).__name__ for layer in cache.layers], croppable(cache)
+        (['DynamicLayer', 'DynamicLayer'], True)
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
 
 
 def rollback(cache, n: int) -> None:

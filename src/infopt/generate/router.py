@@ -30,7 +30,7 @@ from torch import nn
 from ..core.compat import CACHE_KWARG
 from ..core.patch import ModelSlot, record_custom, wrap_method
 from .call import GenerateCall, Unsupported, parse_call
-from .forward import Forward
+from .forward import Forward, full_length_dynamic_cache
 from .lean import lean_decode
 
 __all__ = ["RoutingStats", "routing_stats", "Decoder", "decoder_for", "install", "set_part", "uncounted", "CachePart",
@@ -80,10 +80,9 @@ class CachePart:
         """The call ended with ``out`` (None when it failed)."""
 
     def cache_for(self, model: nn.Module, batch: int, slots: int):
-        """A cache of the same kind for another model (a speculative draft); default a dynamic cache."""
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
+        """A cache of the same kind for another model (a speculative draft), one that can roll back; default a
+        dynamic cache whose sliding-window layers keep every token (:func:`full_length_dynamic_cache`)."""
+        return full_length_dynamic_cache(model.config)
 
 
 class LoopPart:
@@ -123,10 +122,13 @@ class Decoder:
             self._forwards[model] = fwd
         return fwd
 
-    def open_cache(self, call: GenerateCall, slots: int | None = None):
-        """The cache part's cache for ``call``, or a dynamic cache when no kvcache step is present."""
+    def open_cache(self, call: GenerateCall, slots: int | None = None, *, rollback: bool = False):
+        """The cache part's cache for ``call``, or a dynamic cache when no kvcache step is present (with
+        ``rollback``, one whose sliding-window layers keep every token, so speculative decoding can crop it)."""
         if self.cache is not None:
             return self.cache.open(call, slots)
+        if rollback:
+            return full_length_dynamic_cache(self.model.config)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)

@@ -88,17 +88,22 @@ class FreshCache(CachePart):
         return self.config.new_cache(self.model)
 
 
-def require_full_attention(model: nn.Module, what: str) -> None:
+def require_full_attention(model: nn.Module, what: str, *, windows: bool = False) -> None:
     """Raise :class:`IncompatibleModelError` unless every layer of ``model`` is full (global) attention.
 
     The infopt caches replace whole layers of transformers' cache; a model with sliding-window or
     chunked layers (Gemma 3, Mistral with ``sliding_window``) needs per-layer-type caches they do not build.
+
+    Args:
+        windows: also accept sliding-window and chunked layers, for a cache that keeps every token in every layer
+            (the model's mask then keeps each query to its window, as transformers builds it over cache slots).
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     types, _ = get_layer_types_and_kwargs(tc)  # how transformers' own caches read the layer structure
-    other = sorted({t for t in types if t != "full_attention"})
+    allowed = ("full_attention", "sliding_attention", "chunked_attention") if windows else ("full_attention",)
+    other = sorted({t for t in types if t not in allowed})
     if other:
         raise IncompatibleModelError(
             f"{what} supports models whose layers are all full attention; {type(model).__name__} has "

@@ -89,7 +89,7 @@ class Paged(StepConfig):
                 f"{type(model).__name__} does not route attention through transformers' attention interface, "
                 "so the paged attention backend cannot read its cache; use kvcache static"
             )
-        require_full_attention(model, "kvcache paged")
+        require_full_attention(model, "kvcache paged", windows=True)  # the paged kernels apply sliding windows
         if getattr(_text_config(model.config), "attn_logit_softcapping", None) is not None:
             raise IncompatibleModelError(
                 f"{type(model).__name__} soft-caps attention logits, which the paged attention kernels do not "

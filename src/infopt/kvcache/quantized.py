@@ -62,7 +62,8 @@ class Quantized(StepConfig):
     Args:
         bits: 8 or 4 (8 with ``dtype="fp8"``).
         group_size: tokens per key group (channel axis) / channels per value group (token axis);
-            along the channel it must divide the model's ``head_dim``.
+            a group of channels spans at most one head: from ``head_dim`` up, each token's head is one
+            group, and a smaller ``group_size`` must divide ``head_dim``.
         residual_length: full-precision window, a multiple of ``group_size`` (with ``dtype="fp8"``:
             any count, 0 storing every token as fp8 at once). Greedy output is token-identical to
             plain ``generate`` while prompt + new tokens <= ``residual_length``.
@@ -74,9 +75,11 @@ class Quantized(StepConfig):
         RecipeError: a field out of range (bits not 8/4, non-positive sizes, ``residual_length`` not a
             multiple of ``group_size``, an unknown axis or dtype; with ``dtype="fp8"``: bits 4, or a
             ``group_size``/axis other than the default).
-        IncompatibleModelError (at validation): ``group_size`` does not divide ``head_dim`` on a
-            per-token axis; a model with sliding-window layers; ``dtype="fp8"`` on a torch without
-            float8 dtypes.
+        IncompatibleModelError (at validation): ``group_size`` below ``head_dim`` and not dividing it on a
+            per-token axis; ``dtype="fp8"`` on a torch without float8 dtypes.
+
+    Sliding-window layers (Gemma 3) keep every token like the others, quantized past the residual window; the
+    model's mask keeps each query to its window, as with plain ``generate``.
 
     Example:
         >>> import infopt
@@ -140,7 +143,8 @@ class Quantized(StepConfig):
         return out
 
     def check(self, model, info: ModelInfo, steps) -> list[str]:
-        require_full_attention(model, f"kvcache.{type(self).__name__}")
+        # every layer keeps all its tokens (sliding-window layers too; the model's mask applies the window)
+        require_full_attention(model, f"kvcache.{type(self).__name__}", windows=True)
         if self.dtype == "fp8":
             if fp8_dtype() is None:
                 raise IncompatibleModelError(
@@ -149,7 +153,7 @@ class Quantized(StepConfig):
                 )
             return []
         token_axes = [n for n, a in (("axis_key", self.axis_key), ("axis_value", self.axis_value)) if a == "token"]
-        if token_axes and info.head_dim % self.group_size:
+        if token_axes and info.head_dim % min(self.group_size, info.head_dim):
             divisors = [d for d in range(1, info.head_dim + 1) if info.head_dim % d == 0 and d >= 8]
             raise IncompatibleModelError(
                 f"kvcache.Quantized(group_size={self.group_size}) groups {' and '.join(token_axes)} along head_dim, "
@@ -191,8 +195,11 @@ def bytes_per_token(info: ModelInfo, config: Quantized) -> tuple[float, int]:
         return 2 * (d + 4) * info.num_layers * info.num_kv_heads, info.kv_bytes_per_token
     sb = torch.finfo(scale_dtype_for(info.dtype)).bits // 8
     dense = info.kv_bytes_per_token
-    # K and V: codes, plus a (scale, zero) pair per group of `group_size` elements whichever the axis
-    per_head = 2 * (d * config.bits / 8 + 2 * sb * d / config.group_size)
+    # K and V: codes, plus a (scale, zero) pair per group: a channel's group spans group_size tokens, a token's
+    # group min(group_size, head_dim) channels
+    groups = sum(d / (config.group_size if axis == "channel" else min(config.group_size, d))
+                 for axis in (config.axis_key, config.axis_value))
+    per_head = 2 * d * config.bits / 8 + 2 * sb * groups
     return per_head * info.num_layers * info.num_kv_heads, dense
 
 

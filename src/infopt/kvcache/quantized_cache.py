@@ -165,6 +165,10 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
         names = ("k", "k_scale", "v", "v_scale") if self.fp8 else ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
         self._stores = {name: _Growing() for name in names}
         self.n_res = self.n_quant = 0
+        # elements per group: group_size tokens per channel; per token, group_size channels but never more than one
+        # head's (a model whose head_dim is below group_size quantizes each token's head as one group)
+        self._group = {name: self.group_size if axis == "channel" else min(self.group_size, x.shape[-1])
+                       for name, axis, x in (("k", self.axis_key, key_states), ("v", self.axis_value, value_states))}
         self.is_initialized = True
 
     def _append_quantized(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -177,7 +181,7 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
             self.n_quant += k.shape[-2]
             return
         for prefix, x, axis in (("k", k, self.axis_key), ("v", v, self.axis_value)):
-            codes, scale, zero = quantize_groups(x, self.bits, self.group_size, axis, self.scale_dtype)
+            codes, scale, zero = quantize_groups(x, self.bits, self._group[prefix], axis, self.scale_dtype)
             self._stores[prefix].append(codes)
             self._stores[f"{prefix}_scale"].append(scale)
             self._stores[f"{prefix}_zero"].append(zero)
@@ -188,7 +192,7 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
         if self.fp8:
             return dequantize_fp8(s[prefix].view(), s[f"{prefix}_scale"].view(), self.dtype)
         return dequantize_groups(s[prefix].view(), s[f"{prefix}_scale"].view(), s[f"{prefix}_zero"].view(),
-                                 self.bits, self.group_size, axis, self.dtype)
+                                 self.bits, self._group[prefix], axis, self.dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V (``[B, H_kv, q, D]``); return every token's K/V, the quantized part dequantized.
@@ -280,7 +284,7 @@ class QuantizedKVLayer(BatchMappedLayer, CacheLayerMixin):
         groups = m // self.group_size if axis == "channel" else m
         s = self._stores
         return dequantize_groups(s[prefix].tail(m), s[f"{prefix}_scale"].tail(groups), s[f"{prefix}_zero"].tail(groups),
-                                 self.bits, self.group_size, axis, self.dtype)
+                                 self.bits, self._group[prefix], axis, self.dtype)
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:

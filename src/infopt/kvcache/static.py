@@ -13,7 +13,7 @@ from ..core.step import ApplyContext, StepConfig, bad_field, register_step, regi
 from ..generate import CachePart, Unsupported, decoder_for, set_part
 from .api import register_use
 
-__all__ = ["Static", "StaticCaches", "use_", "bucket_length", "static_max_length"]
+__all__ = ["Static", "StaticCaches", "use_", "bucket_length", "static_max_length", "full_length_static_cache"]
 
 
 @register_step
@@ -99,6 +99,32 @@ def bucket_length(needed: int, max_length: int, bucket: int = BUCKET) -> int:
     return min(max_length, -(-needed // bucket) * bucket)
 
 
+def full_length_static_cache(config, length: int):
+    """transformers' ``StaticCache`` of ``length`` slots whose sliding-window layers are full-length static layers.
+
+    transformers' sliding-window static layer keeps only the window, in a buffer it rolls through Python-int
+    control flow (``cumulative_length_int``): a compiled decode step guards on that int and recompiles every token
+    (Gemma 3, Mistral with a window), and a rolled buffer cannot take rejected draft tokens back. Here every layer
+    holds all ``length`` slots at fixed addresses; the model's sliding-window mask (over cache slots, as transformers
+    builds it for any layer) keeps each query to its window, so the attention result is the same. The price is the
+    slots past the window: ``length`` is the call's 256-token bucket, not the model's context (Gemma 3 270M: 2 KiB
+    per token per sliding layer in fp32).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> cache = full_length_static_cache(tiny_model("gemma3").config, 256)
+        >>> [type(layer).__name__ for layer in cache.layers], cache.get_max_length()
+        (['StaticLayer', 'StaticLayer'], 256)
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache = StaticCache(config=config, max_cache_len=length)
+    cache.layers = [StaticLayer(max_cache_len=length) if type(layer) is StaticSlidingWindowLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
 class StaticCaches(CachePart):
     """The static-cache part of a model's decoder: one allocation per model (the target, and a speculative draft
     beside it), handed out reset per call and reallocated on a new batch size or length bucket."""
@@ -112,15 +138,13 @@ class StaticCaches(CachePart):
             weakref.WeakKeyDictionary()
 
     def _get(self, model: nn.Module, batch: int, needed: int):
-        from transformers import StaticCache
-
         key = (batch, bucket_length(min(needed, self.max_length), self.max_length))
         held = self._held.get(model)
         if held is not None and held[0] == key:
             held[1].reset()
             return held[1]
         self._held.pop(model, None)  # free the old allocation first
-        cache = StaticCache(config=model.config, max_cache_len=key[1])
+        cache = full_length_static_cache(model.config, key[1])
         self._held[model] = (key, cache)
         return cache
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.introspect import inspect_model
+from ..core.introspect import attention_window, inspect_model
 from ..core.patch import STATE_PREFIX, ModelSlot, get_handle, record_custom
 from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
 from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
@@ -203,14 +203,20 @@ class SpeculativePart(LoopPart):
     """The speculative loop as a part of the target's decoder: drafts with ``drafter``, verifies through the
     decoder's forward (compiled beside a compile step) on the decoder's cache (static beside ``kvcache.Static``)."""
 
-    def __init__(self, config: StepConfig, drafter: Drafter, stats: SpecStats, key: str):
+    def __init__(self, config: StepConfig, drafter: Drafter, stats: SpecStats, key: str, window: int | None = None):
         self.config, self.drafter, self.stats, self.key = config, drafter, stats, key
+        self.window = window  # the model's narrowest attention window (tokens), None without one
 
     def serve(self, call, decoder) -> torch.Tensor:
         cap = self.config.cap
         B, T, N = call.batch, call.prompt_length, call.max_new_tokens
         needed = T + N + (0 if B == 1 else N) + cap + 2
-        cache = decoder.open_cache(call, needed)
+        if B > 1 and self.window is not None and needed > self.window:
+            # rows of a batch keep their own accept lengths, the rest of the round's slots left as holes; a sliding
+            # window counts cache slots, holes included, so past the window a row would see fewer keys than in
+            # generate (batch 1 never has holes: a rollback crops)
+            raise Unsupported("a batch on a sliding-window model whose call may run past the window")
+        cache = decoder.open_cache(call, needed, rollback=True)
         out = None
         try:
             if cache.layers and not croppable(cache):
@@ -262,7 +268,8 @@ def enable_(model: nn.Module, config: StepConfig, *, step: str | None = None) ->
     spec_stats = SpecStats()
     _STATS[model] = spec_stats
     key = step or config.key
-    set_part(model, "speculative", SpeculativePart(config, drafter, spec_stats, key), step=key)
+    set_part(model, "speculative", SpeculativePart(config, drafter, spec_stats, key, attention_window(model)),
+             step=key)
     record_custom(model, "speculative drafter and stats", lambda: (_STATS.pop(model, None), facts.clear()), step=key)
     return facts
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..generate import Forward, croppable, rollback
+from ..generate import Forward, croppable, full_length_dynamic_cache, rollback
 from .sampling import warp_logits
 
 __all__ = ["Drafter", "LookupDrafter", "ModelDrafter", "rollback", "croppable"]
@@ -128,13 +128,9 @@ class ModelDrafter(Drafter):
             self.cache = decoder.cache_for(self.draft, B, S)
             self.forward = decoder.forward_for(self.draft)
         else:
-            from transformers import DynamicCache
-
-            self.cache, self.forward = DynamicCache(config=self.draft.config), Forward(self.draft)
+            self.cache, self.forward = full_length_dynamic_cache(self.draft.config), Forward(self.draft)
         if not croppable(self.cache):
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache(config=self.draft.config)
+            self.cache = full_length_dynamic_cache(self.draft.config)
         self.length = 0
 
     def _forward(self, state, ids, positions, end):
