@@ -28,8 +28,6 @@ The other ranks' experts are freed (kept in a temporary file for :func:`infopt.u
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +36,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
 from ..core.patch import get_handle, set_attr, swap_module
-from ..quantize.experts import QuantizedExperts
+from ..quantize.experts import LiveModules, QuantizedExperts
 from .dist import local_bytes, require_not_parallel, resolve_mesh
 from .pipeline import stage_bounds
 
@@ -48,25 +46,13 @@ DISPATCH: tuple[str, ...] = ("all_to_all", "all_reduce")
 """How :class:`ExpertParallel` brings the tokens to the experts' ranks (see the module docstring)."""
 
 # handle -> the live ExpertParallel it names; a compiled graph holds the handle (custom ops take no modules)
-_LIVE: dict[int, weakref.ref] = {}
-_NEXT_HANDLE = itertools.count()
-
-
-def _register(module: nn.Module) -> int:
-    handle = next(_NEXT_HANDLE)
-    _LIVE[handle] = weakref.ref(module, lambda _, h=handle: _LIVE.pop(h, None))
-    return handle
+_LIVE = LiveModules("infopt::expert_parallel")
 
 
 @torch.library.custom_op("infopt::expert_parallel", mutates_args=(),
                          schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) -> Tensor")
 def _expert_parallel_op(hidden_states, top_k_index, top_k_weights, handle):
-    ref = _LIVE.get(handle)
-    module = ref() if ref is not None else None
-    if module is None:
-        raise RuntimeError(f"infopt::expert_parallel: the experts module this graph was compiled for (handle {handle}) "
-                           "no longer exists; compile the model that holds it again")
-    return module._exchange(hidden_states, top_k_index, top_k_weights)
+    return _LIVE.get(handle)._exchange(hidden_states, top_k_index, top_k_weights)
 
 
 @_expert_parallel_op.register_fake
@@ -235,11 +221,11 @@ class ExpertParallel(nn.Module):
         self.world = len(ranges)
         self.start, self.stop = self.ranges[rank]
         self.dispatch = dispatch
-        self._handle = _register(self)
+        self._handle = _LIVE.register(self)
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._handle = _register(self)  # a copy's compiled graphs must reach its own experts
+        self._handle = _LIVE.register(self)  # a copy's compiled graphs must reach its own experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:

@@ -35,31 +35,50 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
 
-__all__ = ["QuantizedExperts", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
+__all__ = ["QuantizedExperts", "LiveModules", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
            "check_experts_shapes"]
 
-# handle -> the live QuantizedExperts it names. A compiled graph holds the handle (an int constant), not the
-# module: custom ops take tensors and scalars. Entries leave with their module.
-_LIVE: dict[int, weakref.ref] = {}
-_NEXT_HANDLE = itertools.count()
+class LiveModules:
+    """Handles naming live modules to a custom op: a compiled graph holds the handle (an int constant), not the
+    module (custom ops take tensors and scalars). Entries leave with their module.
+
+    Args:
+        op: the op's name, for the error when a handle's module is gone.
+
+    Example:
+        >>> live = LiveModules("infopt::example")
+        >>> m = nn.Linear(2, 2)
+        >>> live.get(live.register(m)) is m
+        True
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+        self._live: dict[int, weakref.ref] = {}
+        self._next = itertools.count()
+
+    def register(self, module: nn.Module) -> int:
+        handle = next(self._next)
+        self._live[handle] = weakref.ref(module, lambda _, h=handle: self._live.pop(h, None))
+        return handle
+
+    def get(self, handle: int) -> nn.Module:
+        ref = self._live.get(handle)
+        module = ref() if ref is not None else None
+        if module is None:
+            raise RuntimeError(f"{self.op}: the module this graph was compiled for (handle {handle}) no longer exists; "
+                               "compile the model that holds it again")
+        return module
 
 
-def _register(module: nn.Module) -> int:
-    handle = next(_NEXT_HANDLE)
-    _LIVE[handle] = weakref.ref(module, lambda _, h=handle: _LIVE.pop(h, None))
-    return handle
+_LIVE = LiveModules("infopt::quantized_experts")
 
 
 # schema given explicitly: this file's annotations are strings (``from __future__ import annotations``)
 @torch.library.custom_op("infopt::quantized_experts", mutates_args=(),
                          schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) -> Tensor")
 def _quantized_experts_op(hidden_states, top_k_index, top_k_weights, handle):
-    ref = _LIVE.get(handle)
-    module = ref() if ref is not None else None
-    if module is None:
-        raise RuntimeError(f"infopt::quantized_experts: the experts module this graph was compiled for (handle "
-                           f"{handle}) no longer exists; compile the model that holds the experts again")
-    return module._dispatch(hidden_states, top_k_index, top_k_weights)
+    return _LIVE.get(handle)._dispatch(hidden_states, top_k_index, top_k_weights)
 
 
 @_quantized_experts_op.register_fake
@@ -88,12 +107,12 @@ class QuantizedExperts(nn.Module):
         self.gate_up_proj = nn.ModuleList(gate_up)
         self.down_proj = nn.ModuleList(down)
         self.act_fn = act_fn
-        self._handle = _register(self)  # names this module to infopt::quantized_experts in compiled graphs
+        self._handle = _LIVE.register(self)  # names this module to infopt::quantized_experts in compiled graphs
 
     def __setstate__(self, state):
         super().__setstate__(state)
         # a copy (deepcopy, pickle) gets a handle of its own: its compiled graphs must reach its own weights
-        self._handle = _register(self)
+        self._handle = _LIVE.register(self)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, make: Callable[[nn.Module], nn.Module]) -> QuantizedExperts:
