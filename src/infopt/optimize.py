@@ -270,9 +270,10 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> from infopt.models import tiny_model
         >>> m = infopt.optimize(tiny_model(), "cpu-lossless")
         >>> [s.key for s in m.infopt.steps]
-        ['speculative:self_draft']
-        >>> infopt.undo(m)  # the generate wrapper, its decoder, the speculative part, the drafter, the report, the save hook
-        6
+        ['kvcache:static', 'compile', 'speculative:self_draft']
+        >>> infopt.undo(m)  # generate's wrapper and decoder, its cache, forwards and speculative parts, the drafter,
+        ...                 # the attention backend, the packed head, the report and the save hook
+        10
     """
     if gate is not None:
         check_gate(gate)
