@@ -167,6 +167,8 @@ def attention_window(model: nn.Module) -> int | None:
 
     tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     _, per_layer = get_layer_types_and_kwargs(tc)
+    if isinstance(per_layer, dict):  # older transformers (5.17): one mapping for every layer kind
+        per_layer = [per_layer]
     windows = [int(kw["sliding_window"]) for kw in per_layer if kw.get("sliding_window")]
     return min(windows) if windows else None
 
