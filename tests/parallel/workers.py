@@ -278,6 +278,16 @@ def tiny_moe(arch: str, **kw):
     return tiny(arch, **kw)
 
 
+def _observe(model, ids, mask):
+    """``(logits, routing decisions, greedy tokens)`` of ``model`` on ``ids``."""
+    records, remove = _routing_hooks(model)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    routing = list(records)
+    remove()
+    return logits, routing, _greedy(model, ids, attention_mask=mask)
+
+
 def _routing_hooks(model):
     """Record the expert ids every experts module receives; returns ``(records, remove)``."""
     from infopt.core.moe import moe_blocks
@@ -311,21 +321,11 @@ def ep_case(arch: str, dispatch: str = "all_to_all", quant=None, batch: bool = F
         float_logits = model(ids, attention_mask=mask).logits
     if quant is not None:
         quantize_(model, quant, keep_original="memory")
-    records, remove = _routing_hooks(model)
-    with torch.no_grad():
-        ref_logits = model(ids, attention_mask=mask).logits
-    ref_routing = list(records)
-    remove()
-    ref_tokens = _greedy(model, ids, attention_mask=mask)
+    ref_logits, ref_routing, ref_tokens = _observe(model, ids, mask)
     before, experts_before = local_bytes(model), _expert_bytes(model)
     expert_parallel_(model, dispatch=dispatch)
     after, experts_after = local_bytes(model), _expert_bytes(model)
-    records, remove = _routing_hooks(model)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
-    routing = list(records)
-    remove()
-    tokens = _greedy(model, ids, attention_mask=mask)
+    logits, routing, tokens = _observe(model, ids, mask)
     experts = model.get_submodule(infopt.core.moe.moe_blocks(model)[0].experts_fqn)
     out = {
         "rel_err": rel_err(ref_logits, logits),
