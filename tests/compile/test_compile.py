@@ -193,35 +193,30 @@ def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch
     infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none
 
 
-def test_torch_without_isolate_recompiles(monkeypatch):
-    """torch < 2.12 has no ``isolate_recompiles``: each shape still gets its own graph cache, and no keyword
-    that version lacks reaches torch.compile (a TypeError there broke every Compile step)."""
+def test_compiled_models_do_not_add_up_against_one_recompile_limit():
+    """Each compiled model's graphs sit on a code object of their own: dynamo's process-wide
+    ``accumulated_recompile_limit`` (256 graphs per code object) is not shared by every model a process compiles.
+    Sharing it sent a test session's later models (and would send a notebook's) to eager steps."""
+    ref = tiny_model()
+    p = _prompts()[1]
+    want = ref.generate(p, max_new_tokens=6, do_sample=False)
+    with torch._dynamo.config.patch(accumulated_recompile_limit=3):
+        _compile_three_models(p, want)
+
+
+def _compile_three_models(p, want):
+    for _ in range(3):  # 3 models x 2 shapes (the prompt's prefill runs eagerly; decode 1 token and verify)
+        m = tiny_model()
+        infopt.optimize(m, [Static(max_length=128), Compile(backend="eager", warmup_lengths=())])
+        warmup(m, batch_sizes=(1, 2), lengths=(100,), padded=False)
+        stats = compile_stats(m)
+        assert stats.compiles == 2 and not stats.eager_shapes, stats.eager_shapes
+        assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False), want)
+
+
+def test_isolated_compile_copies_keep_one_cache_per_copy():
     import infopt.compile.decoder as dec
 
-    real = torch.compile
-
-    def old_compile(fn, **kwargs):
-        if "isolate_recompiles" in kwargs:
-            raise TypeError("compile() got an unexpected keyword argument 'isolate_recompiles'")
-        return real(fn, **kwargs)
-
-    monkeypatch.setattr(dec, "_compile_takes", lambda keyword: False)
-    monkeypatch.setattr(torch, "compile", old_compile)
-    ref, m = tiny_model(), tiny_model()
-    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", warmup_lengths=())])
-    warmup(m, batch_sizes=(1, 2), lengths=(100, 300), padded=True)
-    stats = compile_stats(m)
-    assert stats.compiles == 8  # one graph per shape: the shapes do not share a cache (and its recompile limit)
-    for p in _prompts():
-        assert torch.equal(m.generate(p, max_new_tokens=8, do_sample=False),
-                           ref.generate(p, max_new_tokens=8, do_sample=False))
-    assert stats.compiles_after_warmup == 0
-
-
-def test_isolated_compile_copies_keep_one_cache_per_copy(monkeypatch):
-    import infopt.compile.decoder as dec
-
-    monkeypatch.setattr(dec, "_compile_takes", lambda keyword: False)
     counts = {"a": 0, "b": 0}
 
     def counting(name):

@@ -10,7 +10,6 @@ shapes the calls use).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import time
@@ -105,26 +104,21 @@ def mode_options(mode: str, device: torch.device, cpp_wrapper: bool) -> dict[str
     return opts
 
 
-@functools.cache
-def _compile_takes(keyword: str) -> bool:
-    return keyword in inspect.signature(torch.compile).parameters
-
-
 def isolated_compile(fn, *, name: str, **kwargs):
     """``torch.compile(fn, **kwargs)`` with a guard cache of its own.
 
     Dynamo keeps compiled graphs on the function's code object, so several ``torch.compile`` wrappers of one
-    function share one cache and its recompile limit. torch versions with ``isolate_recompiles`` separate them;
-    on older ones (torch < 2.12) the function is rebuilt on a fresh copy of its code object named ``name``,
-    which gives it a cache of its own the same way.
+    function share one cache and its recompile limits. The function is rebuilt here on a fresh copy of its code
+    object named ``name``, so each wrapper has a cache of its own, counted against no other wrapper's limits,
+    and freed with the wrapper. (torch's ``isolate_recompiles=True`` separates the per-shape limit only: its
+    regions still add up against ``accumulated_recompile_limit``, 256 graphs per code object for the whole
+    process, so a notebook or test session that compiles many models fell back to eager steps after a while.)
 
     Args:
         fn: a function or bound method.
         name: a name for the copy (shows in dynamo's logs).
         **kwargs: ``torch.compile``'s keywords.
     """
-    if _compile_takes("isolate_recompiles"):
-        return torch.compile(fn, isolate_recompiles=True, **kwargs)
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     code = func.__code__.replace(co_name=name)
