@@ -5,7 +5,7 @@ Reports output and prompt tokens/s, wall time and KV-cache utilisation; ``--chec
 requests with plain ``generate`` (greedy, same dtype) and counts those whose tokens are identical.
 
     python benchmarks/engine_throughput.py [--dtypes float32 bfloat16] [--kernels cpu reference] [--check 4]
-        [--quantize int8|int4] [--json benchmarks/results/engine_throughput.json]
+        [--prepack off auto] [--quantize int8|int4] [--json benchmarks/results/engine_throughput.json]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from infopt.kvcache import Paged
 from infopt.models import load_default
 
 
-def run(model, tok, reqs, kernel: str) -> dict:
+def run(model, tok, reqs, kernel: str, prepack: str) -> dict:
     previous = set_cpu_kernel(kernel == "cpu")
     try:
-        engine = Engine(model, tok, kv=Paged(prefix_caching=False))
+        engine = Engine(model, tok, kv=Paged(prefix_caching=False), prepack=None if prepack == "auto" else False)
         engine.generate([reqs[0].input_ids[0]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
         engine.stats.update(steps=0, prefill_tokens=0, decode_tokens=0, busy_s=0.0, kv_util_sum=0.0, kv_util_max=0.0)
         before = kernel_calls()
@@ -41,7 +41,8 @@ def run(model, tok, reqs, kernel: str) -> dict:
     m = engine.metrics()
     out_tokens = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(r.prompt_len for r in reqs)
-    return {"kernel": kernel, "wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+    return {"kernel": kernel, "prepacked_linears": engine.prepacked if prepack == "auto" else 0, "wall_s": wall,
+            "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
             "output_tokens_per_s": out_tokens / wall, "prompt_tokens_per_s": prompt_tokens / wall,
             "steps": m["steps"], "kv_util_mean": m["kv_util_mean"], "kv_util_max": m["kv_util_max"],
             "attention_calls": calls, "tokens": [o.token_ids for o in outs]}
@@ -51,6 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--kernels", nargs="+", default=["cpu"], choices=["cpu", "reference"])
+    ap.add_argument("--prepack", nargs="+", default=["auto"], choices=["auto", "off"],
+                    help="the engine's prepacked linear weights: auto (its default) and/or off; run off first")
     ap.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization applied first")
     ap.add_argument("--check", type=int, default=0, help="compare the first N requests with plain generate")
     ap.add_argument("--num-requests", type=int, default=None)
@@ -72,9 +75,10 @@ def main() -> None:
                 out = model.generate(r.input_ids, max_new_tokens=r.max_new_tokens, min_new_tokens=r.max_new_tokens,
                                      do_sample=False, pad_token_id=tok.pad_token_id or 0)
             refs.append(out[0, r.prompt_len:].tolist())
-        for kernel in args.kernels:
-            row = run(model, tok, reqs, kernel)
+        for kernel, prepack in [(k, p) for p in args.prepack for k in args.kernels]:
+            row = run(model, tok, reqs, kernel, prepack)
             row["dtype"] = dname
+            row["prepack"] = prepack
             row["quantize"] = args.quantize
             if refs:
                 row["greedy_identical"] = f"{sum(a == b for a, b in zip(refs, row['tokens'], strict=False))}/{len(refs)}"
@@ -84,7 +88,7 @@ def main() -> None:
                     for a, b in zip(refs, row["tokens"], strict=False) if a != b]
             row.pop("tokens")  # compared above; not written to the JSON
             rows.append(row)
-            print(f"{dname:8s} {args.quantize or '':4s} kernel {kernel:9s}: {row['output_tokens_per_s']:6.1f} output tok/s,"
+            print(f"{dname:8s} {args.quantize or '':4s} kernel {kernel:9s} prepack {prepack:4s}: {row['output_tokens_per_s']:6.1f} output tok/s,"
                   f" {row['prompt_tokens_per_s']:6.1f} prompt tok/s, {row['wall_s']:.1f} s, {row['steps']} steps, "
                   f"KV util mean {row['kv_util_mean']:.2f} max {row['kv_util_max']:.2f}"
                   + (f", greedy identical {row['greedy_identical']} (first differing token: "

@@ -10,6 +10,7 @@ no thread running, by whoever waits for a result (so a notebook needs no thread 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -167,9 +168,10 @@ class Engine:
             request's time to first token behind a long prompt is bounded by a small step, not the long prefill.
         max_skips: the starvation bound: how often later requests may be admitted ahead of a waiting one.
         default_sampling: :class:`SamplingParams` for requests submitted without any.
-        prepack: pack bf16 linear weights once for the CPU's matrix engine and use them in the engine's steps
+        prepack: pack the linear weights once into oneDNN's blocked layout and use them in the engine's steps
             (:mod:`infopt.batching.prepack`; recorded, undone by :func:`infopt.undo`). None (default): where the
-            model is bf16 on a CPU that supports it. The packed copies take as much memory again as the weights.
+            model is fp32, or bf16 on a CPU whose oneDNN runs bf16 matmuls, on a CPU. False: the plain weights,
+            even where an earlier engine packed them. The packed copies take as much memory again as the weights.
 
     Attributes:
         device: the model's device, where each step's inputs, logits and sampled requests' generators live.
@@ -196,8 +198,8 @@ class Engine:
             raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
         packable = supported(model)
         if prepack and not packable:
-            raise ValueError("Engine prepack=True needs a bf16 model on a CPU whose oneDNN runs bf16 matmuls; "
-                             "use prepack=None (automatic) or False")
+            raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
+                             "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
@@ -207,7 +209,8 @@ class Engine:
             from ..attention.backends import set_backend_
 
             set_backend_(model, "paged", step="batching")
-        self.prepacked = prepack_linears_(model) if (packable if prepack is None else prepack) else 0
+        self._packed_steps = bool(packable if prepack is None else prepack)
+        self.prepacked = prepack_linears_(model) if self._packed_steps else 0
         self.model = model
         self.tokenizer = tokenizer
         max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
@@ -400,7 +403,7 @@ class Engine:
             keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         try:
-            with packed_forwards():
+            with packed_forwards() if self._packed_steps else contextlib.nullcontext():
                 out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                                  paged_step=self.cache.step_inputs(), **kwargs)
         except Exception as e:

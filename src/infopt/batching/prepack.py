@@ -1,10 +1,12 @@
-"""bf16 linear weights prepacked once into oneDNN's blocked layout for the engine's steps on CPU.
+"""bf16 and fp32 linear weights prepacked once into oneDNN's blocked layout for the engine's steps on CPU.
 
 A plain bf16 ``F.linear`` on CPU reorders its weight into oneDNN's blocked layout (for AMX or AVX512-BF16) on
 every call; the engine calls each layer's linears once per step, so it pays that reorder hundreds of times a
-second. :func:`prepack_linears_` packs each bf16 ``nn.Linear`` weight once and routes the engine's forwards
-through the packed copy (``benchmarks/engine_throughput.py`` measures the gain). Everything else the model runs
-(``generate`` outside the engine, training, other wrappers) uses the plain weights as before.
+second. A plain fp32 ``F.linear`` goes to MKL, whose kernels run far below the memory bandwidth at the row counts
+of decode-heavy steps on the CPUs measured (see :mod:`infopt.compile.packed`). :func:`prepack_linears_` packs
+each bf16 or fp32 ``nn.Linear`` weight once and routes the engine's forwards through the packed copy
+(``benchmarks/engine_throughput.py`` measures the gain). Everything else the model runs (``generate`` outside the
+engine, training, other wrappers) uses the plain weights as before.
 
 The packed copies cost as much memory again as the packed weights. A weight changed in place after packing
 (``load_state_dict``, an optimizer step) is detected through its version counter and its layer falls back to the
@@ -26,13 +28,21 @@ __all__ = ["prepack_linears_", "packed_forwards", "supported"]
 _STATE = threading.local()
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def supported(model: nn.Module) -> bool:
-    """True when the model's linears are bf16 on a CPU whose oneDNN build runs bf16 matmuls."""
+    """True when the model's linears are fp32, or bf16 on a CPU whose oneDNN build runs bf16 matmuls, on a CPU with
+    oneDNN's prepacked linear."""
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu" or p.dtype != torch.bfloat16:
+    if p is None or p.device.type != "cpu" or p.dtype not in PACKED_DTYPES:
         return False
-    if not torch.backends.mkldnn.is_available():
+    from ..compile.packed import can_pack
+
+    if not can_pack():
         return False
+    if p.dtype == torch.float32:
+        return True
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     try:
         return bool(check()) if check is not None else False
@@ -55,8 +65,9 @@ def _make(mod: nn.Linear, packed: torch.Tensor, version: int, ptr: int):
     def wrapper(original):
         def forward(x: torch.Tensor) -> torch.Tensor:
             w = mod.weight
-            if (not getattr(_STATE, "on", False) or x.dtype != torch.bfloat16 or x.device.type != "cpu"
-                    or w._version != version or w.data_ptr() != ptr):
+            # a compiled forward traces the plain linear: the packed weight is an opaque oneDNN tensor
+            if (torch.compiler.is_compiling() or not getattr(_STATE, "on", False) or x.dtype != w.dtype
+                    or x.device.type != "cpu" or w._version != version or w.data_ptr() != ptr):
                 return original(x)
             lead = x.shape[:-1]
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, mod.bias, "none", [], "")
@@ -69,7 +80,7 @@ def _make(mod: nn.Linear, packed: torch.Tensor, version: int, ptr: int):
 
 
 def prepack_linears_(model: nn.Module, *, rows_hint: int = 64, step: str | None = "batching") -> int:
-    """Pack every bf16 ``nn.Linear`` weight of ``model`` for :func:`packed_forwards` blocks (recorded: undo removes
+    """Pack every ``nn.Linear`` weight of ``model`` in its dtype (bf16 or fp32) for :func:`packed_forwards` blocks (recorded: undo removes
     the packed copies and the forward wrappers).
 
     Args:
@@ -80,10 +91,11 @@ def prepack_linears_(model: nn.Module, *, rows_hint: int = 64, step: str | None 
     """
     if not supported(model):
         return 0
+    dtype = next(model.parameters()).dtype
     count = 0
     with torch.no_grad():
         for mod in model.modules():
-            if type(mod) is not nn.Linear or mod.weight.dtype != torch.bfloat16 or mod.weight.device.type != "cpu":
+            if type(mod) is not nn.Linear or mod.weight.dtype != dtype or mod.weight.device.type != "cpu":
                 continue
             if getattr(mod.__dict__.get("forward"), "_infopt_prepacked", False):  # packed by an earlier engine
                 continue
