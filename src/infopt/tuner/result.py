@@ -220,6 +220,7 @@ class TuneResult:
         if isinstance(self.gate, dict) and "max_kl" in self.gate:
             ax.axvline(self.gate["max_kl"], color=colors["gate"], lw=1, ls="--", label=f"max_kl {self.gate['max_kl']}")
         ax.set_xscale("symlog", linthresh=1e-4)
+        ax.set_xlim(left=-1e-5)  # KL is never negative: no empty negative half (a little room for the KL = 0 column)
         ax.set_xlabel("KL divergence from the plain model, nats/token (0 = lossless)")
         ax.set_ylabel(f"{self.metric} ({'higher' if self.higher else 'lower'} is better)")
         ax.set_title(f"infopt tune — {self.workload}, gate {self._gate_str()}", fontsize=9)
