@@ -151,6 +151,33 @@ def test_bf16_paged_cache_logits_close_to_reference():
 
 
 @pytest.mark.slow
+def test_engine_forward_compiled_before_its_first_step(monkeypatch):
+    """The engine loads the C++ kernel when it starts: a forward compiled before any eager step traces the kernel
+    (dynamo cannot enter the loader's lock) and gives the eager engine's tokens."""
+    import torch._dynamo
+
+    prompts = [[(3 * i + j) % 150 + 1 for j in range(5 + 7 * i)] for i in range(2)]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    ref = tiny_model("llama", max_positions=256)
+    eager = [o.token_ids for o in Engine(ref, max_batch_tokens=32, max_seqs=4,
+                                         kv=Paged(num_blocks=64, block_size=8)).generate(prompts, params)]
+    import infopt.attention.paged as paged
+
+    monkeypatch.setattr(paged, "_CPU_READY", [None])  # as in a process that ran no paged attention yet
+    model = tiny_model("llama", max_positions=256)
+    engine = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+        infopt.undo(model)
+    assert [o.error for o in outs] == [None, None]
+    assert [o.token_ids for o in outs] == eager
+
+
 def test_packed_step_forward_compiles_as_one_graph():
     """The engine's forward (layout as the paged_step keyword, K/V written and attended by the C++ kernel) traces
     into one graph: compile-ready, and the compiled step gives the eager tokens."""

@@ -37,7 +37,7 @@ from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
-__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "paged_attention_forward",
+__all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "load_cpu_kernel", "paged_attention_forward",
            "register_paged_attention", "kernel_calls", "set_cpu_kernel"]
 
 PAGED_IMPL = "infopt_paged"
@@ -281,6 +281,14 @@ def _cpu_ready() -> bool:
                 return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
         _CPU_READY[0] = ready
     return _CPU_READY[0]
+
+
+def load_cpu_kernel() -> bool:
+    """Load the C++ paged-attention kernel now (building it on first use); True if it is available.
+
+    The engine calls this when it starts on a CPU model: the first attention call would load it otherwise, and a
+    ``torch.compile``-d forward cannot do that while tracing (dynamo cannot enter the loader's lock)."""
+    return _cpu_ready()
 
 
 def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMetadata) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.paged import PAGED_IMPL
+from ..attention.paged import PAGED_IMPL, load_cpu_kernel
 from ..core.introspect import inspect_model
 from ..generate import takes_logits_to_keep
 from ..kvcache.paged import Paged
@@ -222,6 +222,8 @@ class Engine:
                 num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
         self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
         self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
+        if self.device.type == "cpu":
+            load_cpu_kernel()  # now, not in the first step: a compiled forward cannot load it while tracing
         self.scheduler = Scheduler(self.cache, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                    chunked_prefill=chunked_prefill,
                                    prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
