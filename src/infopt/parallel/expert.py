@@ -36,7 +36,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
 from ..core.patch import get_handle, set_attr, swap_module
-from ..quantize.experts import LiveModules, QuantizedExperts
+from ..quantize.experts import QuantizedExperts, routed_experts_op
 from .dist import local_bytes, require_not_parallel, resolve_mesh
 from .pipeline import stage_bounds
 
@@ -46,18 +46,7 @@ DISPATCH: tuple[str, ...] = ("all_to_all", "all_reduce")
 """How :class:`ExpertParallel` brings the tokens to the experts' ranks (see the module docstring)."""
 
 # handle -> the live ExpertParallel it names; a compiled graph holds the handle (custom ops take no modules)
-_LIVE = LiveModules("infopt::expert_parallel")
-
-
-@torch.library.custom_op("infopt::expert_parallel", mutates_args=(),
-                         schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) -> Tensor")
-def _expert_parallel_op(hidden_states, top_k_index, top_k_weights, handle):
-    return _LIVE.get(handle)._exchange(hidden_states, top_k_index, top_k_weights)
-
-
-@_expert_parallel_op.register_fake
-def _(hidden_states, top_k_index, top_k_weights, handle):
-    return torch.empty_like(hidden_states)
+_LIVE = routed_experts_op("infopt::expert_parallel", "_exchange")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
 
-__all__ = ["QuantizedExperts", "LiveModules", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
+__all__ = ["QuantizedExperts", "LiveModules", "routed_experts_op", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
            "check_experts_shapes"]
 
 class LiveModules:
@@ -71,19 +71,31 @@ class LiveModules:
         return module
 
 
-_LIVE = LiveModules("infopt::quantized_experts")
+def routed_experts_op(name: str, method: str) -> LiveModules:
+    """Register the custom op ``name`` (``"infopt::..."``): ``(hidden_states, top_k_index, top_k_weights, handle)
+    -> Tensor`` shaped like ``hidden_states``, which calls ``method`` of the live module ``handle`` names with the
+    three tensors. A compiled graph calls it as one opaque kernel (its experts' dispatch never traced).
+
+    Returns:
+        The registry whose :meth:`LiveModules.register` hands out those handles.
+    """
+    live = LiveModules(name)
+
+    # schema given explicitly: this file's annotations are strings (``from __future__ import annotations``)
+    @torch.library.custom_op(name, mutates_args=(),
+                             schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) "
+                                    "-> Tensor")
+    def op(hidden_states, top_k_index, top_k_weights, handle):
+        return getattr(live.get(handle), method)(hidden_states, top_k_index, top_k_weights)
+
+    @op.register_fake
+    def _(hidden_states, top_k_index, top_k_weights, handle):
+        return torch.empty_like(hidden_states)
+
+    return live
 
 
-# schema given explicitly: this file's annotations are strings (``from __future__ import annotations``)
-@torch.library.custom_op("infopt::quantized_experts", mutates_args=(),
-                         schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) -> Tensor")
-def _quantized_experts_op(hidden_states, top_k_index, top_k_weights, handle):
-    return _LIVE.get(handle)._dispatch(hidden_states, top_k_index, top_k_weights)
-
-
-@_quantized_experts_op.register_fake
-def _(hidden_states, top_k_index, top_k_weights, handle):
-    return torch.empty_like(hidden_states)
+_LIVE = routed_experts_op("infopt::quantized_experts", "_dispatch")
 
 
 class QuantizedExperts(nn.Module):
