@@ -18,16 +18,12 @@ reference tokens there, which the other modes compare with (``identical``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import resource
 import time
-from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from parallel_tp import RESULTS, _gather, _peak_rss_mib, _timed_generate, report  # this folder: the TP benchmark
 
 
 def build_model():
@@ -46,28 +42,6 @@ def build_model():
 def _prompt(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(3, 32000, (1, n), generator=g)
-
-
-def _timed(model, ids, tokens: int) -> tuple[torch.Tensor, float, float]:
-    """``(tokens, seconds for the first token, decode tokens/s after it)``."""
-    gen = dict(do_sample=False)
-    model.generate(ids, max_new_tokens=2, **gen)  # warm-up
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **gen)
-    total = time.perf_counter() - t0
-    return out, first, (tokens - 1) / max(total - first, 1e-9)
-
-
-def _gather(value: float) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [float(x) for x in out]
 
 
 def run(mode: str, tokens: int, prompt: int, long_prompt: int, dispatch: str, int8: bool, threads: int | None) -> dict:
@@ -95,7 +69,7 @@ def run(mode: str, tokens: int, prompt: int, long_prompt: int, dispatch: str, in
 
         expert_parallel_(model, dispatch=dispatch)
     held = local_bytes(model)
-    out, first, tps = _timed(model, _prompt(prompt), tokens)
+    out, first, tps = _timed_generate(model, _prompt(prompt), tokens)
     long_ids = _prompt(long_prompt)
     model.generate(long_ids, max_new_tokens=1, do_sample=False)  # warm-up at this length
     t0 = time.perf_counter()
@@ -104,7 +78,7 @@ def run(mode: str, tokens: int, prompt: int, long_prompt: int, dispatch: str, in
     row.update(weight_bytes_unsharded=full, first_token_s=round(first, 3), decode_tokens_per_s=round(tps, 2),
                long_prefill_s=round(prefill, 3), long_prefill_tokens_per_s=round(long_prompt / prefill, 1),
                new_tokens=[int(t) for t in out[0, prompt:]])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    peak = _peak_rss_mib()
     if mode == "single":
         row.update(weight_bytes_per_rank=[held], peak_rss_mib_per_rank=[round(peak, 1)])
     else:
@@ -127,18 +101,8 @@ def main() -> None:
     args = parser.parse_args()
     row = run(args.mode, args.tokens, args.prompt, args.long_prompt, args.dispatch, args.int8, args.threads)
     if int(os.environ.get("RANK", "0")) == 0:
-        ref_path = RESULTS / f"parallel_ep_reference{'_int8' if args.int8 else ''}.json"
-        if args.mode == "single":
-            ref_path.write_text(json.dumps({"tokens": args.tokens, "prompt": args.prompt,
-                                            "new_tokens": row["new_tokens"]}))
-        elif ref_path.is_file():
-            ref = json.loads(ref_path.read_text())
-            if (ref["tokens"], ref["prompt"]) == (args.tokens, args.prompt):
-                row["identical"] = ref["new_tokens"] == row["new_tokens"]
-        printable = {k: v for k, v in row.items() if k != "new_tokens"}
-        print(json.dumps(printable))
-        with open(RESULTS / "parallel.jsonl", "a") as f:
-            f.write(json.dumps(printable) + "\n")
+        report(row, RESULTS / f"parallel_ep_reference{'_int8' if args.int8 else ''}.json",
+               reference=args.mode == "single", key={"tokens": args.tokens, "prompt": args.prompt})
 
 
 if __name__ == "__main__":

@@ -66,6 +66,21 @@ def _gather(value: float) -> list[float]:
     return [float(x) for x in out]
 
 
+def report(row: dict, ref_path: Path, *, reference: bool, key: dict) -> None:
+    """Rank 0's output: a reference run writes its tokens to ``ref_path``; another run whose settings (``key``)
+    match the reference's is marked ``identical`` or not. Prints the row and appends it to parallel.jsonl."""
+    if reference:
+        ref_path.write_text(json.dumps({**key, "new_tokens": row["new_tokens"]}))
+    elif ref_path.is_file() and row.get("new_tokens"):
+        ref = json.loads(ref_path.read_text())
+        if all(ref.get(k) == v for k, v in key.items()):
+            row["identical"] = ref["new_tokens"] == row["new_tokens"]
+    printable = {k: v for k, v in row.items() if k != "new_tokens"}
+    print(json.dumps(printable))
+    with open(RESULTS / "parallel.jsonl", "a") as f:
+        f.write(json.dumps(printable) + "\n")
+
+
 def run(mode: str, tokens: int, int8: bool, dtensor: bool = False) -> dict:
     import torch.distributed as dist
 
@@ -141,19 +156,9 @@ def main() -> None:
     parser.add_argument("--dtensor", action="store_true", help="infopt mode: shard float linears as DTensors")
     args = parser.parse_args()
     row = run(args.mode, args.tokens, args.int8, args.dtensor)
-    rank = int(os.environ.get("RANK", "0"))
-    ref_path = RESULTS / f"parallel_reference{'_int8' if args.int8 else ''}.json"
-    if rank == 0:
-        if args.mode == "single" and row["status"] == "ok":
-            ref_path.write_text(json.dumps({"tokens": args.tokens, "new_tokens": row["new_tokens"]}))
-        elif ref_path.is_file() and row.get("new_tokens"):
-            ref = json.loads(ref_path.read_text())
-            if ref["tokens"] == args.tokens:
-                row["identical"] = ref["new_tokens"] == row["new_tokens"]
-        printable = {k: v for k, v in row.items() if k != "new_tokens"}
-        print(json.dumps(printable))
-        with open(RESULTS / "parallel.jsonl", "a") as f:
-            f.write(json.dumps(printable) + "\n")
+    if int(os.environ.get("RANK", "0")) == 0:
+        report(row, RESULTS / f"parallel_reference{'_int8' if args.int8 else ''}.json",
+               reference=args.mode == "single" and row["status"] == "ok", key={"tokens": args.tokens})
 
 
 if __name__ == "__main__":
