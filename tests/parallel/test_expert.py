@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import infopt
-from infopt.core.errors import IncompatibleModelError, RecipeError
+from infopt.core.errors import IncompatibleModelError
 from infopt.models import MOE_ARCHS, tiny_model
 from infopt.parallel import Parallel, expert_parallel_, launch, plan_expert_parallel
 from infopt.recipe import Recipe
@@ -119,16 +119,6 @@ def test_recipe_spelling_round_trips():
     assert isinstance(step, Parallel) and (step.expert, step.dispatch, step.mode, step.size) == (2, "all_reduce",
                                                                                                 "expert", 2)
     assert Recipe.from_yaml(r.to_yaml()) == r
-
-
-@pytest.mark.parametrize("fields, match", [
-    ({"expert": 0}, "Parallel.expert=0"),
-    ({"expert": 2, "tensor": 2}, "exactly one of them"),
-    ({"expert": 2, "dispatch": "ring"}, "allowed: all_to_all, all_reduce"),
-])
-def test_bad_fields_are_recipe_errors(fields, match):
-    with pytest.raises(RecipeError, match=match):
-        Parallel.from_dict({"parallel": fields})
 
 
 def test_bad_dispatch_is_refused_before_anything():

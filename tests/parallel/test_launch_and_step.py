@@ -61,6 +61,9 @@ def test_recipe_spelling_round_trips():
     ({"pipeline": "two"}, "Parallel.pipeline='two'"),
     ({"tensor": 2, "micro_batches": 0}, "micro_batches"),
     ({"tensor": 2, "vocab_parallel": "yes"}, "vocab_parallel"),
+    ({"expert": 0}, "Parallel.expert=0"),
+    ({"expert": 2, "tensor": 2}, "exactly one of them"),
+    ({"expert": 2, "dispatch": "ring"}, "allowed: all_to_all, all_reduce"),
 ])
 def test_bad_fields_are_recipe_errors(fields, match):
     with pytest.raises(RecipeError, match=match):
