@@ -13,7 +13,8 @@ from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import SmoothQuantW8A8, W8A8Linear, quantize_, smooth_
 from infopt.quantize.smoothquant import smooth_groups, smooth_scales
-from infopt.quantize.w8a8 import int_mm_supported, quantize_per_token
+from infopt.quantize import a8
+from infopt.quantize.w8a8 import fused_applies, int_mm_supported, quantize_per_token, w8a8_steps
 from infopt.recipe import Recipe
 
 from ..conftest import assert_state_equal, state_snapshot
@@ -269,3 +270,23 @@ def test_save_reload_identical_logits(arch, ids, tmp_path):
     assert isinstance(m2.get_submodule(linear_fqns(m2)[0]), W8A8Linear)
     with torch.no_grad():
         assert torch.equal(m2(ids[:2]).logits, logits)
+
+
+@pytest.mark.skipif(not int_mm_supported(torch.device("cpu"), 1, 64, 64)[0] or not a8.available(),
+                    reason="needs torch._int_mm's CPU kernel (AVX-512) and the C++ kernels")
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(4, 300), n=st.integers(1, 80), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_cpu_kernel_gives_the_bits_of_the_torch_steps(m, k, n, bias, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    q = W8A8Linear.from_weight(w, torch.randn(n, generator=g) if bias else None, dtype=dtype)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).mul(20)).to(dtype)
+    x[0, : k // 2] = 0.5  # ties at x / scale = n + 0.5 somewhere in most rows
+    if m > 1:
+        x[1] = 0  # an all-zero row
+    with torch.no_grad():
+        y = q(x)
+        ref = w8a8_steps(x, q.weight_int8, q.weight_scale, q.bias, dtype, True)
+    assert fused_applies(x, q.bias) and q.last_kernel == "int_mm"
+    assert y.dtype == dtype and torch.equal(y, ref)

@@ -30,6 +30,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -614,6 +615,142 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
   return out;
 }
 
+// ---- W8A8: int8 weights x per-token int8 activations through oneDNN's int8 GEMM ----------------------------------
+// w8a8_linear(x [M, K] fp32|bf16, weight int8 [N, K], weight_scale fp32 [N], bias [N] in x's dtype or None)
+//   The per-token quantization of infopt.quantize.w8a8.quantize_per_token (scale = max(absmax, 1e-12) / 127,
+//   q = round(x / scale), ties to even, clamped to -127..127), the product in at::_int_mm (exact int32), and
+//   y = (acc * scale_x[m]) * weight_scale[n] rounded to x's dtype, plus the bias in that dtype: the torch
+//   reference's operations in its order, so the results are bit-identical. One call instead of a dozen small ops
+//   per layer: what makes int8 GEMMs pay at the row counts of batched steps.
+
+template <typename T>
+void quantize_token_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* scales) {
+  auto body = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* src = x + m * K;
+      int8_t* dst = q + m * K;
+      float amax = 0.f;
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_setzero_ps();
+      for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(src + k)));
+      amax = _mm512_reduce_max_ps(vmax);
+#endif
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(src[k])));
+      const float scale = std::max(amax, 1e-12f) / 127.f;
+      scales[m] = scale;
+      k = 0;
+#if defined(__AVX512F__)
+      const __m512 vs = _mm512_set1_ps(scale);
+      const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+      for (; k + 16 <= K; k += 16) {
+        __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(load16(src + k), vs));  // to nearest, ties to even
+        r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(r));
+      }
+#endif
+      for (; k < K; ++k) {
+        const float r = std::nearbyint(static_cast<float>(src[k]) / scale);
+        dst[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+      }
+    }
+  };
+  if (M >= 8) at::parallel_for(0, M, 4, body);
+  else body(0, M);
+}
+
+#if defined(__AVX512F__)
+// fp32 -> bf16, to nearest, ties to even, NaN kept quiet: c10::BFloat16's conversion, 16 lanes at a time
+inline __m256i round_bf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+#endif
+
+// (acc * sx) * sw, rounded, then + bias: no fused multiply-add, or the bits would differ from torch's
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+template <typename T>
+void rescale_rows(const int32_t* acc, const float* sx, const float* sw, const T* bias, int64_t M, int64_t N, T* y) {
+  auto body = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float s = sx[m];
+      const int32_t* a = acc + m * N;
+      T* out = y + m * N;
+      int64_t n = 0;
+#if defined(__AVX512F__)
+      const __m512 vs = _mm512_set1_ps(s);
+      for (; n + 16 <= N; n += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(a + n)), vs), _mm512_loadu_ps(sw + n));
+        if constexpr (std::is_same_v<T, float>) {
+          if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+          _mm512_storeu_ps(out + n, v);
+        } else {
+          __m256i r = round_bf16(v);
+          if (bias) r = round_bf16(_mm512_add_ps(widen_bf16(r), load16(bias + n)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n), r);
+        }
+      }
+#endif
+      for (; n < N; ++n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+        const T v = static_cast<T>(static_cast<float>(a[n]) * s * sw[n]);
+        out[n] = bias ? static_cast<T>(static_cast<float>(v) + static_cast<float>(bias[n])) : v;
+      }
+    }
+  };
+  if (M * N >= 16384) at::parallel_for(0, M, 1, body);
+  else body(0, M);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+at::Tensor w8a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const std::optional<at::Tensor>& bias) {
+  const char* op = "w8a8_linear";
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              op, ": weight must be contiguous int8 [out, in] on the CPU, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x_.dim() == 2 && x_.size(1) == K && x_.device().is_cpu() &&
+                  (x_.scalar_type() == at::kFloat || x_.scalar_type() == at::kBFloat16),
+              op, ": x must be float32 or bfloat16 [rows, ", K, "] on the CPU, got ", x_.scalar_type(), " ", x_.sizes());
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() && weight_scale.numel() == N,
+              op, ": weight_scale must be contiguous float32 [", N, "], got ", weight_scale.scalar_type(), " ",
+              weight_scale.sizes());
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == x_.scalar_type() && b.numel() == N, op, ": bias must be ", x_.scalar_type(), " [", N,
+                "], got ", b.scalar_type(), " ", b.sizes());
+  }
+  at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  std::vector<float> sx(M);
+  if (x.scalar_type() == at::kFloat) quantize_token_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx.data());
+  else quantize_token_rows(x.data_ptr<c10::BFloat16>(), M, K, q.data_ptr<int8_t>(), sx.data());
+  const at::Tensor acc = at::_int_mm(q, weight.t()).contiguous();
+  if (x.scalar_type() == at::kFloat)
+    rescale_rows(acc.data_ptr<int32_t>(), sx.data(), weight_scale.data_ptr<float>(),
+                 b.defined() ? b.data_ptr<float>() : nullptr, M, N, out.data_ptr<float>());
+  else
+    rescale_rows(acc.data_ptr<int32_t>(), sx.data(), weight_scale.data_ptr<float>(),
+                 b.defined() ? b.data_ptr<c10::BFloat16>() : nullptr, M, N, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 std::string quant_linear_isa() { return kIsa; }
 
 }  // namespace
@@ -623,6 +760,7 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int4_a8_linear_n(Tensor x, Tensor[] weights, Tensor[] scale_mins, int group) -> Tensor[]");
   m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
@@ -631,4 +769,5 @@ TORCH_LIBRARY_IMPL(infopt, CPU, m) {
   m.impl("int4_a8_linear_n", &int4_a8_linear_n);
   m.impl("int8_a8_linear", &int8_a8_linear);
   m.impl("int4_a8_dense_t", &int4_a8_dense_t);
+  m.impl("w8a8_linear", &w8a8_linear);
 }

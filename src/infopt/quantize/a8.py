@@ -61,6 +61,10 @@ def available() -> bool:
                     @torch.library.register_fake("infopt::int4_a8_dense_t")
                     def _(weight, scale_min, group, dtype):
                         return weight.new_empty(weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype)
+
+                    @torch.library.register_fake("infopt::w8a8_linear")
+                    def _(x, weight, weight_scale, bias):
+                        return x.new_empty(x.shape[0], weight.shape[0])
                 _READY[0] = ready
     return bool(_READY[0])
 

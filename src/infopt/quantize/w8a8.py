@@ -10,7 +10,7 @@ from torch import nn
 
 from .primitives import dequantize
 
-__all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "KERNELS"]
+__all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "fused_applies", "w8a8_steps", "KERNELS"]
 
 KERNELS: tuple[str, ...] = ("auto", "int_mm", "float")
 """Values of :attr:`W8A8Linear.kernel`: ``auto`` picks ``int_mm`` where :func:`int_mm_supported` says so."""
@@ -22,6 +22,35 @@ def _cpu_int_mm_fast() -> bool:
     # an fp32 matmul, and before torch 2.6 it could overflow int32 on CPUs without VNNI (pytorch#136942).
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     return version >= (2, 6) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def fused_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``torch.ops.infopt.w8a8_linear`` (the C++ kernel: per-token quantization, ``torch._int_mm`` and the
+    rescale in one call) serves ``x [m, k]``: fp32 or bf16 on the CPU, a bias in the same dtype, the kernel built."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if bias is not None and bias.dtype != x.dtype:
+        return False
+    from . import a8
+
+    return a8.available()
+
+
+def w8a8_steps(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype, int_mm: bool) -> torch.Tensor:
+    """:class:`W8A8Linear`'s product in torch operations: ``x [m, in]`` quantized per token, times the int8 weight
+    (``torch._int_mm`` when ``int_mm``, else the same integers in an fp32 matmul), rescaled, cast to ``dtype``, plus
+    the bias. The oracle of the C++ kernel, which gives the same bits."""
+    xq, a_scale = quantize_per_token(x)  # [m, in] int8, [m, 1] fp32
+    m = xq.shape[0]
+    if int_mm:
+        if xq.device.type == "cuda" and m <= 16:  # cuBLAS int8 wants m > 16: pad with zero rows
+            xq = torch.cat([xq, xq.new_zeros(17 - m, xq.shape[1])])
+        acc = torch._int_mm(xq, weight_int8.t())[:m]  # [m, out] int32, exact
+    else:
+        acc = F.linear(xq.float(), weight_int8.float())  # [m, out], the same integers summed in fp32
+    y = acc.float().mul_(a_scale).mul_(weight_scale).to(dtype)
+    return y if bias is None else y + bias
 
 
 def int_mm_supported(device: torch.device, m: int, k: int, n: int) -> tuple[bool, str]:
@@ -192,23 +221,15 @@ class W8A8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = x2.float() * self.input_scale
-        xq, a_scale = quantize_per_token(x2)  # [m, in] int8, [m, 1] fp32
-        if self._use_int_mm(x2):
-            m = xq.shape[0]
-            if xq.device.type == "cuda" and m <= 16:  # cuBLAS int8 wants m > 16: pad with zero rows
-                xq = torch.cat([xq, xq.new_zeros(17 - m, self.in_features)])
-            acc = torch._int_mm(xq, self.weight_int8.t())[:m]  # [m, out] int32, exact
-            kernel = "int_mm"
+        int_mm = self._use_int_mm(x2)
+        if int_mm and x2.dtype == x.dtype and fused_applies(x2, self.bias):
+            # one C++ call: quantize per token, torch._int_mm, rescale, bias: the bits of w8a8_steps
+            y = torch.ops.infopt.w8a8_linear(x2, self.weight_int8, self.weight_scale, self.bias)
         else:
-            acc = F.linear(xq.float(), self.weight_int8.float())  # [m, out], the same integers summed in fp32
-            kernel = "float"
-        y = acc.float().mul_(a_scale).mul_(self.weight_scale)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
+            y = w8a8_steps(x2, self.weight_int8, self.weight_scale, self.bias, x.dtype, int_mm)
         if not torch.compiler.is_compiling():
-            self.last_kernel = kernel
-        return y
+            self.last_kernel = "int_mm" if int_mm else "float"
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
