@@ -12,7 +12,8 @@ synchronous CPU calls):
 - sampling: choosing the next tokens from the logits;
 - other: the rest of the step (norms, rotary embeddings, activations, residual adds, Python in the model).
 
-    python benchmarks/engine_profile.py [--dtypes float32 bfloat16] [--seqs 1 8 32 64] [--json out.json]
+    python benchmarks/engine_profile.py [--dtypes float32 bfloat16] [--seqs 1 8 32 64] [--quantize none smoothquant]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -69,9 +70,16 @@ class Timers:
                 m.register_forward_hook(post)
 
 
-def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int) -> list[dict]:
+def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int, quantize: str = "none") -> list[dict]:
     model, tok = load_default()
     model = model.to(dtype)
+    if quantize != "none":
+        import infopt
+        from infopt.quantize import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
+
+        step = {"int8": Int8WeightOnly, "int4": lambda: Int4WeightOnly(group_size=64),
+                "smoothquant": SmoothQuantW8A8}[quantize]()
+        infopt.optimize(model, [step], tokenizer=tok)
     timers = Timers()
     timers.hook_linears(model)
     timers.wrap(paged_mod, "_reference", "attention")
@@ -103,13 +111,13 @@ def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int) -> li
         total = sum(per_step)
         cat = {k: timers.t.get(k, 0.0) for k in CATEGORIES[:-1]}
         cat["other"] = total - sum(cat.values())
-        row = {"dtype": str(dtype).replace("torch.", ""), "seqs": s, "context": context,
+        row = {"dtype": str(dtype).replace("torch.", ""), "quantize": quantize, "seqs": s, "context": context,
                "step_ms_median": 1e3 * statistics.median(per_step),
                "tokens_per_s": s * steps / total,
                "ms_per_step": {k: 1e3 * v / steps for k, v in cat.items()}}
         rows.append(row)
         shares = "  ".join(f"{k} {v:6.1f}" for k, v in row["ms_per_step"].items())
-        print(f"{row['dtype']:8s} {s:3d} seqs: {row['step_ms_median']:7.1f} ms/step  {row['tokens_per_s']:6.1f} tok/s "
+        print(f"{row['dtype']:8s} {quantize:11s} {s:3d} seqs: {row['step_ms_median']:7.1f} ms/step  {row['tokens_per_s']:6.1f} tok/s "
               f"| ms/step: {shares}", flush=True)
     return rows
 
@@ -120,12 +128,15 @@ def main() -> None:
     ap.add_argument("--seqs", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "smoothquant"],
+                    help="quantization applied first, one model each (as in engine_throughput.py)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     for d in args.dtypes:
-        rows += profile(getattr(torch, d), args.seqs, args.context, args.steps)
+        for q in args.quantize:
+            rows += profile(getattr(torch, d), args.seqs, args.context, args.steps, q)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

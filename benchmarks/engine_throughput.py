@@ -5,7 +5,7 @@ Reports output and prompt tokens/s, wall time and KV-cache utilisation; ``--chec
 requests with plain ``generate`` (greedy, same dtype) and counts those whose tokens are identical.
 
     python benchmarks/engine_throughput.py [--dtypes float32 bfloat16] [--kernels cpu reference] [--check 4]
-        [--prepack off auto] [--quantize int8|int4] [--json benchmarks/results/engine_throughput.json]
+        [--prepack off auto] [--quantize none int8 int4 smoothquant] [--json benchmarks/results/engine_throughput.json]
 """
 
 from __future__ import annotations
@@ -54,20 +54,24 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["cpu"], choices=["cpu", "reference"])
     ap.add_argument("--prepack", nargs="+", default=["auto"], choices=["auto", "off"],
                     help="the engine's prepacked linear weights: auto (its default) and/or off; run off first")
-    ap.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization applied first")
+    ap.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "smoothquant"],
+                    help="quantization applied first, one model each: int8/int4 weight-only (activations as their "
+                         "'auto' default), smoothquant (W8A8: int8 weights x per-token int8 activations)")
     ap.add_argument("--check", type=int, default=0, help="compare the first N requests with plain generate")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
-    for dname in args.dtypes:
+    for dname, qname in [(d, q) for d in args.dtypes for q in args.quantize]:
         model, tok = load_default()
         model = model.to(getattr(torch, dname))
-        if args.quantize:
+        if qname != "none":
             import infopt
-            from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+            from infopt.quantize import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
 
-            infopt.optimize(model, [Int8WeightOnly() if args.quantize == "int8" else Int4WeightOnly(group_size=64)])
+            step = {"int8": Int8WeightOnly, "int4": lambda: Int4WeightOnly(group_size=64),
+                    "smoothquant": SmoothQuantW8A8}[qname]()
+            infopt.optimize(model, [step], tokenizer=tok)
         reqs = make_workload("throughput", tok, num_requests=args.num_requests)
         refs = []
         for r in reqs[:args.check]:
@@ -79,7 +83,7 @@ def main() -> None:
             row = run(model, tok, reqs, kernel, prepack)
             row["dtype"] = dname
             row["prepack"] = prepack
-            row["quantize"] = args.quantize
+            row["quantize"] = qname
             if refs:
                 row["greedy_identical"] = f"{sum(a == b for a, b in zip(refs, row['tokens'], strict=False))}/{len(refs)}"
                 # where each differing request first leaves plain generate's tokens (of how many)
@@ -88,7 +92,7 @@ def main() -> None:
                     for a, b in zip(refs, row["tokens"], strict=False) if a != b]
             row.pop("tokens")  # compared above; not written to the JSON
             rows.append(row)
-            print(f"{dname:8s} {args.quantize or '':4s} kernel {kernel:9s} prepack {prepack:4s}: {row['output_tokens_per_s']:6.1f} output tok/s,"
+            print(f"{dname:8s} {qname:11s} kernel {kernel:9s} prepack {prepack:4s}: {row['output_tokens_per_s']:6.1f} output tok/s,"
                   f" {row['prompt_tokens_per_s']:6.1f} prompt tok/s, {row['wall_s']:.1f} s, {row['steps']} steps, "
                   f"KV util mean {row['kv_util_mean']:.2f} max {row['kv_util_max']:.2f}"
                   + (f", greedy identical {row['greedy_identical']} (first differing token: "

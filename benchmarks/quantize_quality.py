@@ -20,7 +20,7 @@ import transformers
 
 import infopt
 from infopt.eval import evaluate, make_reference
-from infopt.quantize import AWQ, GPTQ, Int4WeightOnly, Int8WeightOnly
+from infopt.quantize import AWQ, GPTQ, Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
 from infopt.quantize.calibration import calibration_ids
 
 HERE = Path(__file__).resolve().parent
@@ -31,6 +31,9 @@ p.add_argument("--samples", type=int, default=32,
 p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
 p.add_argument("--group-size", type=int, default=64)
 p.add_argument("--max-tokens", type=int, default=512, help="evaluated tokens of the default text")
+p.add_argument("--methods", nargs="+", default=None, help="only these rows (labels as printed; default: all)")
+p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+               help="the model's dtype for every row (the reference stays fp32)")
 p.add_argument("--tiny", action="store_true", help="a tiny random llama and little calibration: a smoke test")
 p.add_argument("--out", type=Path, default=None)
 args = p.parse_args()
@@ -47,11 +50,13 @@ else:
     base, tok = load_default()
     name = "SmolLM2-135M-Instruct"
 out_path = args.out or HERE / "results" / ("quantize_quality-tiny.json" if args.tiny else "quantize_quality.json")
+if args.methods and not args.out:
+    p.error("--methods writes a partial table: give it its own --out")
 
 gs = args.group_size
 cal = {"samples": args.samples} if args.samples else {}
 methods = {
-    "fp32": None,
+    {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]: None,  # the unquantized model
     # integer zero points: the format GPTQ and AWQ produce, so the comparison is like for like
     f"int4-rtn-g{gs}": Int4WeightOnly(group_size=gs, zero_point="int"),
     f"gptq-g{gs}": GPTQ(group_size=gs, seq_len=args.seq_len, **cal),
@@ -62,14 +67,21 @@ methods = {
     "int4-g32+int8-head": Int4WeightOnly(group_size=32, include_lm_head=True),
     "int8": Int8WeightOnly(),
     "int8+head": Int8WeightOnly(include_lm_head=True),
+    # int8 weights x per-token int8 activations (the W8A8 kernel the engine runs faster than bf16)
+    "smoothquant": SmoothQuantW8A8(seq_len=args.seq_len, **cal),
 }
+if args.methods:
+    unknown = set(args.methods) - set(methods)
+    if unknown:
+        p.error(f"unknown --methods {sorted(unknown)}; choose from {list(methods)}")
+    methods = {k: v for k, v in methods.items() if k in args.methods}
 ref = make_reference(base, tokenizer=tok, max_tokens=args.max_tokens, dtype="float32")
-n_cal = max(getattr(c, "samples", 0) for c in methods.values() if c is not None)
+n_cal = max([getattr(c, "samples", 0) for c in methods.values() if c is not None] + [1])
 ids = calibration_ids(base, None, tokenizer=tok, samples=n_cal, seq_len=args.seq_len)
 
 rows = []
 for label, cfg in methods.items():
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(getattr(torch, args.dtype))
     t0 = time.perf_counter()
     if cfg is not None:
         infopt.optimize(model, [cfg], calibration=ids, tokenizer=tok)
@@ -89,7 +101,7 @@ for r in rows:
 
 out_path.parent.mkdir(parents=True, exist_ok=True)
 out_path.write_text(json.dumps({
-    "model": name, "eval_tokens": ref.tokens, "calibration": list(ids.shape), "group_size": gs,
+    "model": name, "dtype": args.dtype, "eval_tokens": ref.tokens, "calibration": list(ids.shape), "group_size": gs,
     "machine": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
     "torch": torch.__version__, "transformers": transformers.__version__, "infopt": infopt.__version__,
     "rows": rows,
