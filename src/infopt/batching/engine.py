@@ -368,7 +368,10 @@ class Engine:
             if self._handles[seq.rid]._cancel:
                 self._finish(seq, "cancelled")
 
-    @torch.no_grad()  # not inference_mode: the pool's tensors are allocated on first write and stay writable
+    # inference_mode: about 1 ms less per step than no_grad on the default model (each op skips the autograd and
+    # version-counter work); the KV pools are made with inference_mode off (kvcache.pool), so they stay writable
+    # by paths outside the engine
+    @torch.inference_mode()
     def step(self) -> bool:
         """Run one scheduling step: schedule, execute (at most one forward), update. Thread-safe.
 
