@@ -289,3 +289,21 @@ def test_fused_cpu_kernel_gives_the_bits_of_the_torch_steps(m, k, n, bias, dtype
         ref = w8a8_steps(x, q.weight_int8, q.weight_scale, q.bias, dtype, True)
     assert fused_applies(x, q.bias) and q.last_kernel == "int_mm"
     assert y.dtype == dtype and torch.equal(y, ref)
+
+
+def test_w8a8_model_compiles_its_decode_step_and_keeps_its_tokens():
+    """The kernel decision and the C++ kernels' loading stay out of the traced step: the step holds one graph
+    (it used to fall back to eager on every call) and decodes the tokens of the uncompiled quantized model."""
+    from infopt.compile import Compile, compile_stats
+    from infopt.kvcache import Static
+
+    cal = torch.randint(3, 4000, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    infopt.optimize(ref, [SmoothQuantW8A8(samples=2, seq_len=32)], calibration=cal)
+    infopt.optimize(model, [SmoothQuantW8A8(samples=2, seq_len=32), Static(max_length=128), Compile()], calibration=cal)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    want = ref.generate(prompt, max_new_tokens=12, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert got.tolist() == want.tolist()
+    stats = compile_stats(model)
+    assert stats.compiles >= 1 and not stats.eager_shapes and stats.eager_calls == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,12 +14,16 @@ KERNELS: tuple[str, ...] = ("auto", "int_mm", "float")
 """Values of :attr:`W8A8Linear.kernel`: ``auto`` picks ``int_mm`` where :func:`int_mm_supported` says so."""
 
 
-@functools.cache
-def _cpu_int_mm_fast() -> bool:
+def _cpu_int_mm_probe() -> bool:
     # torch._int_mm on CPU runs oneDNN's VNNI kernel with AVX-512; without it a scalar loop that is slower than
     # an fp32 matmul, and before torch 2.6 it could overflow int32 on CPUs without VNNI (pytorch#136942).
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     return version >= (2, 6) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+_CPU_INT_MM_FAST = _cpu_int_mm_probe()
+"""Read once at import: a compiled step reads the constant (dynamo cannot trace ``get_cpu_capability``, which
+returns a string, and every compiled W8A8 step fell back to eager on it)."""
 
 
 def fused_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -33,7 +35,7 @@ def fused_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return False
     from . import a8
 
-    return a8.available()
+    return a8.available()  # loaded by W8A8Linear.__init__ on CPUs where it applies: no lock for dynamo to trace
 
 
 def w8a8_steps(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -74,7 +76,7 @@ def int_mm_supported(device: torch.device, m: int, k: int, n: int) -> tuple[bool
     if not hasattr(torch, "_int_mm"):
         return False, f"torch {torch.__version__} has no torch._int_mm"
     if device.type == "cpu":
-        if not _cpu_int_mm_fast():
+        if not _CPU_INT_MM_FAST:
             return False, "torch._int_mm on this CPU is a scalar loop (no AVX-512) or torch < 2.6"
         return True, ""
     if device.type == "cuda":
@@ -151,6 +153,10 @@ class W8A8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.kernel = "auto"
         self.last_kernel: str | None = None
+        if _CPU_INT_MM_FAST and torch.device(device or "cpu").type == "cpu":
+            from . import a8
+
+            a8.available()  # build or load the C++ kernels now, outside any compiled region
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
