@@ -224,7 +224,7 @@ class Engine:
         self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
         if self.device.type == "cpu":
             load_cpu_kernel()  # now, not in the first step: a compiled forward cannot load it while tracing
-        self.scheduler = Scheduler(self.cache, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
+        self.scheduler = Scheduler(self.cache.blocks, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                    chunked_prefill=chunked_prefill,
                                    prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
                                    max_skips=max_skips)
@@ -390,12 +390,16 @@ class Engine:
             return self.has_work()
 
     def _schedule(self) -> tuple[list[tuple[SeqState, int]], Any] | None:
-        """The scheduler's next step, laid out in the paged cache; None when nothing runs this step."""
+        """The scheduler's next step (its blocks allocated), laid out in the paged cache's tensors; None when nothing
+        runs this step."""
         try:
-            return self.scheduler.next_step()
+            step = self.scheduler.next_step()
         except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
             self._finish(e.seq, "error", error=f"out of KV blocks: {e}")
             return None
+        if step is None:
+            return None
+        return step.plan, self.cache.layout_step(step.entries, step.starts)
 
     def _execute(self, plan: list[tuple[SeqState, int]], batch) -> tuple[list[int], torch.Tensor] | None:
         """One packed forward; returns the plan rows whose next token is due and their logits, or None when the
@@ -412,7 +416,8 @@ class Engine:
                 out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                                  paged_step=self.cache.step_inputs(), **kwargs)
         except Exception as e:
-            self.scheduler.abort()
+            self.cache.abort_step()
+            self.scheduler.abort(plan)
             for seq, _ in plan:
                 self._finish(seq, "error", error=f"forward failed: {type(e).__name__}: {e}")
             return None
@@ -427,6 +432,7 @@ class Engine:
             if seq.metrics.first_scheduled is None:
                 seq.metrics.first_scheduled = t0
             self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
+        self.cache.end_step()
         due = self.scheduler.complete(plan)
         if due:
             seqs = [plan[i][0] for i in due_rows]

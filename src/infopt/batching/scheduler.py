@@ -8,21 +8,26 @@ passed by later, smaller ones at most ``max_skips`` times; after that admission 
 (the starvation bound). When a step needs more KV blocks than the pool has, the most recently
 admitted sequence is preempted: its blocks are released and it goes back to the head of the queue,
 to be recomputed (its full blocks usually still sit in the prefix cache) when blocks free up.
+
+The scheduler works on a :class:`~infopt.kvcache.manager.KVBlockManager` (the blocks each sequence holds, in pure
+Python) and hands out :class:`ScheduledStep` plans; laying a plan out in tensors is the cache's job
+(:meth:`~infopt.kvcache.PagedCache.layout_step`), so scheduling runs, and is tested, with no model.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..kvcache.blocks import OutOfBlocks
-from ..kvcache.paged_cache import PagedBatch, PagedCache
+from ..kvcache.manager import KVBlockManager
 from .params import RequestMetrics, SamplingParams
 
-__all__ = ["Scheduler", "SeqState", "SequenceTooLarge"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Scheduler", "SeqState", "ScheduledStep", "SequenceTooLarge"]
 
 
 class SequenceTooLarge(OutOfBlocks):
@@ -80,11 +85,30 @@ class SeqState:
         return self.prompt + self.output
 
 
+@dataclass
+class ScheduledStep:
+    """One planned step, its KV blocks already allocated.
+
+    Attributes:
+        plan: each scheduled sequence with the tokens it runs this step (decoders first).
+        entries: ``(rid, token ids)`` per plan row: what the forward feeds.
+        starts: each row's position before the step (its first new token's position).
+    """
+
+    plan: list[tuple[SeqState, int]]
+    entries: list[tuple[int, list[int]]]
+    starts: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.plan)
+
+
 class Scheduler:
-    """Plans each step's packed batch and keeps the waiting and running queues.
+    """Plans each step and keeps the waiting and running queues.
 
     Args:
-        cache: the engine's :class:`~infopt.kvcache.PagedCache` (packed-step mode).
+        kv: the block manager of the engine's paged cache (``PagedCache.blocks``).
         max_seqs: sequences in the running set at most.
         max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
         chunked_prefill: split prompts longer than the step's budget across steps, interleaved with
@@ -95,20 +119,17 @@ class Scheduler:
         watermark_blocks: free blocks kept back at admission for running sequences' growth.
 
     Example:
-        >>> from infopt.models import tiny_model
-        >>> from infopt.kvcache import PagedCache
-        >>> import infopt
-        >>> cache = PagedCache.for_model(infopt.attention.set_backend_(tiny_model(), "paged"), num_blocks=16)
-        >>> s = Scheduler(cache, max_seqs=4, max_batch_tokens=8)
+        >>> from infopt.kvcache.blocks import BlockAllocator
+        >>> s = Scheduler(KVBlockManager(BlockAllocator(16, 16), 16), max_seqs=4, max_batch_tokens=8)
         >>> s.add(SeqState(0, list(range(1, 13)), SamplingParams(), RequestMetrics(0.0)))
-        >>> plan, batch = s.next_step()
-        >>> [(r.rid, n) for r, n in plan], batch.num_tokens  # a 12-token prompt, chunked to the 8-token budget
-        ([(0, 8)], 8)
+        >>> step = s.next_step()
+        >>> [(r.rid, n) for r, n in step.plan], step.starts  # a 12-token prompt, chunked to the 8-token budget
+        ([(0, 8)], [0])
     """
 
-    def __init__(self, cache: PagedCache, *, max_seqs: int, max_batch_tokens: int, chunked_prefill: bool = True,
+    def __init__(self, kv: KVBlockManager, *, max_seqs: int, max_batch_tokens: int, chunked_prefill: bool = True,
                  prefill_chunk: int | None = None, max_skips: int = 16, watermark_blocks: int = 0):
-        self.cache = cache
+        self.kv = kv
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill = chunked_prefill
@@ -141,7 +162,7 @@ class Scheduler:
 
     def _release(self, seq: SeqState) -> None:
         if seq.admitted:
-            self.cache.release(seq.rid)
+            self.kv.release(seq.rid)
             seq.admitted = False
         seq.computed = 0
 
@@ -173,7 +194,7 @@ class Scheduler:
                 continue
             plan.append((seq, n))
             budget -= n
-        reserved = sum(self.cache.blocks_needed(s.rid, n) for s, n in plan) + self.watermark_blocks
+        reserved = sum(self.kv.blocks_needed(s.rid, n) for s, n in plan) + self.watermark_blocks
         self._admitted_now = []
         blocked: SeqState | None = None  # the first waiting request that did not fit
         misses = 0
@@ -182,11 +203,11 @@ class Scheduler:
             if blocked is not None and (blocked.skips >= self.max_skips or misses > self.lookahead):
                 break  # it has been passed often enough (admission waits for it), or the pool is simply full
             seq = self.waiting[i]
-            cached = self.cache.add_sequence(seq.rid, seq.all_tokens())
+            cached = self.kv.add_sequence(seq.rid, seq.all_tokens())
             seq.admitted, seq.computed = True, cached
             n = self._chunk(seq, budget, alone=not plan)
-            need = self.cache.blocks_needed(seq.rid, n) if n > 0 else 0
-            if n <= 0 or need + reserved > self.cache.allocator.num_available:
+            need = self.kv.blocks_needed(seq.rid, n) if n > 0 else 0
+            if n <= 0 or need + reserved > self.kv.allocator.num_available:
                 self._release(seq)
                 blocked = blocked or seq
                 misses += 1
@@ -204,12 +225,11 @@ class Scheduler:
             reserved += need
         return plan
 
-    def next_step(self) -> tuple[list[tuple[SeqState, int]], PagedBatch] | None:
-        """Plan the next forward and lay it out in the cache (``begin_step``).
+    def next_step(self) -> ScheduledStep | None:
+        """Plan the next forward and allocate its KV blocks.
 
         Returns:
-            ``(plan, batch)``: each scheduled sequence with its token count, and the packed inputs; or
-            None when nothing can run.
+            The :class:`ScheduledStep`, or None when nothing can run.
 
         Raises:
             SequenceTooLarge: a single sequence needs more blocks than the whole pool holds (the engine fails it).
@@ -220,14 +240,14 @@ class Scheduler:
                 if self.waiting and not self.running:  # the whole pool is free and the head still does not fit
                     head = self.waiting[0]
                     raise SequenceTooLarge(f"request {head.rid} needs more KV blocks than the pool's "
-                                           f"{self.cache.allocator.num_blocks}", head)
+                                           f"{self.kv.allocator.num_blocks}", head)
                 return None
             entries = [(s.rid, s.tokens(s.computed, n)) for s, n in plan]
-            batch = self.cache.try_begin_step(entries)
-            if batch is None:  # the pool cannot provide the step's blocks
+            starts = self.kv.allocate(entries)
+            if starts is None:  # the pool cannot provide the step's blocks
                 if len(self.running) <= 1:
-                    raise SequenceTooLarge(f"the step needs {self.cache.blocks_needed_for(entries)} KV blocks, more "
-                                           f"than the pool's {self.cache.allocator.num_blocks}", self.running[0])
+                    raise SequenceTooLarge(f"the step needs {self.kv.blocks_needed_for(entries)} KV blocks, more "
+                                           f"than the pool's {self.kv.allocator.num_blocks}", self.running[0])
                 victim = self.running[-1]  # the newest sequence gives its blocks back
                 if victim in self._admitted_now:  # admitted by this plan: back to the queue, not a preemption
                     self.running.remove(victim)
@@ -236,13 +256,14 @@ class Scheduler:
                 else:
                     self.preempt(victim)
                 continue
-            return plan, batch
+            return ScheduledStep(plan, entries, starts)
         raise RuntimeError("the scheduler could not lay out a step after preempting every sequence; "
                            "admission and the cache disagree on the blocks a step needs (a bug: please report it)")
 
     def complete(self, plan: list[tuple[SeqState, int]]) -> list[SeqState]:
-        """Record a finished forward; returns the sequences whose next token is due (every known token computed)."""
-        self.cache.end_step()
+        """Record a finished forward (its blocks become shareable and enter the prefix cache); returns the sequences
+        whose next token is due (every known token computed)."""
+        self.kv.complete([s.rid for s, _ in plan])
         due = []
         for seq, n in plan:
             seq.computed += n
@@ -250,6 +271,6 @@ class Scheduler:
                 due.append(seq)
         return due
 
-    def abort(self) -> None:
-        """The forward failed: roll the cache back to before the step."""
-        self.cache.abort_step()
+    def abort(self, plan: list[tuple[SeqState, int]]) -> None:
+        """The forward failed: its sequences' blocks go back to before the step."""
+        self.kv.abort([s.rid for s, _ in plan])

@@ -17,7 +17,7 @@ Two ways to drive a :class:`PagedCache`:
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, PagedStep, bind
 from ..core.compat import CACHE_KWARG
 from ..core.errors import IncompatibleModelError
-from .blocks import BlockAllocator, BlockStateError, OutOfBlocks, hash_block
+from .blocks import BlockAllocator, BlockStateError, OutOfBlocks
+from .manager import KVBlockManager, SeqBlocks
 from .pool import KVBlockPool
 
 __all__ = ["PagedCache", "PagedBatch"]
@@ -55,15 +56,6 @@ class PagedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
-
-
-@dataclass
-class _Seq:
-    blocks: list[int] = field(default_factory=list)
-    length: int = 0  # slots written, the in-flight step included
-    done: int = 0  # slots written by completed forwards (safe to share)
-    tokens: list[int] = field(default_factory=list)  # known token ids by position
-    hashes: list[bytes] = field(default_factory=list)  # prefix hashes of blocks[:len(hashes)], all in the prefix cache
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -128,7 +120,8 @@ class PagedCache(Cache):
         self.pool = pool
         self.block_size = pool.block_size
         self._config = config
-        self._seqs: dict[Hashable, _Seq] = {}
+        # the sequences' blocks (pure-Python bookkeeping); this class lays steps out over them
+        self.blocks = KVBlockManager(pool.allocator, pool.block_size, provide=pool.provide, copy_block=pool.copy_block)
         self._meta: PagedAttentionMetadata | None = None
         self._slots: torch.Tensor | None = None
         self._step_ids: tuple[Hashable, ...] = ()
@@ -149,32 +142,29 @@ class PagedCache(Cache):
         pool = KVBlockPool(info.num_layers, num_blocks, block_size, prefix_caching=prefix_caching)
         return cls(pool, config=model.config, device=info.device)
 
-    # -- sequences --------------------------------------------------------------------------
+    # -- sequences (kept by self.blocks) --------------------------------------------------------
     @property
     def allocator(self) -> BlockAllocator:
         return self.pool.allocator
 
+    @property
+    def _seqs(self) -> dict[Hashable, SeqBlocks]:
+        return self.blocks.seqs
+
     def seq_len(self, seq_id: Hashable) -> int:
         """Tokens stored for ``seq_id``."""
-        return self._seq(seq_id).length
+        return self.blocks.seq_len(seq_id)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._seq(seq_id).blocks)
+        return self.blocks.block_table(seq_id)
 
     @property
     def seq_ids(self) -> list[Hashable]:
         return list(self._seqs)
 
-    def _seq(self, seq_id: Hashable) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"no sequence {seq_id!r} in this PagedCache (add it with add_sequence)") from None
-
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> int:
-        """Start a sequence; with its prompt ``tokens`` known, reuse the longest cached prefix of full blocks.
-
-        At least one prompt token is always left uncached, so the caller has a token to compute logits from.
+        """Start a sequence; with its prompt ``tokens`` known, reuse the longest cached prefix of full blocks
+        (:meth:`KVBlockManager.add_sequence <infopt.kvcache.manager.KVBlockManager.add_sequence>`).
 
         Returns:
             How many leading tokens are already in the cache: feed ``tokens[returned:]`` next.
@@ -182,94 +172,31 @@ class PagedCache(Cache):
         Raises:
             ValueError: ``seq_id`` already exists.
         """
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists in this PagedCache")
-        seq = _Seq(tokens=[int(t) for t in tokens] if tokens is not None else [])
-        alloc, bs = self.allocator, self.block_size
-        parent = None
-        for i in range(max(0, len(seq.tokens) - 1) // bs if alloc.prefix_caching else 0):
-            h = hash_block(parent, seq.tokens[i * bs:(i + 1) * bs])
-            block = alloc.lookup(h)
-            if block is None:
-                break
-            seq.blocks.append(block)
-            seq.hashes.append(h)
-            parent = h
-        seq.length = seq.done = len(seq.blocks) * bs
-        self._seqs[seq_id] = seq
-        return seq.length
+        return self.blocks.add_sequence(seq_id, tokens)
 
     def fork_sequence(self, src: Hashable, dst: Hashable) -> None:
         """Start ``dst`` as a copy of ``src`` sharing all its blocks (copy-on-write: the first write into the shared
         last block gives the writer its own copy). For parallel sampling or beam-style branching."""
-        if dst in self._seqs:
-            raise ValueError(f"sequence {dst!r} already exists in this PagedCache")
-        s = self._seq(src)
-        self._seqs[dst] = _Seq([self.allocator.fork(b) for b in s.blocks], s.length, s.done, list(s.tokens),
-                               list(s.hashes))
+        self.blocks.fork_sequence(src, dst)
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Keep the first ``length`` tokens of a sequence, freeing the blocks past them (speculative rollback)."""
-        self._truncate(self._seq(seq_id), length, keep_tokens=False)
-
-    def _truncate(self, seq: _Seq, length: int, *, keep_tokens: bool) -> None:
-        length = max(0, min(length, seq.length))
-        keep = -(-length // self.block_size)
-        self.allocator.free_many(seq.blocks[keep:])
-        del seq.blocks[keep:]
-        del seq.hashes[length // self.block_size:]
-        seq.length = length
-        seq.done = min(seq.done, length)
-        if not keep_tokens:
-            del seq.tokens[length:]
+        self.blocks.truncate(self.blocks.seq(seq_id), length, keep_tokens=False)
 
     def blocks_needed(self, seq_id: Hashable, n: int) -> int:
         """Blocks a step adding ``n`` tokens to ``seq_id`` would allocate (a copy-on-write copy included);
         a scheduler's admission check."""
-        seq = self._seq(seq_id)
-        return self._needed(seq, seq.length, n)
+        return self.blocks.blocks_needed(seq_id, n)
 
     def release(self, seq_id: Hashable) -> None:
         """End a sequence: its full blocks are already in the prefix cache; every block loses this reference."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise KeyError(f"no sequence {seq_id!r} in this PagedCache")
-        self.allocator.free_many(seq.blocks)
-        seq.blocks.clear()
+        self.blocks.release(seq_id)
 
     def release_all(self) -> None:
-        for seq_id in list(self._seqs):
-            self.release(seq_id)
+        self.blocks.release_all()
         self._meta = None
 
-    def _commit(self, seq: _Seq) -> None:
-        """Enter the sequence's newly completed full blocks whose tokens are known into the prefix cache."""
-        alloc, bs = self.allocator, self.block_size
-        if not alloc.prefix_caching:
-            return
-        parent = seq.hashes[-1] if seq.hashes else None
-        for i in range(len(seq.hashes), min(seq.done, len(seq.tokens)) // bs):
-            parent = hash_block(parent, seq.tokens[i * bs:(i + 1) * bs])
-            seq.blocks[i] = alloc.insert(parent, seq.blocks[i])
-            seq.hashes.append(parent)
-
     # -- steps ----------------------------------------------------------------------------------
-    def _needed(self, seq: _Seq, start: int, n: int) -> int:
-        bs = self.block_size
-        cow = 1 if start % bs and start // bs < len(seq.blocks) and not self.allocator.writable(
-            seq.blocks[start // bs]) else 0
-        return cow + max(0, -(-(start + n) // bs) - len(seq.blocks))
-
-    def _reserve(self, seq: _Seq, start: int, n: int) -> None:
-        bs = self.block_size
-        if start % bs and start // bs < len(seq.blocks):
-            i = start // bs
-            seq.blocks[i] = self.allocator.copy_on_write(seq.blocks[i], self.pool.copy_block)
-        more = -(-(start + n) // bs) - len(seq.blocks)
-        if more > 0:
-            seq.blocks.extend(self.allocator.allocate_many(more))
-        seq.length = start + n
-
     def _check_backend(self) -> None:
         impl = getattr(self._config, "_attn_implementation", PAGED_IMPL)
         if impl != PAGED_IMPL:
@@ -305,7 +232,7 @@ class PagedCache(Cache):
 
     def blocks_needed_for(self, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]]) -> int:
         """Blocks a step of these ``(seq_id, new_tokens)`` entries would allocate."""
-        return sum(self.blocks_needed(sid, len(toks)) for sid, toks in entries)
+        return self.blocks.blocks_needed_for(entries)
 
     def try_begin_step(self, entries: Iterable[tuple[Hashable, Sequence[int] | torch.Tensor]]) -> PagedBatch | None:
         """:meth:`begin_step`, answering None (nothing changed) when the pool cannot provide the step's blocks,
@@ -319,21 +246,29 @@ class PagedCache(Cache):
         self._check_backend()
         self._finish_pending()
         entries = [(sid, [int(t) for t in (toks.tolist() if torch.is_tensor(toks) else toks)]) for sid, toks in entries]
-        if not entries:
-            raise ValueError("begin_step needs at least one (seq_id, tokens) entry")
-        ids = [sid for sid, _ in entries]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"a sequence appears twice in one step: {ids}")
-        seqs = [self._seq(sid) for sid in ids]
-        if any(not toks for _, toks in entries):
-            raise ValueError("every sequence in a step needs at least one new token")
-        starts = [s.length for s in seqs]
-        news = [len(toks) for _, toks in entries]
-        if not self.pool.provide(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True))):
+        starts = self.blocks.allocate(entries)
+        if starts is None:
             return None
-        for seq, st, (_, toks) in zip(seqs, starts, entries, strict=True):
-            self._reserve(seq, st, len(toks))
-            seq.tokens[st:st + len(toks)] = toks
+        return self.layout_step(entries, starts)
+
+    def layout_step(self, entries: Sequence[tuple[Hashable, Sequence[int]]], starts: Sequence[int]) -> PagedBatch:
+        """The layout half of :meth:`try_begin_step`, for entries whose blocks ``self.blocks.allocate(entries)``
+        already reserved (it returned ``starts``): the packed inputs and the attention metadata of the step.
+
+        Raises:
+            BlockStateError: this cache serves a padded generate call, or the previous step was not ended
+                (:meth:`end_step` or :meth:`abort_step` first: ending it now would count this step's slots as done).
+        """
+        if self._pads is not None:
+            raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
+        self._check_backend()
+        if self._meta is not None:
+            raise BlockStateError("the previous step was not ended: call end_step() or abort_step() before laying out "
+                                  "the next one")
+        ids = [sid for sid, _ in entries]
+        seqs = [self.blocks.seq(sid) for sid in ids]
+        starts = list(starts)
+        news = [len(toks) for _, toks in entries]
         device = self.device or torch.device("cpu")
         # flattened tokens: sequence s owns N-range [off_s, off_s + n_s), positions start_s + i
         n = torch.tensor(news, dtype=torch.long)
@@ -371,10 +306,7 @@ class PagedCache(Cache):
 
     def abort_step(self) -> None:
         """Undo the bookkeeping of a forward that failed: sequences go back to their length before it."""
-        for sid in self._step_ids:
-            seq = self._seqs.get(sid)
-            if seq is not None:
-                self._truncate(seq, seq.done, keep_tokens=True)
+        self.blocks.abort(self._step_ids)
         self._meta = None
         self._step_ids = ()
 
@@ -392,7 +324,7 @@ class PagedCache(Cache):
         self.end_step()
         return out.logits[0]
 
-    def _table(self, seqs: list[_Seq]) -> torch.Tensor:
+    def _table(self, seqs: list[SeqBlocks]) -> torch.Tensor:
         nb = max(1, max(len(s.blocks) for s in seqs))
         return torch.tensor([s.blocks + [0] * (nb - len(s.blocks)) for s in seqs], dtype=torch.long)
 
@@ -427,11 +359,7 @@ class PagedCache(Cache):
     def _complete_step(self) -> None:
         if self._meta is None:
             return
-        for sid in self._step_ids:
-            seq = self._seqs.get(sid)
-            if seq is not None:
-                seq.done = seq.length
-                self._commit(seq)
+        self.blocks.complete(self._step_ids)
         self._meta = None
         self._step_ids = ()
 
@@ -455,8 +383,8 @@ class PagedCache(Cache):
         need = 0
         for b, p in enumerate(self._pads):
             seq = self._seqs[b]
-            self._truncate(seq, max(0, columns - p), keep_tokens=True)
-            need += self._needed(seq, seq.length, len(rows[b]) - seq.length + max_new_tokens)
+            self.blocks.truncate(seq, max(0, columns - p), keep_tokens=True)
+            need += self.blocks.needed(seq, seq.length, len(rows[b]) - seq.length + max_new_tokens)
         try:
             self.pool.ensure_available(need)
         except OutOfBlocks:
@@ -477,9 +405,9 @@ class PagedCache(Cache):
         for seq, st in zip(seqs, starts, strict=True):
             if seq.length != st:
                 raise BlockStateError(f"padded step out of sync: a row holds {seq.length} tokens, expected {st}")
-        self.pool.ensure_available(sum(self._needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True)))
+        self.pool.ensure_available(sum(self.blocks.needed(s, st, n) for s, st, n in zip(seqs, starts, news, strict=True)))
         for seq, st, n in zip(seqs, starts, news, strict=True):
-            self._reserve(seq, st, n)
+            self.blocks.reserve(seq, st, n)
         self._columns = c0 + q
         table = self._table(seqs)
         query_pos = pos.clamp(min=0)
@@ -543,7 +471,7 @@ class PagedCache(Cache):
         keep = self._columns - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
         self._columns = max(0, min(self._columns, keep))
         for b, p in enumerate(self._pads):
-            self._truncate(self._seqs[b], max(0, self._columns - p), keep_tokens=False)
+            self.blocks.truncate(self._seqs[b], max(0, self._columns - p), keep_tokens=False)
 
     def reset(self) -> None:
         """Release every sequence (the pool and its prefix cache stay)."""
