@@ -29,7 +29,7 @@ from torch import nn
 
 from infopt.attention import paged as paged_mod
 from infopt.batching import Engine, SamplingParams
-from infopt.batching import engine as engine_mod
+from infopt.batching import core as core_mod
 from infopt.kvcache import Paged
 from infopt.models import load_default
 
@@ -85,7 +85,7 @@ def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int, quant
     timers.wrap(paged_mod, "_reference", "attention")
     timers.wrap(paged_mod, "_cpu", "attention")
     timers.wrap(paged_mod.PagedStep, "write", "kv_write")
-    timers.wrap(engine_mod, "choose_tokens", "sampling")
+    timers.wrap(core_mod, "choose_tokens", "sampling")
     rows = []
     for s in seqs:
         engine = Engine(model, tok, kv=Paged(num_blocks=-(-s * (context + steps + 8) // 16) + 8, prefix_caching=False),

@@ -78,7 +78,7 @@ def test_engine_logits_on_packed_weights_match_the_plain_ones(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prepack_false_runs_the_plain_weights_even_after_an_earlier_engine_packed_them(dtype, monkeypatch):
-    import infopt.batching.engine as eng
+    import infopt.batching.core as eng
 
     m = tiny_model("llama", dtype=dtype)
     Engine(m, max_batch_tokens=64, max_seqs=4)  # packs

@@ -1,16 +1,16 @@
 """A continuous-batching engine for a Hugging Face causal LM, in process: submit, stream, cancel, generate.
 
-Every step runs one packed forward over a paged KV cache: the decoding sequences' next tokens and
-chunks of prompts still in prefill, flattened into one ``[1, N]`` row (no padding). Requests join
-and leave between steps (see :mod:`infopt.batching.scheduler`). The engine is driven either by a
-background thread (:meth:`Engine.start`, ``with Engine(...)``, :meth:`Engine.run_forever`) or, with
-no thread running, by whoever waits for a result (so a notebook needs no thread at all).
+This is the front-end: request handles, streaming, stop strings, cancellation and the background thread. The
+model's side, one packed forward per step over a paged KV cache (the decoding sequences' next tokens and chunks
+of prompts still in prefill, flattened into one ``[1, N]`` row, no padding), is :class:`~infopt.batching.core.
+EngineCore`'s; requests join and leave between steps (see :mod:`infopt.batching.scheduler`). The engine is driven
+either by a background thread (:meth:`Engine.start`, ``with Engine(...)``, :meth:`Engine.run_forever`) or, with no
+thread running, by whoever waits for a result (so a notebook needs no thread at all).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import queue
 import threading
@@ -21,21 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.paged import PAGED_IMPL, load_cpu_kernel
-from ..core.introspect import inspect_model
-from ..generate import takes_logits_to_keep
 from ..kvcache.paged import Paged
-from ..kvcache.paged_cache import PagedCache
-from ..kvcache.pool import num_blocks_for_budget
+from .core import DEFAULT_KV_BUDGET, CoreEvent, EngineCore
 from .params import RequestMetrics, RequestOutput, SamplingParams
-from .prepack import packed_forwards, prepack_linears_, supported
-from .sampler import choose_tokens, make_generator
-from .scheduler import Scheduler, SeqState, SequenceTooLarge
+from .sampler import make_generator
+from .scheduler import SeqState
 
 __all__ = ["Engine", "RequestHandle", "DEFAULT_KV_BUDGET"]
-
-DEFAULT_KV_BUDGET = 2**30
-"""KV-cache bytes an engine's pool gets when ``kv.num_blocks`` is not given (1 GiB)."""
 
 _DONE = object()
 
@@ -174,6 +166,8 @@ class Engine:
             even where an earlier engine packed them. The packed copies take as much memory again as the weights.
 
     Attributes:
+        core: the :class:`~infopt.batching.core.EngineCore` that runs the steps (its ``cache``, ``scheduler``,
+            ``stats``, ``model`` and ``device`` are reachable from the engine too).
         device: the model's device, where each step's inputs, logits and sampled requests' generators live.
 
     Raises:
@@ -191,51 +185,11 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
                  max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None):
-        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
-        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
-            raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
-        packable = supported(model)
-        if prepack and not packable:
-            raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
-                             "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
-        kv = kv or Paged()
-        if not isinstance(kv, Paged):
-            raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
-        info = inspect_model(model)
-        kv.check(model, info, (kv,))
-        if model.config._attn_implementation != PAGED_IMPL:
-            from ..attention.backends import set_backend_
-
-            set_backend_(model, "paged", step="batching")
-        self._packed_steps = bool(packable if prepack is None else prepack)
-        self.prepacked = prepack_linears_(model) if self._packed_steps else 0
-        self.model = model
+        self.core = EngineCore(model, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
+                               chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips,
+                               prepack=prepack)
         self.tokenizer = tokenizer
-        max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
-                                "max_position_embeddings", None)
-        num_blocks = kv.num_blocks
-        if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
-            num_blocks = max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))
-            if max_positions:
-                num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
-        self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
-        self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
-        if self.device.type == "cpu":
-            load_cpu_kernel()  # now, not in the first step: a compiled forward cannot load it while tracing
-        self.scheduler = Scheduler(self.cache.blocks, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
-                                   chunked_prefill=chunked_prefill,
-                                   prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
-                                   max_skips=max_skips)
         self.default_sampling = default_sampling or SamplingParams()
-        self.capacity_tokens = num_blocks * kv.block_size
-        self.max_positions = max_positions
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) \
-            if model.get_output_embeddings() is not None else None
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        self._eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
-        self._logits_to_keep = takes_logits_to_keep(model)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._step_lock = threading.RLock()
@@ -244,9 +198,24 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.stats: dict[str, Any] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0,
-                                      "cancelled": 0, "errors": 0, "busy_s": 0.0, "kv_util_sum": 0.0,
-                                      "kv_util_max": 0.0}
+
+    # the core's parts, for callers and tests that look inside
+    model = property(lambda self: self.core.model)
+    cache = property(lambda self: self.core.cache)
+    scheduler = property(lambda self: self.core.scheduler)
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device: each step's inputs, logits and sampled requests' generators live there."""
+        return self.core.device
+
+    @device.setter
+    def device(self, value: torch.device) -> None:
+        self.core.device = value
+
+    prepacked = property(lambda self: self.core.prepacked)
+    stats = property(lambda self: self.core.stats)
+    capacity_tokens = property(lambda self: self.core.capacity_tokens)
 
     # -- submission ----------------------------------------------------------------------------------
     def _encode(self, prompt: Any) -> list[int]:
@@ -269,20 +238,7 @@ class Engine:
         return [int(t) for t in ids]
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("empty prompt: a request needs at least one prompt token")
-        if self.vocab_size is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        need = len(ids) + params.max_new_tokens
-        if need > self.capacity_tokens:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} tokens exceeds the KV "
-                f"cache ({self.capacity_tokens} tokens); shorten the request or build the engine with "
-                "kv=Paged(num_blocks=...) large enough")
-        if self.max_positions is not None and need > self.max_positions:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} exceeds "
-                             f"the model's max_position_embeddings ({self.max_positions})")
+        self.core.check_request(ids, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: Engine(model, tokenizer)")
 
@@ -318,7 +274,7 @@ class Engine:
         if params.do_sample:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             seq.generator = make_generator(self.device, seed)  # where the logits are: CUDA cannot draw from CPU's
-        eos = params.eos_token_ids if params.eos_token_ids is not None else self._eos
+        eos = params.eos_token_ids if params.eos_token_ids is not None else self.core.eos
         if eos and not params.ignore_eos:
             seq.eos = tuple(int(t) for t in eos)
         handle = RequestHandle(self, seq)
@@ -357,109 +313,41 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._incoming) or self.scheduler.has_work()
+            return bool(self._incoming) or self.core.has_work()
 
     def _intake(self) -> None:
         with self._lock:
             new, self._incoming = self._incoming, []
         for seq in new:
-            self.scheduler.add(seq)
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.core.add(seq)
+        for seq in self.core.requests():
             if self._handles[seq.rid]._cancel:
-                self._finish(seq, "cancelled")
+                self.core.finish(seq, "cancelled")
+                self._emit(seq, "cancelled")
 
-    # inference_mode: about 1 ms less per step than no_grad on the default model (each op skips the autograd and
-    # version-counter work); the KV pools are made with inference_mode off (kvcache.pool), so they stay writable
-    # by paths outside the engine
-    @torch.inference_mode()
     def step(self) -> bool:
-        """Run one scheduling step: schedule, execute (at most one forward), update. Thread-safe.
+        """Run one step: take in new requests and cancellations, then the core's schedule -> execute -> update
+        (at most one forward), then hand each request's new token or result to its handle. Thread-safe.
 
         Returns:
             True while requests remain queued or running.
         """
         with self._step_lock:
             self._intake()
-            scheduled = self._schedule()
-            if scheduled is not None:
-                plan, batch = scheduled
-                t0 = time.perf_counter()
-                executed = self._execute(plan, batch)
-                if executed is not None:
-                    self._update(plan, *executed, t0)
+            for event in self.core.step():
+                self._dispatch(event)
             return self.has_work()
 
-    def _schedule(self) -> tuple[list[tuple[SeqState, int]], Any] | None:
-        """The scheduler's next step (its blocks allocated), laid out in the paged cache's tensors; None when nothing
-        runs this step."""
-        try:
-            step = self.scheduler.next_step()
-        except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
-            self._finish(e.seq, "error", error=f"out of KV blocks: {e}")
-            return None
-        if step is None:
-            return None
-        return step.plan, self.cache.layout_step(step.entries, step.starts)
-
-    def _execute(self, plan: list[tuple[SeqState, int]], batch) -> tuple[list[int], torch.Tensor] | None:
-        """One packed forward; returns the plan rows whose next token is due and their logits, or None when the
-        forward failed (the step is rolled back and its requests fail; the engine keeps serving the rest)."""
-        due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
-        keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
-        if keep.numel() in (2, 3) and keep.device.type == "cpu":
-            # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
-            # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
-            keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        try:
-            with packed_forwards() if self._packed_steps else contextlib.nullcontext():
-                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                                 paged_step=self.cache.step_inputs(), **kwargs)
-        except Exception as e:
-            self.cache.abort_step()
-            self.scheduler.abort(plan)
-            for seq, _ in plan:
-                self._finish(seq, "error", error=f"forward failed: {type(e).__name__}: {e}")
-            return None
-        logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
-            out.logits[0, batch.logits_indices[due_rows]]
-        return due_rows, logits
-
-    def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor,
-                t0: float) -> None:
-        """Record the finished forward: progress and metrics, the next token of each due sequence, stats."""
-        for seq, n in plan:
-            if seq.metrics.first_scheduled is None:
-                seq.metrics.first_scheduled = t0
-            self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
-        self.cache.end_step()
-        due = self.scheduler.complete(plan)
-        if due:
-            seqs = [plan[i][0] for i in due_rows]
-            eos_masks = [s.eos if s.eos is not None and len(s.output) < s.params.min_new_tokens else None
-                         for s in seqs]
-            tokens = choose_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], eos_masks)
-            now = time.perf_counter()
-            for seq, tok in zip(seqs, tokens, strict=True):
-                self._append(seq, tok, now)
-        alloc = self.cache.allocator
-        util = alloc.num_used / max(1, alloc.num_blocks)
-        self.stats["steps"] += 1
-        self.stats["busy_s"] += time.perf_counter() - t0
-        self.stats["kv_util_sum"] += util
-        self.stats["kv_util_max"] = max(self.stats["kv_util_max"], util)
-
-    def _append(self, seq: SeqState, tok: int, now: float) -> None:
-        seq.output.append(tok)
-        if seq.metrics.first_token is None:
-            seq.metrics.first_token = now
-        self._handles[seq.rid]._put(tok)
-        if seq.eos is not None and tok in seq.eos:  # masked while under min_new_tokens
-            self._finish(seq, "stop")
-        elif seq.params.stop and self._stop_hit(seq):
-            self._finish(seq, "stop")
-        elif len(seq.output) >= seq.params.max_new_tokens:
-            self._finish(seq, "length")
+    def _dispatch(self, event: CoreEvent) -> None:
+        seq, reason = event.seq, event.finish
+        if event.token is not None:
+            self._handles[seq.rid]._put(event.token)
+            if reason in (None, "length") and seq.params.stop and self._stop_hit(seq):
+                if reason is None:
+                    self.core.finish(seq, "stop")
+                reason = "stop"
+        if reason is not None:
+            self._emit(seq, reason, error=event.error)
 
     def _stop_hit(self, seq: SeqState) -> bool:
         text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
@@ -469,16 +357,12 @@ class Engine:
         seq.extra["text"] = text[:cut]
         return True
 
-    def _finish(self, seq: SeqState, reason: str, *, error: str | None = None) -> None:
-        self.scheduler.drop(seq)
-        seq.metrics.finished = time.perf_counter()
-        seq.metrics.output_tokens = len(seq.output)
+    def _emit(self, seq: SeqState, reason: str, *, error: str | None = None) -> None:
+        """Hand a finished request's :class:`RequestOutput` to its handle (the core has released it)."""
         text = seq.extra.get("text")
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
         out = RequestOutput(seq.rid, seq.prompt, list(seq.output), text, reason, error, seq.metrics)
-        key = {"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")
-        self.stats[key] += 1
         with self._lock:
             handle = self._handles.pop(seq.rid)
         handle._finish(out)
@@ -544,10 +428,4 @@ class Engine:
         """Aggregate figures: steps, tokens (prefill / decode), requests finished / cancelled / failed,
         preemptions, busy seconds and tokens per busy second, KV block utilization (mean and max
         fraction of the pool in use per step) and the pool's block counts."""
-        s = dict(self.stats)
-        steps = max(1, s["steps"])
-        s["kv_util_mean"] = s.pop("kv_util_sum") / steps
-        s["preemptions"] = self.scheduler.preemptions
-        s["tokens_per_busy_s"] = (s["prefill_tokens"] + s["decode_tokens"]) / s["busy_s"] if s["busy_s"] else 0.0
-        s["kv_blocks"] = self.cache.allocator.stats()
-        return s
+        return self.core.metrics()

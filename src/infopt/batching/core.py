@@ -1,0 +1,248 @@
+"""The engine core: one step is schedule -> execute -> update, over a paged KV cache, with no threads or handles.
+
+:class:`EngineCore` owns the model's side of continuous batching: the paged cache, the scheduler, the packed
+forward and the choice of next tokens. Each :meth:`EngineCore.step` runs at most one forward and returns what
+happened to each request as :class:`CoreEvent` values (a new token, a finish). The front-end
+(:class:`~infopt.batching.Engine`) turns them into streams and results for request handles, applies stop strings
+and cancellations, and runs the background thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.paged import PAGED_IMPL, load_cpu_kernel
+from ..core.introspect import inspect_model
+from ..generate import takes_logits_to_keep
+from ..kvcache.paged import Paged
+from ..kvcache.paged_cache import PagedCache
+from ..kvcache.pool import num_blocks_for_budget
+from .params import SamplingParams
+from .prepack import packed_forwards, prepack_linears_, supported
+from .sampler import choose_tokens
+from .scheduler import Scheduler, SeqState, SequenceTooLarge
+
+__all__ = ["EngineCore", "CoreEvent", "DEFAULT_KV_BUDGET"]
+
+DEFAULT_KV_BUDGET = 2**30
+"""KV-cache bytes an engine's pool gets when ``kv.num_blocks`` is not given (1 GiB)."""
+
+
+@dataclass
+class CoreEvent:
+    """What one step did to one request.
+
+    Attributes:
+        seq: the request.
+        token: the token it gained (already appended to ``seq.output``), or None.
+        finish: ``"length"``, ``"stop"`` (an EOS id) or ``"error"`` when the request ended this step (the core has
+            released it), else None.
+        error: the reason for ``"error"``.
+    """
+
+    seq: SeqState
+    token: int | None = None
+    finish: str | None = None
+    error: str | None = None
+
+
+class EngineCore:
+    """Continuous batching's model side (module docstring). The arguments are :class:`~infopt.batching.Engine`'s,
+    which documents them."""
+
+    def __init__(self, model: nn.Module, *, max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None,
+                 chunked_prefill: bool = True, prefill_chunk: int | None = None, max_skips: int = 16,
+                 prepack: bool | None = None):
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
+            raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
+        packable = supported(model)
+        if prepack and not packable:
+            raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
+                             "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
+        kv = kv or Paged()
+        if not isinstance(kv, Paged):
+            raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
+        info = inspect_model(model)
+        kv.check(model, info, (kv,))
+        if model.config._attn_implementation != PAGED_IMPL:
+            from ..attention.backends import set_backend_
+
+            set_backend_(model, "paged", step="batching")
+        self._packed_steps = bool(packable if prepack is None else prepack)
+        self.prepacked = prepack_linears_(model) if self._packed_steps else 0
+        self.model = model
+        max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
+                                "max_position_embeddings", None)
+        num_blocks = kv.num_blocks
+        if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
+            num_blocks = max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))
+            if max_positions:
+                num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
+        self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
+        self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
+        if self.device.type == "cpu":
+            load_cpu_kernel()  # now, not in the first step: a compiled forward cannot load it while tracing
+        self.scheduler = Scheduler(self.cache.blocks, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
+                                   chunked_prefill=chunked_prefill,
+                                   prefill_chunk=prefill_chunk or min(max_batch_tokens, max(16, max_batch_tokens // 8)),
+                                   max_skips=max_skips)
+        self.capacity_tokens = num_blocks * kv.block_size
+        self.max_positions = max_positions
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0]) \
+            if model.get_output_embeddings() is not None else None
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        self.eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
+        self._logits_to_keep = takes_logits_to_keep(model)
+        self.stats: dict[str, Any] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0,
+                                      "cancelled": 0, "errors": 0, "busy_s": 0.0, "kv_util_sum": 0.0,
+                                      "kv_util_max": 0.0}
+
+    # -- requests ------------------------------------------------------------------------------------
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request this engine cannot serve (empty, ids outside the vocabulary, longer than
+        the KV cache or the model's positions)."""
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        if self.vocab_size is not None and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        need = len(ids) + params.max_new_tokens
+        if need > self.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} tokens exceeds the KV "
+                f"cache ({self.capacity_tokens} tokens); shorten the request or build the engine with "
+                "kv=Paged(num_blocks=...) large enough")
+        if self.max_positions is not None and need > self.max_positions:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} exceeds "
+                             f"the model's max_position_embeddings ({self.max_positions})")
+
+    def add(self, seq: SeqState) -> None:
+        """Queue a request for scheduling."""
+        self.scheduler.add(seq)
+
+    def requests(self) -> list[SeqState]:
+        """Every request the core holds, running or waiting."""
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def finish(self, seq: SeqState, reason: str) -> None:
+        """End a request (any reason, ``"cancelled"`` included): release its KV blocks and count it."""
+        self.scheduler.drop(seq)
+        seq.metrics.finished = time.perf_counter()
+        seq.metrics.output_tokens = len(seq.output)
+        self.stats[{"cancelled": "cancelled", "error": "errors"}.get(reason, "finished")] += 1
+
+    # -- one step ------------------------------------------------------------------------------------
+    @torch.inference_mode()  # about 1 ms less per step than no_grad on the default model; the KV pools are made
+    # with inference_mode off (kvcache.pool), so paths outside the engine can still write them
+    def step(self) -> list[CoreEvent]:
+        """Schedule, execute (at most one forward), update; returns what happened to each request."""
+        events: list[CoreEvent] = []
+        scheduled = self._schedule(events)
+        if scheduled is not None:
+            plan, batch = scheduled
+            t0 = time.perf_counter()
+            executed = self._execute(plan, batch, events)
+            if executed is not None:
+                self._update(plan, *executed, t0, events)
+        return events
+
+    def _schedule(self, events: list[CoreEvent]) -> tuple[list[tuple[SeqState, int]], Any] | None:
+        """The scheduler's next step (its blocks allocated), laid out in the paged cache's tensors; None when nothing
+        runs this step."""
+        try:
+            step = self.scheduler.next_step()
+        except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
+            self._fail(e.seq, f"out of KV blocks: {e}", events)
+            return None
+        if step is None:
+            return None
+        return step.plan, self.cache.layout_step(step.entries, step.starts)
+
+    def _execute(self, plan: list[tuple[SeqState, int]], batch, events: list[CoreEvent]
+                 ) -> tuple[list[int], torch.Tensor] | None:
+        """One packed forward; returns the plan rows whose next token is due and their logits, or None when the
+        forward failed (the step is rolled back and its requests fail; the engine keeps serving the rest)."""
+        due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
+        keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
+        if keep.numel() in (2, 3) and keep.device.type == "cpu":
+            # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
+            # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
+            keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        try:
+            with packed_forwards() if self._packed_steps else contextlib.nullcontext():
+                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                                 paged_step=self.cache.step_inputs(), **kwargs)
+        except Exception as e:
+            self.cache.abort_step()
+            self.scheduler.abort(plan)
+            for seq, _ in plan:
+                self._fail(seq, f"forward failed: {type(e).__name__}: {e}", events)
+            return None
+        logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
+            out.logits[0, batch.logits_indices[due_rows]]
+        return due_rows, logits
+
+    def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,
+                events: list[CoreEvent]) -> None:
+        """Record the finished forward: progress and metrics, the next token of each due sequence, stats."""
+        for seq, n in plan:
+            if seq.metrics.first_scheduled is None:
+                seq.metrics.first_scheduled = t0
+            self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
+        self.cache.end_step()
+        due = self.scheduler.complete(plan)
+        if due:
+            seqs = [plan[i][0] for i in due_rows]
+            eos_masks = [s.eos if s.eos is not None and len(s.output) < s.params.min_new_tokens else None
+                         for s in seqs]
+            tokens = choose_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], eos_masks)
+            now = time.perf_counter()
+            for seq, tok in zip(seqs, tokens, strict=True):
+                seq.output.append(tok)
+                if seq.metrics.first_token is None:
+                    seq.metrics.first_token = now
+                if seq.eos is not None and tok in seq.eos:  # masked while under min_new_tokens
+                    reason = "stop"
+                elif len(seq.output) >= seq.params.max_new_tokens:
+                    reason = "length"
+                else:
+                    reason = None
+                if reason is not None:
+                    self.finish(seq, reason)
+                events.append(CoreEvent(seq, tok, reason))
+        alloc = self.cache.allocator
+        util = alloc.num_used / max(1, alloc.num_blocks)
+        self.stats["steps"] += 1
+        self.stats["busy_s"] += time.perf_counter() - t0
+        self.stats["kv_util_sum"] += util
+        self.stats["kv_util_max"] = max(self.stats["kv_util_max"], util)
+
+    def _fail(self, seq: SeqState, error: str, events: list[CoreEvent]) -> None:
+        self.finish(seq, "error")
+        events.append(CoreEvent(seq, None, "error", error))
+
+    # -- metrics -------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Aggregate figures: steps, tokens (prefill / decode), requests finished / cancelled / failed,
+        preemptions, busy seconds and tokens per busy second, KV block utilization (mean and max
+        fraction of the pool in use per step) and the pool's block counts."""
+        s = dict(self.stats)
+        steps = max(1, s["steps"])
+        s["kv_util_mean"] = s.pop("kv_util_sum") / steps
+        s["preemptions"] = self.scheduler.preemptions
+        s["tokens_per_busy_s"] = (s["prefill_tokens"] + s["decode_tokens"]) / s["busy_s"] if s["busy_s"] else 0.0
+        s["kv_blocks"] = self.cache.allocator.stats()
+        return s
