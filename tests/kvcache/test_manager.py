@@ -60,3 +60,28 @@ def test_the_scheduler_and_the_manager_import_no_torch():
         names = [a.name for n in runtime if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in runtime if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] == "torch"], (rel, names)
+
+
+def test_packed_and_padded_adapters_refuse_each_others_calls():
+    """One pool and block manager, two transformers-Cache adapters: packed engine steps (PagedCache) and one
+    padded generate call (PaddedPagedCache); each refuses the other's API with a clear error."""
+    import torch
+
+    from infopt.attention import set_backend_
+    from infopt.kvcache.blocks import BlockStateError
+    from infopt.kvcache.paged_cache import PaddedPagedCache, PagedCache
+    from infopt.models import tiny_model
+
+    model = set_backend_(tiny_model(), "paged")
+    packed = PagedCache.for_model(model, num_blocks=16)
+    padded = PaddedPagedCache(packed.pool, config=model.config)
+    padded.start_padded([[1, 2, 3], [4, 5]], [0, 1], max_new_tokens=2)
+    assert padded.get_seq_length() == 0 and padded.blocks.seq_len(0) == 0
+    with pytest.raises(BlockStateError, match="padded generate call"):
+        padded.try_begin_step([(0, [1, 2, 3])])
+    with pytest.raises(NotImplementedError, match="truncate"):
+        packed.crop(1)
+    with pytest.raises(BlockStateError, match="begin_step"):
+        packed.update(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), 0)
+    padded.finish_padded(None)
+    assert packed.allocator.num_used == 0

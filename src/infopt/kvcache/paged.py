@@ -23,7 +23,7 @@ from ..core.step import ApplyContext, StepConfig, bad_field, register_step, regi
 from ..generate import CachePart, Unsupported, decoder_for, set_part
 from .api import register_use, require_full_attention
 from .blocks import OutOfBlocks
-from .paged_cache import PagedCache
+from .paged_cache import PaddedPagedCache, PagedCache
 from .pool import KVBlockPool
 
 __all__ = ["Paged", "PagedPart", "use_paged_", "paged_pool"]
@@ -129,7 +129,7 @@ class PagedPart(CachePart):
             raise Unsupported("attention_mask is not left padding (or pad tokens without an attention_mask)")
         ids = call.input_ids
         rows = [ids[b, p:].tolist() for b, p in enumerate(call.left_pads)]
-        cache = PagedCache(self.pool, config=model.config)
+        cache = PaddedPagedCache(self.pool, config=model.config)
         try:
             cache.start_padded(rows, list(call.left_pads), call.max_new_tokens)
         except OutOfBlocks as e:

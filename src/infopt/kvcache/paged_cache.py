@@ -10,8 +10,11 @@ Two ways to drive a :class:`PagedCache`:
   (all sequences flattened into one row) for one ``model(...)`` call; :meth:`PagedCache.end_step`
   after it. :meth:`PagedCache.step` does all three.
 - **padded generate**: :func:`infopt.kvcache.use_` with :class:`~infopt.kvcache.Paged` hands a
-  cache to ``model.generate``; each row of the left-padded batch is one sequence, padding is never
-  stored, and the step layout is derived from the columns each forward receives.
+  :class:`PaddedPagedCache` to ``model.generate``; each row of the left-padded batch is one sequence, padding is
+  never stored, and the step layout is derived from the columns each forward receives.
+
+Both keep their sequences' blocks in a pure-Python :class:`~infopt.kvcache.manager.KVBlockManager`
+(``cache.blocks``) and lay steps out in tensors over it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .blocks import BlockAllocator, BlockStateError, OutOfBlocks
 from .manager import KVBlockManager, SeqBlocks
 from .pool import KVBlockPool
 
-__all__ = ["PagedCache", "PagedBatch"]
+__all__ = ["PagedCache", "PaddedPagedCache", "PagedBatch"]
 
 
 @dataclass
@@ -115,6 +118,8 @@ class PagedCache(Cache):
         (2, 6, 3)
     """
 
+    _packed = True  # serves packed steps (a PaddedPagedCache serves one padded generate call instead)
+
     def __init__(self, pool: KVBlockPool, *, config: Any = None, device: torch.device | str | None = None):
         super().__init__(layers=[_PagedLayer(self) for _ in range(pool.num_layers)])
         self.pool = pool
@@ -127,8 +132,6 @@ class PagedCache(Cache):
         self._step_ids: tuple[Hashable, ...] = ()
         self._layers_done: set[int] = set()
         self._n_tokens = 0
-        self._pads: list[int] | None = None  # padded-generate mode: left padding per row
-        self._columns = 0
         self.device = torch.device(device) if device is not None else None
         self.tokens_computed = 0  # tokens run through the model (prefix hits excluded)
 
@@ -241,7 +244,7 @@ class PagedCache(Cache):
         Raises:
             KeyError, ValueError, BlockStateError: as :meth:`begin_step` (misuse, not a full pool).
         """
-        if self._pads is not None:
+        if not self._packed:
             raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
         self._check_backend()
         self._finish_pending()
@@ -259,7 +262,7 @@ class PagedCache(Cache):
             BlockStateError: this cache serves a padded generate call, or the previous step was not ended
                 (:meth:`end_step` or :meth:`abort_step` first: ending it now would count this step's slots as done).
         """
-        if self._pads is not None:
+        if not self._packed:
             raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
         self._check_backend()
         if self._meta is not None:
@@ -295,7 +298,7 @@ class PagedCache(Cache):
         """The laid-out step as the model's ``paged_step`` keyword, for a forward without a cache object:
         ``model(input_ids=..., position_ids=..., use_cache=False, paged_step=cache.step_inputs())``, then
         :meth:`end_step`. Each attention layer writes its new K/V and attends (the ``paged`` backend)."""
-        if self._meta is None or self._pads is not None:
+        if self._meta is None or not self._packed:
             raise BlockStateError("step_inputs() follows begin_step(...) of a packed step")
         self._layers_done = set(range(len(self.layers)))  # the forward writes every layer itself
         return PagedStep(self.pool, self._meta, self._slots)
@@ -363,7 +366,82 @@ class PagedCache(Cache):
         self._meta = None
         self._step_ids = ()
 
-    # -- padded generate mode -------------------------------------------------------------------
+    # -- transformers Cache API -----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V ``[B, H_kv, q, D]`` into the blocks; return the layer's pools for the paged backend."""
+        if self._meta is None or layer_idx in self._layers_done:
+            self._layout_for_forward(key_states.shape[2], key_states.device)
+        b, _, q, _ = key_states.shape
+        if b * q != self._n_tokens:
+            raise BlockStateError(f"the forward has {b * q} tokens but the step was laid out for {self._n_tokens}")
+        self._layers_done.add(layer_idx)
+        k_pool, v_pool = PagedStep(self.pool, self._meta, self._slots).write(layer_idx, key_states, value_states)
+        bind(k_pool, v_pool, self._meta)
+        return k_pool, v_pool
+
+    def _layout_for_forward(self, q: int, device: torch.device) -> None:
+        raise BlockStateError("call PagedCache.begin_step(...) before each forward (or use PagedCache.step)")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: packed steps hand each forward its positions (a :class:`PaddedPagedCache` counts columns)."""
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # the paged backend ignores the mask transformers builds; keep it [.., q, q] small
+        return query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("in packed mode, roll a sequence back with PagedCache.truncate(seq_id, length)")
+
+    def reset(self) -> None:
+        """Release every sequence (the pool and its prefix cache stay)."""
+        self.release_all()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedCache does not serve beam search; infopt routes it to the original generate")
+
+    # -- memory ---------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        """Bytes allocated (the whole pool) and used (blocks held x bytes per block), cached prefix blocks,
+        and block utilization: the fraction of slots in the held blocks that hold a token.
+
+        Example:
+            >>> from infopt.models import tiny_model
+            >>> PagedCache.for_model(tiny_model(), num_blocks=8).memory_stats()["blocks_free"]
+            8
+        """
+        alloc, bs, bb = self.allocator, self.block_size, self.pool.block_bytes
+        fill: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for i, blk in enumerate(seq.blocks):
+                fill[blk] = max(fill.get(blk, 0), min(bs, seq.length - i * bs))
+        return {
+            "num_blocks": alloc.num_blocks, "block_size": bs, "block_bytes": bb,
+            "blocks_used": alloc.num_used, "blocks_cached": alloc.num_evictable, "blocks_free": alloc.num_free,
+            "bytes_allocated": self.pool.bytes_allocated, "bytes_used": alloc.num_used * bb,
+            "bytes_cached": alloc.num_evictable * bb,
+            "utilization": sum(fill.values()) / (len(fill) * bs) if fill else 0.0,
+            "sequences": len(self._seqs), "tokens": sum(s.length for s in self._seqs.values()),
+        }
+
+
+class PaddedPagedCache(PagedCache):
+    """The padded-``generate`` adapter over the same pool and block manager as :class:`PagedCache`: each row of a
+    left-padded batch is one sequence, padding is never stored, and each forward's layout is derived from the
+    columns it receives (:func:`infopt.kvcache.use_` with :class:`~infopt.kvcache.Paged` makes one per call).
+    The packed-step API is refused."""
+
+    _packed = False
+
+    def __init__(self, pool: KVBlockPool, *, config: Any = None, device: torch.device | str | None = None):
+        super().__init__(pool, config=config, device=device)
+        self._pads: list[int] = []  # left padding per row
+        self._columns = 0
+
     def start_padded(self, rows: Sequence[Sequence[int]], pads: Sequence[int], max_new_tokens: int) -> int:
         """Serve one left-padded ``generate`` batch: row ``b`` holds ``pads[b]`` padding columns then ``rows[b]``.
 
@@ -393,7 +471,7 @@ class PagedCache(Cache):
         self._columns = columns
         return columns
 
-    def _begin_padded_step(self, q: int, device: torch.device) -> None:
+    def _layout_for_forward(self, q: int, device: torch.device) -> None:
         self._complete_step()
         c0, bs = self._columns, self.block_size
         pads = torch.tensor(self._pads, dtype=torch.long)
@@ -428,45 +506,20 @@ class PagedCache(Cache):
                 reuses them). None after a failure: only steps that completed are kept.
         """
         if sequences is not None and self._meta is not None and len(self._layers_done) == len(self.layers):
-            for b, p in enumerate(self._pads or []):
+            for b, p in enumerate(self._pads):
                 self._seqs[b].tokens = sequences[b, p:].tolist()
             self._complete_step()
         self.release_all()
-        self._pads = None
+        self._pads = []
         self._columns = 0
 
-    # -- transformers Cache API -----------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new K/V ``[B, H_kv, q, D]`` into the blocks; return the layer's pools for the paged backend."""
-        if self._meta is None or layer_idx in self._layers_done:
-            if self._pads is None:
-                raise BlockStateError("call PagedCache.begin_step(...) before each forward (or use PagedCache.step)")
-            self._begin_padded_step(key_states.shape[2], key_states.device)
-        b, _, q, _ = key_states.shape
-        if b * q != self._n_tokens:
-            raise BlockStateError(f"the forward has {b * q} tokens but the step was laid out for {self._n_tokens}")
-        self._layers_done.add(layer_idx)
-        k_pool, v_pool = PagedStep(self.pool, self._meta, self._slots).write(layer_idx, key_states, value_states)
-        bind(k_pool, v_pool, self._meta)
-        return k_pool, v_pool
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns already processed in padded-generate mode (what ``generate`` slices its inputs by); 0 otherwise."""
-        return self._columns if self._pads is not None else 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        # the paged backend ignores the mask transformers builds; keep it [.., q, q] small
-        return query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
+        """Columns already processed (what ``generate`` slices its inputs by)."""
+        return self._columns
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``tokens_to_remove`` columns of a padded batch (assisted decoding's rollback).
+        """Drop the last ``tokens_to_remove`` columns of the batch (assisted decoding's rollback).
         Negative values keep that many columns, as in transformers."""
-        if self._pads is None:
-            raise NotImplementedError("in packed mode, roll a sequence back with PagedCache.truncate(seq_id, length)")
         self._finish_pending()
         keep = self._columns - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
         self._columns = max(0, min(self._columns, keep))
@@ -474,35 +527,7 @@ class PagedCache(Cache):
             self.blocks.truncate(self._seqs[b], max(0, self._columns - p), keep_tokens=False)
 
     def reset(self) -> None:
-        """Release every sequence (the pool and its prefix cache stay)."""
+        """Release every row (the pool and its prefix cache stay)."""
         self.release_all()
-        self._pads = None
+        self._pads = []
         self._columns = 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("PagedCache does not serve beam search; infopt routes it to the original generate")
-
-    # -- memory ---------------------------------------------------------------------------------
-    def memory_stats(self) -> dict[str, float]:
-        """Bytes allocated (the whole pool) and used (blocks held x bytes per block), cached prefix blocks,
-        and block utilization: the fraction of slots in the held blocks that hold a token.
-
-        Example:
-            >>> from infopt.models import tiny_model
-            >>> PagedCache.for_model(tiny_model(), num_blocks=8).memory_stats()["blocks_free"]
-            8
-        """
-        alloc, bs, bb = self.allocator, self.block_size, self.pool.block_bytes
-        fill: dict[int, int] = {}
-        for seq in self._seqs.values():
-            for i, blk in enumerate(seq.blocks):
-                fill[blk] = max(fill.get(blk, 0), min(bs, seq.length - i * bs))
-        return {
-            "num_blocks": alloc.num_blocks, "block_size": bs, "block_bytes": bb,
-            "blocks_used": alloc.num_used, "blocks_cached": alloc.num_evictable, "blocks_free": alloc.num_free,
-            "bytes_allocated": self.pool.bytes_allocated, "bytes_used": alloc.num_used * bb,
-            "bytes_cached": alloc.num_evictable * bb,
-            "utilization": sum(fill.values()) / (len(fill) * bs) if fill else 0.0,
-            "sequences": len(self._seqs), "tokens": sum(s.length for s in self._seqs.values()),
-        }
-
