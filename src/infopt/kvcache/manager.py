@@ -66,7 +66,7 @@ class KVBlockManager:
         try:
             return self.seqs[seq_id]
         except KeyError:
-            raise KeyError(f"no sequence {seq_id!r} in this PagedCache (add it with add_sequence)") from None
+            raise KeyError(f"no sequence {seq_id!r} in this KV cache (add it with add_sequence)") from None
 
     def seq_len(self, seq_id: Hashable) -> int:
         """Tokens stored for ``seq_id``."""
@@ -87,7 +87,7 @@ class KVBlockManager:
             ValueError: ``seq_id`` already exists.
         """
         if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists in this PagedCache")
+            raise ValueError(f"sequence {seq_id!r} already exists in this KV cache")
         seq = SeqBlocks(tokens=[int(t) for t in tokens] if tokens is not None else [])
         alloc, bs = self.allocator, self.block_size
         parent = None
@@ -107,7 +107,7 @@ class KVBlockManager:
         """Start ``dst`` as a copy of ``src`` sharing all its blocks (copy-on-write on the first write into a shared
         block)."""
         if dst in self.seqs:
-            raise ValueError(f"sequence {dst!r} already exists in this PagedCache")
+            raise ValueError(f"sequence {dst!r} already exists in this KV cache")
         s = self.seq(src)
         self.seqs[dst] = SeqBlocks([self.allocator.fork(b) for b in s.blocks], s.length, s.done, list(s.tokens),
                                    list(s.hashes))
@@ -129,7 +129,7 @@ class KVBlockManager:
         """End a sequence: its full blocks are already in the prefix cache; every block loses this reference."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
-            raise KeyError(f"no sequence {seq_id!r} in this PagedCache")
+            raise KeyError(f"no sequence {seq_id!r} in this KV cache")
         self.allocator.free_many(seq.blocks)
         seq.blocks.clear()
 
