@@ -64,7 +64,10 @@ class QAT(StepConfig):
     loss of the converted model; (2) a short fine-tune of a few hundred steps leaves learned scales
     (LSQ) near their min/max start, while they would add a second learning rate to tune; (3) min/max
     grids clip nothing, so every weight the optimizer moves stays representable. The cost: an outlier
-    keeps its group's range wide, which learned clipping could narrow.
+    keeps its group's range wide, which learned clipping could narrow. Measured since (docs/quantize.md, "Learned
+    scales"): on the weights' learning rate, learned scales do stay near their start (no gain), but as log-scales on
+    their own learning rate they lowered the default model's g64 perplexity increase from +0.85 to +0.67; not built
+    in yet.
 
     Only the swapped linears' weights and biases train, kept as fp32 master copies whatever the model's
     dtype; norms, embeddings and the head stay frozen. Quantization perturbs the linears, so they are
