@@ -25,13 +25,13 @@ import time
 from collections import defaultdict
 
 import torch
+from engine_throughput import QUANTIZE, load_quantized  # this folder: the throughput benchmark
 from torch import nn
 
 from infopt.attention import paged as paged_mod
 from infopt.batching import Engine, SamplingParams
 from infopt.batching import core as core_mod
 from infopt.kvcache import Paged
-from infopt.models import load_default
 
 CATEGORIES = ("linears", "attention", "kv_write", "schedule+layout", "sampling", "other")
 
@@ -71,15 +71,7 @@ class Timers:
 
 
 def profile(dtype: torch.dtype, seqs: list[int], context: int, steps: int, quantize: str = "none") -> list[dict]:
-    model, tok = load_default()
-    model = model.to(dtype)
-    if quantize != "none":
-        import infopt
-        from infopt.quantize import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
-
-        step = {"int8": Int8WeightOnly, "int4": lambda: Int4WeightOnly(group_size=64),
-                "smoothquant": SmoothQuantW8A8}[quantize]()
-        infopt.optimize(model, [step], tokenizer=tok)
+    model, tok = load_quantized(dtype, quantize)
     timers = Timers()
     timers.hook_linears(model)
     timers.wrap(paged_mod, "_reference", "attention")
@@ -128,7 +120,7 @@ def main() -> None:
     ap.add_argument("--seqs", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed")
-    ap.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "smoothquant"],
+    ap.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE,
                     help="quantization applied first, one model each (as in engine_throughput.py)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()

@@ -23,6 +23,24 @@ from infopt.bench.workloads import WORKLOADS, make_workload
 from infopt.kvcache import Paged
 from infopt.models import load_default
 
+QUANTIZE = ("none", "int8", "int4", "smoothquant")
+"""The ``--quantize`` choices (also engine_profile.py's)."""
+
+
+def load_quantized(dtype: torch.dtype, quantize: str):
+    """The default model in ``dtype`` with ``quantize`` applied (one of :data:`QUANTIZE`): int8 / int4 (g64)
+    weight-only with their ``activations="auto"`` default, or SmoothQuant W8A8. Returns ``(model, tokenizer)``."""
+    model, tok = load_default()
+    model = model.to(dtype)
+    if quantize != "none":
+        import infopt
+        from infopt.quantize import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
+
+        step = {"int8": Int8WeightOnly, "int4": lambda: Int4WeightOnly(group_size=64),
+                "smoothquant": SmoothQuantW8A8}[quantize]()
+        infopt.optimize(model, [step], tokenizer=tok)
+    return model, tok
+
 
 def run(model, tok, reqs, kernel: str, prepack: str) -> dict:
     previous = set_cpu_kernel(kernel == "cpu")
@@ -54,7 +72,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["cpu"], choices=["cpu", "reference"])
     ap.add_argument("--prepack", nargs="+", default=["auto"], choices=["auto", "off"],
                     help="the engine's prepacked linear weights: auto (its default) and/or off; run off first")
-    ap.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "smoothquant"],
+    ap.add_argument("--quantize", nargs="+", default=["none"], choices=QUANTIZE,
                     help="quantization applied first, one model each: int8/int4 weight-only (activations as their "
                          "'auto' default), smoothquant (W8A8: int8 weights x per-token int8 activations)")
     ap.add_argument("--check", type=int, default=0, help="compare the first N requests with plain generate")
@@ -63,15 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for dname, qname in [(d, q) for d in args.dtypes for q in args.quantize]:
-        model, tok = load_default()
-        model = model.to(getattr(torch, dname))
-        if qname != "none":
-            import infopt
-            from infopt.quantize import Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
-
-            step = {"int8": Int8WeightOnly, "int4": lambda: Int4WeightOnly(group_size=64),
-                    "smoothquant": SmoothQuantW8A8}[qname]()
-            infopt.optimize(model, [step], tokenizer=tok)
+        model, tok = load_quantized(getattr(torch, dname), qname)
         reqs = make_workload("throughput", tok, num_requests=args.num_requests)
         refs = []
         for r in reqs[:args.check]:
