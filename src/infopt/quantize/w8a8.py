@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import a8
 from .primitives import dequantize
 
 __all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "fused_applies", "w8a8_steps", "KERNELS"]
@@ -33,8 +34,6 @@ def fused_applies(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return False
     if bias is not None and bias.dtype != x.dtype:
         return False
-    from . import a8
-
     return a8.available()  # loaded by W8A8Linear.__init__ on CPUs where it applies: no lock for dynamo to trace
 
 
@@ -154,8 +153,6 @@ class W8A8Linear(nn.Module):
         self.kernel = "auto"
         self.last_kernel: str | None = None
         if _CPU_INT_MM_FAST and torch.device(device or "cpu").type == "cpu":
-            from . import a8
-
             a8.available()  # build or load the C++ kernels now, outside any compiled region
 
     @classmethod
