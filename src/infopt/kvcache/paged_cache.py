@@ -200,6 +200,11 @@ class PagedCache(Cache):
         self._meta = None
 
     # -- steps ----------------------------------------------------------------------------------
+    def _check_packed_step(self) -> None:
+        if not self._packed:
+            raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
+        self._check_backend()
+
     def _check_backend(self) -> None:
         impl = getattr(self._config, "_attn_implementation", PAGED_IMPL)
         if impl != PAGED_IMPL:
@@ -244,9 +249,7 @@ class PagedCache(Cache):
         Raises:
             KeyError, ValueError, BlockStateError: as :meth:`begin_step` (misuse, not a full pool).
         """
-        if not self._packed:
-            raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
-        self._check_backend()
+        self._check_packed_step()
         self._finish_pending()
         entries = [(sid, [int(t) for t in (toks.tolist() if torch.is_tensor(toks) else toks)]) for sid, toks in entries]
         starts = self.blocks.allocate(entries)
@@ -262,9 +265,7 @@ class PagedCache(Cache):
             BlockStateError: this cache serves a padded generate call, or the previous step was not ended
                 (:meth:`end_step` or :meth:`abort_step` first: ending it now would count this step's slots as done).
         """
-        if not self._packed:
-            raise BlockStateError("this PagedCache serves a padded generate call; packed steps need their own cache")
-        self._check_backend()
+        self._check_packed_step()
         if self._meta is not None:
             raise BlockStateError("the previous step was not ended: call end_step() or abort_step() before laying out "
                                   "the next one")
