@@ -5,6 +5,11 @@
 #
 #   scripts/gpu_lane.sh                 # every stage: setup gpu suite bench
 #   scripts/gpu_lane.sh setup gpu       # only some (setup always runs first)
+#   scripts/gpu_lane.sh gpu:150 bench:120 suite:300   # each stage (each benchmark of bench) stopped after N s
+#
+# Stages: setup; gpu (the GPU-marked tests); suite (every test); suite-cpu (the tests not marked gpu: run it as a
+# second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too).
+# Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
 # Nothing is downloaded. What the machine lacks comes with the checkout:
 #   .whl/        wheels installed with --no-index (GPU_LANE_WHEELS). The lane needs `gguf` (pure Python) to
@@ -16,7 +21,8 @@
 # Environment: PYTHON (default python3, the one holding torch), GPU_LANE_RESULTS (default
 # benchmarks/results/gpu), GPU_LANE_WORKERS (pytest-xdist workers for the suite, default 8; 0 = none),
 # GPU_LANE_BENCH (which benchmarks: default "decode-default decode-1b batch"), GPU_LANE_DEFAULT_RECIPES and
-# GPU_LANE_1B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model).
+# GPU_LANE_1B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model), GPU_LANE_PYTEST_ARGS (more
+# pytest arguments for the gpu and suite stages, e.g. "-v --timeout 120").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -39,10 +45,15 @@ setup() {
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_lane: $PY's torch sees no CUDA device (torch built without CUDA?)" >&2; exit 2
   fi
+  # wheels are installed once per set of wheels, so a second lane process beside a running one leaves them alone
   if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-      "$WHEELS"/*.whl || { echo "gpu_lane: installing the wheels in $WHEELS failed" >&2; exit 2; }
-    echo "installed from $WHEELS: $(cd "$WHEELS" && ls ./*.whl | xargs -n1 basename | tr '\n' ' ')"
+    local names; names=$(cd "$WHEELS" && ls ./*.whl | xargs -n1 basename | tr '\n' ' ')
+    if [ "$(cat "$WORK/site/.wheels" 2>/dev/null)" != "$names" ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        "$WHEELS"/*.whl || { echo "gpu_lane: installing the wheels in $WHEELS failed" >&2; exit 2; }
+      echo "$names" > "$WORK/site/.wheels"
+    fi
+    echo "wheels from $WHEELS: $names"
   fi
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
   # the default model: the installed package, else the GGUF (whole or in pieces) that came with the checkout
@@ -67,8 +78,25 @@ setup() {
     fi
     [ -f "$dest" ] && echo "default model: $dest" || echo "default model: not available (its tests and benchmarks will fail)"
   fi
-  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1 \
-    || { echo "gpu_lane: pip install -e . failed (see $LOGS/install.log)" >&2; tail -20 "$LOGS/install.log"; exit 2; }
+  if [ "$("$PY" -c 'import infopt, os; print(os.path.dirname(infopt.__file__))' 2>/dev/null)" = "$ROOT/src/infopt" ]; then
+    echo "infopt: installed from $ROOT/src"
+  elif ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOGS/install.log" 2>&1; then
+    # no setuptools/wheel to build with offline: run from the source tree (entry points, such as the pytest
+    # plugin's, are then not registered, and their tests fail)
+    echo "gpu_lane: pip install -e . failed (see $LOGS/install.log); running infopt from src/ instead" >&2
+    tail -5 "$LOGS/install.log"
+    export PYTHONPATH="$ROOT/src:$PYTHONPATH"
+  fi
+  "$PY" -c "
+import logging; logging.basicConfig(level=logging.INFO)
+from infopt.core.extensions import build_all
+print('kernels:', build_all())
+try:
+    from infopt.models import default_model_dir
+    print('default model:', default_model_dir())
+except Exception as e:
+    print('default model: not available:', e)
+" || echo "gpu_lane: building the kernels or converting the default model failed" >&2
   "$PY" - "$RESULTS/env.json" <<'EOF'
 import importlib.metadata as md, json, sys
 from infopt.bench import machine_info
@@ -85,38 +113,46 @@ print(json.dumps(env))
 EOF
 }
 
+limit=""  # seconds for each run_stage of the current stage ("" = none)
 run_stage() {  # name, command...
   local name=$1; shift
-  say "$name: $*"
-  "$@" 2>&1 | tee "$LOGS/$name.log"
+  say "$name: $*${limit:+ (stopped after ${limit} s)}"
+  if [ -n "$limit" ]; then timeout --kill-after 10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+  else "$@" 2>&1 | tee "$LOGS/$name.log"; fi
   local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "gpu_lane: $name stopped after ${limit} s"
   [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
+bench() {
+  case $1 in
+    decode-default) run_stage bench-decode-default "$PY" benchmarks/gpu_decode.py --model default --quality \
+                      --recipes "${GPU_LANE_DEFAULT_RECIPES:-none,gpu-fast,int8,int4,fp8,gpu-fast+int4,gpu-fast+fp8}" \
+                      --json "$RESULTS/decode-default.json" ;;
+    decode-1b) run_stage bench-decode-1b "$PY" benchmarks/gpu_decode.py --model llama-1b \
+                 --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
+                 --json "$RESULTS/decode-llama-1b.json" ;;
+    batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
+             --dtype bfloat16 --baselines sequential,hf_continuous --repeats 1 --quiet \
+             --json "$RESULTS/batch-throughput.json" ;;
+    *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
+  esac
+}
+read -r -a pytest_extra <<<"${GPU_LANE_PYTEST_ARGS:-}"
+xdist=(); [ "${GPU_LANE_WORKERS:-8}" != 0 ] && xdist=(-n "${GPU_LANE_WORKERS:-8}" --dist loadfile)
 
 setup
-for stage in $STAGES; do
+for spec in $STAGES; do
+  stage=${spec%%:*}; limit=""; [ "$spec" != "$stage" ] && limit=${spec#*:}
   case $stage in
     setup) ;;
-    gpu) run_stage gpu-tests "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider --junitxml "$RESULTS/gpu-tests.xml" ;;
-    suite)
-      workers=${GPU_LANE_WORKERS:-8}
-      xdist=(); [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
-      run_stage suite "$PY" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" ;;
-    bench)
-      for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do
-        case $b in
-          decode-default) run_stage bench-decode-default "$PY" benchmarks/gpu_decode.py --model default --quality \
-                            --recipes "${GPU_LANE_DEFAULT_RECIPES:-none,gpu-fast,int8,int4,fp8,gpu-fast+int4,gpu-fast+fp8}" \
-                            --json "$RESULTS/decode-default.json" ;;
-          decode-1b) run_stage bench-decode-1b "$PY" benchmarks/gpu_decode.py --model llama-1b \
-                       --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" --json "$RESULTS/decode-llama-1b.json" ;;
-          batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
-                   --dtype bfloat16 --baselines sequential,hf_continuous --repeats 1 --quiet \
-                   --json "$RESULTS/batch-throughput.json" ;;
-          *) echo "gpu_lane: unknown benchmark $b" >&2; failed+=("bench $b (unknown)") ;;
-        esac
-      done ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, bench)" >&2; exit 2 ;;
+    gpu) run_stage gpu-tests "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/gpu-tests.xml" "${pytest_extra[@]}" ;;
+    suite-cpu)  # the tests not marked gpu, e.g. beside the gpu stage and the benchmarks on this machine's other cores
+      run_stage suite-cpu "$PY" -m pytest -q -rs -p no:cacheprovider -m "not gpu" "${xdist[@]}" \
+        --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
+    suite) run_stage suite "$PY" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
+    bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
+    decode-default|decode-1b|batch) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, batch)" >&2; exit 2 ;;
   esac
 done
 
