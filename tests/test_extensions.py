@@ -48,6 +48,47 @@ def test_builds_into_an_empty_cache_and_reuses_it(fresh_state):
     assert extensions.load("paged_attention") is True
     assert extensions.load("paged_attention") is True
     assert hasattr(torch.ops.infopt, "paged_attention")
+    # before its first load, a child process saw one of its errors reach Python; the verdict is kept beside it
+    assert built.with_name(built.name + ".errors-ok").exists() or extensions._registered("paged_attention")
+
+
+@pytest.mark.skipif(extensions._compiler() is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("name", extensions.KERNELS)
+def test_error_probe_raises_a_runtime_error(name):
+    """Each kernel's deliberate error reaches Python as a RuntimeError, in this process and in a child process."""
+    assert extensions.load(name) is True
+    with pytest.raises(RuntimeError, match="infopt error-path probe"):
+        getattr(torch.ops.infopt, f"{name}_error_probe")()
+    built = extensions._compiled(name)
+    for marker in (".errors-ok", ".errors-bad"):
+        built.with_name(built.name + marker).unlink(missing_ok=True)
+    assert extensions._errors_reach_python(name, built) is True  # the child process's verdict, afresh
+    assert built.with_name(built.name + ".errors-ok").exists()
+
+
+@pytest.mark.skipif(extensions._compiler() is None, reason="no C++ compiler on this machine")
+def test_a_kernel_whose_errors_crash_is_not_loaded(fresh_state, monkeypatch, caplog):
+    """Where an error raised in the library ends the process (a torch built with other exception handling), the
+    kernel is refused with that reason, kept beside the library, and the torch kernels are used."""
+    import subprocess
+
+    calls = []
+
+    def crashing(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, -11, "", "Fatal Python error: Segmentation fault")
+
+    built = extensions._compiled("paged_attention")  # with the real compiler, before subprocess.run is patched
+    monkeypatch.setattr(extensions.subprocess, "run", crashing)
+    monkeypatch.setattr(extensions, "_registered", lambda name: False)  # as in a process that never loaded it
+    with caplog.at_level(logging.WARNING, logger="infopt.extensions"):
+        assert extensions.load("paged_attention") is False
+    reason = extensions.status()["paged_attention"]
+    assert "does not reach Python" in reason and "signal 11" in reason and torch.__version__ in reason
+    assert any("torch reference kernel" in r.getMessage() for r in caplog.records)
+    assert built.with_name(built.name + ".errors-bad").read_text() == reason
+    monkeypatch.setattr(extensions, "_STATE", {})
+    assert extensions.load("paged_attention") is False and len(calls) == 1  # the kept verdict, not a second child
 
 
 def test_attention_falls_back_to_the_reference_without_the_kernel(monkeypatch):

@@ -153,6 +153,8 @@ def test_paged_generate_on_cuda(block_size):
     # flash-attn's paged kernel reads pages of a multiple of 256 tokens only; otherwise, or without flash-attn,
     # the torch reference
     flash = block_size % 256 == 0 and _flash_attn_importable()
-    assert _ran(before) == {"flash_attn": calls if flash else 0, "reference": 0 if flash else calls, "sdpa": 0}
+    # (the C++ CPU kernel, counted as "cpu", never runs on CUDA tensors)
+    assert _ran(before) == {"flash_attn": calls if flash else 0, "reference": 0 if flash else calls, "sdpa": 0,
+                            "cpu": 0}
     # bf16: the paged kernels and SDPA round differently; identical up to a near-tie (see the helper)
     assert_greedy_close(ref, prompt, out[0, prompt.shape[1]:].tolist(), 16)

@@ -254,11 +254,15 @@ def test_to_another_device_repacks_for_its_kernel(monkeypatch):
 @pytest.mark.parametrize("where", ["quantized-on-cuda", "quantized-on-cpu-then-moved"])
 def test_int4_cuda_kernel_runs_and_matches(where, monkeypatch):
     """Int4 on CUDA runs torch's tinygemm kernel (counted), on the default model's 576-wide layers too, whether the
-    model was quantized on the GPU or quantized on CPU and moved; outputs match the dequantized reference."""
+    model was quantized on the GPU or quantized on CPU and moved; outputs match the dequantized reference.
+
+    A random model's logits are nearly flat (top-1 flips on tiny differences), so the kernel is held to a dense
+    bf16 model carrying the very weights the codes decode to, and only loosely to the original model."""
     from infopt.eval.metrics import logit_metrics
 
     cfg_kw = dict(hidden_size=576, num_heads=9, num_kv_heads=3)
     ref = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).cuda()
+    deq = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).cuda()
     m = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw)
     if where == "quantized-on-cuda":
         m = m.cuda()
@@ -266,15 +270,20 @@ def test_int4_cuda_kernel_runs_and_matches(where, monkeypatch):
     else:
         quantize_(m, Int4WeightOnly(group_size=32))
         m = m.cuda()
-    layers = [mod for mod in m.modules() if isinstance(mod, Int4Linear)]
-    assert layers and all(mod.layout == "cuda_tinygemm" for mod in layers)
+    layers = {name: mod for name, mod in m.named_modules() if isinstance(mod, Int4Linear)}
+    assert layers and all(mod.layout == "cuda_tinygemm" for mod in layers.values())
+    with torch.no_grad():
+        for name, mod in layers.items():
+            deq.get_submodule(name).weight.copy_(mod.dequantize())
     calls = []
     real = torch._weight_int4pack_mm
     monkeypatch.setattr(torch, "_weight_int4pack_mm", lambda *a: calls.append(1) or real(*a))
     ids = torch.randint(3, 1000, (1, 24), device="cuda")
     with torch.no_grad():
         out = m(ids).logits.float()
+        want = deq(ids).logits.float()
         base = ref(ids).logits.float()
     assert len(calls) >= len(layers)
-    stats = logit_metrics(out, base, ids)
-    assert stats["top1"] >= 0.9 and stats["kl"] < 0.05, stats
+    exact = logit_metrics(out, want, ids)
+    assert exact["kl"] < 1e-3 and exact["top1"] >= 0.9, exact  # the same weights: rounding differences only
+    assert logit_metrics(out, base, ids)["kl"] < 0.05

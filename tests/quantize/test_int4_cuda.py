@@ -52,7 +52,11 @@ def test_cuda_packing_reads_back_the_cpu_codes():
     for k in keys:  # the same round-to-nearest codes, recovered from either kernel's packing
         if k.endswith("qweight"):
             assert torch.equal(gpu_state[k].cpu(), cpu_state[k]), k
-        else:
+        elif k.endswith("scales"):
             torch.testing.assert_close(gpu_state[k].cpu(), cpu_state[k], rtol=1e-6, atol=1e-6, msg=k)
+    # both kernels keep the offset (8 - zero) * scale in bf16, computed on their own device; the zeros read back
+    # from it may differ by the offset's last bf16 bit, far below one quantization step (a wrong zero moves the
+    # group's weights by a whole scale)
     for a, b in zip(int4_layers(on_cpu), int4_layers(on_gpu), strict=True):
-        torch.testing.assert_close(b.dequantize().cpu(), a.dequantize(), rtol=1e-6, atol=1e-6)
+        step = float(a.state_dict()["scales"].max())  # the largest quantization step
+        torch.testing.assert_close(b.dequantize().cpu(), a.dequantize(), rtol=0, atol=step * 2**-4)

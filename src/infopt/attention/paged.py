@@ -276,7 +276,7 @@ def _cpu_ready() -> bool:
     if _CPU_READY[0] is None:
         ready = extensions.load("paged_attention")
         if ready:
-            @torch.library.register_fake("infopt::paged_attention")
+            @extensions.register_fake_once("infopt::paged_attention")
             def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0):
                 return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
         _CPU_READY[0] = ready

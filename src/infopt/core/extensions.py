@@ -6,8 +6,11 @@ this machine's CPU (``-march=native``) and cached under ``$INFOPT_EXTENSIONS_DIR
 ``~/.cache/infopt/extensions``), keyed by the source, the torch version, the compiler and its flags and the CPU's
 flags, so another torch or machine builds its own copy. ``make setup`` builds them once.
 
-Where no compiler exists or the build fails, :func:`load` returns False and logs why once; callers then run their
-torch reference kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` turns the C++ kernels off.
+Before a built library is first loaded, a child process checks that an error raised in it (a ``TORCH_CHECK`` on
+bad input) reaches Python as a RuntimeError under the installed torch; a torch whose exception handling does not
+match the compiler's would otherwise end the process at the first bad input. Where no compiler exists, the build
+fails or that check fails, :func:`load` returns False and logs why once; callers then run their torch reference
+kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` turns the C++ kernels off.
 
 Example:
     >>> from infopt.core.extensions import status
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS", "load", "status", "build_all", "cache_dir"]
+__all__ = ["KERNELS", "load", "status", "build_all", "cache_dir", "register_fake_once"]
 
 _log = logging.getLogger("infopt.extensions")
 
@@ -109,6 +112,44 @@ def _compiled(name: str) -> Path | str:
     return target
 
 
+_PROBE_CODE = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+try:
+    getattr(torch.ops.infopt, sys.argv[2])()
+except RuntimeError as e:
+    sys.exit(0 if "infopt error-path probe" in str(e) else 3)
+sys.exit(4)
+"""
+
+
+def _errors_reach_python(name: str, target: Path) -> bool | str:
+    """Whether an error the kernel raises (``TORCH_CHECK``) reaches Python as a RuntimeError under this torch.
+
+    Checked once per built library, in a child process: a torch build whose exception handling does not match
+    this compiler's would otherwise end the user's process (a segmentation fault) at the first bad input. The
+    verdict is kept beside the library."""
+    ok, bad = target.with_name(target.name + ".errors-ok"), target.with_name(target.name + ".errors-bad")
+    if ok.exists():
+        return True
+    if bad.exists():
+        return bad.read_text()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE_CODE, str(target), f"{name}_error_probe"],
+                              capture_output=True, text=True, timeout=600)
+        code = proc.returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"checking its error path failed to run: {e}"  # not kept: a later process tries again
+    if code == 0:
+        ok.touch()
+        return True
+    how = f"signal {-code}" if code < 0 else f"exit status {code}"
+    reason = (f"it built, but an error raised in it does not reach Python as a RuntimeError with torch "
+              f"{torch.__version__} (a child process that raised one ended with {how})")
+    bad.write_text(reason)
+    return reason
+
+
 def _registered(name: str) -> bool:
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"infopt::{_PROBE.get(name, name)}", "CPU")
@@ -124,11 +165,31 @@ def _build(name: str) -> bool | str:
     target = _compiled(name)
     if not isinstance(target, Path):
         return target
+    errors = _errors_reach_python(name, target)
+    if errors is not True:
+        return errors
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as e:
         return f"loading {target} failed: {e}"
     return True
+
+
+def register_fake_once(qualname: str):
+    """``torch.library.register_fake(qualname)`` as a decorator, skipped where the operator has a fake already.
+
+    A kernel's loader registers its operators' fakes when it first loads them; a loader run again (its ready flag
+    reset, as tests do) registers the same functions again, which torch before 2.13 refuses."""
+
+    def deco(fn):
+        try:
+            torch.library.register_fake(qualname)(fn)
+        except RuntimeError as e:
+            if "already has an fake impl" not in str(e):
+                raise
+        return fn
+
+    return deco
 
 
 def load(name: str) -> bool:

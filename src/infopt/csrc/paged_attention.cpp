@@ -593,9 +593,17 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
 
 }  // namespace
 
+// Fails on purpose: infopt.core.extensions calls it once per build, in a child process, to see that an error raised
+// in this library reaches Python as a RuntimeError under the installed torch before the library is used.
+static int64_t paged_attention_error_probe() {
+  TORCH_CHECK(false, "infopt error-path probe");
+  return 0;
+}
+
 TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor query_start, "
         "Tensor kv_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_attention_error_probe() -> int", &paged_attention_error_probe);
 }
 
 TORCH_LIBRARY_IMPL(infopt, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -755,7 +755,14 @@ std::string quant_linear_isa() { return kIsa; }
 
 }  // namespace
 
+// Fails on purpose: see paged_attention_error_probe in paged_attention.cpp.
+static int64_t quant_linear_error_probe() {
+  TORCH_CHECK(false, "infopt error-path probe");
+  return 0;
+}
+
 TORCH_LIBRARY_FRAGMENT(infopt, m) {
+  m.def("quant_linear_error_probe() -> int", &quant_linear_error_probe);
   m.def("int4_a8_linear(Tensor x, Tensor weight, Tensor scale_min, int group) -> Tensor");
   m.def("int4_a8_linear_n(Tensor x, Tensor[] weights, Tensor[] scale_mins, int group) -> Tensor[]");
   m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");

@@ -46,23 +46,23 @@ def available() -> bool:
             if _READY[0] is None:
                 ready = extensions.load("quant_linear")
                 if ready:
-                    @torch.library.register_fake("infopt::int4_a8_linear")
+                    @extensions.register_fake_once("infopt::int4_a8_linear")
                     def _(x, weight, scale_min, group):
                         return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
 
-                    @torch.library.register_fake("infopt::int4_a8_linear_n")
+                    @extensions.register_fake_once("infopt::int4_a8_linear_n")
                     def _(x, weights, scale_mins, group):
                         return [x.new_empty(x.shape[0], w.shape[0] * ROWS) for w in weights]
 
-                    @torch.library.register_fake("infopt::int8_a8_linear")
+                    @extensions.register_fake_once("infopt::int8_a8_linear")
                     def _(x, weight, wsum, scale, group):
                         return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
 
-                    @torch.library.register_fake("infopt::int4_a8_dense_t")
+                    @extensions.register_fake_once("infopt::int4_a8_dense_t")
                     def _(weight, scale_min, group, dtype):
                         return weight.new_empty(weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype)
 
-                    @torch.library.register_fake("infopt::w8a8_linear")
+                    @extensions.register_fake_once("infopt::w8a8_linear")
                     def _(x, weight, weight_scale, bias):
                         return x.new_empty(x.shape[0], weight.shape[0])
                 _READY[0] = ready
