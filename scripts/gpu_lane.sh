@@ -8,7 +8,8 @@
 #   scripts/gpu_lane.sh gpu:150 bench:120 suite:300   # each stage (each benchmark of bench) stopped after N s
 #
 # Stages: setup; gpu (the GPU-marked tests); suite (every test); suite-cpu (the tests not marked gpu: run it as a
-# second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too).
+# second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too);
+# identity (benchmarks/gpu_identity.py: which component of gpu-fast leaves plain bf16 generate's tokens).
 # Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
 # Nothing is downloaded. What the machine lacks comes with the checkout:
@@ -139,6 +140,7 @@ bench() {
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
              --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \
              --json "$RESULTS/batch-throughput.json" ;;
+    identity) run_stage bench-identity "$PY" benchmarks/gpu_identity.py --json "$RESULTS/identity.json" ;;
     *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
   esac
 }
@@ -157,8 +159,8 @@ for spec in $STAGES; do
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
     suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
-    decode-default|decode-1b|batch) bench "$stage" ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, batch)" >&2; exit 2 ;;
+    decode-default|decode-1b|batch|identity) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, batch, identity)" >&2; exit 2 ;;
   esac
 done
 

@@ -19,6 +19,7 @@ from infopt.quantize import (
     QATLinear,
     convert_qat_,
     prepare_qat_,
+    qat_param_groups,
     quantize_,
 )
 from infopt.quantize.int4 import quantize_int4_grouped
@@ -77,9 +78,11 @@ def qat_layers(model):
 # -- the fake-quantized layer ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, -1), (8, 32)], ids=["int4-g32", "int8-row", "int8-g32"])
 def test_forward_is_the_converted_weight_and_the_gradient_goes_straight_through(bits, group_size):
+    """Min/max grids (``scales="minmax"``): recomputed from the weight each call, rounding passed straight through."""
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
-    q = QATLinear.from_float(lin, QAT(bits=bits, group_size=group_size))
+    q = QATLinear.from_float(lin, QAT(bits=bits, group_size=group_size, scales="minmax"))
+    assert q.log_scale is None and [n for n, _ in q.named_parameters()] == ["weight", "bias"]
     x = torch.randn(3, 64)
     wq = q.quantized_weight()
     assert not torch.equal(wq, lin.weight)  # rounded
@@ -98,6 +101,56 @@ def test_forward_is_the_converted_weight_and_the_gradient_goes_straight_through(
     assert lin.weight.grad is None  # the float layer is a source, not a part
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, -1), (8, 32)], ids=["int4-g32", "int8-row", "int8-g32"])
+def test_learned_scales_start_at_round_to_nearest_train_and_convert_with_the_learned_grid(bits, group_size):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    rtn = QATLinear.from_float(lin, QAT(bits=bits, group_size=group_size, scales="minmax"))
+    q = QATLinear.from_float(lin, QAT(bits=bits, group_size=group_size))  # scales="learned", the default
+    groups = 1 if group_size == -1 else 64 // group_size
+    assert q.log_scale.shape == (32, groups) and not q.log_scale.any()
+    # at the start: round-to-nearest's grid and codes exactly, and its converted layer
+    assert torch.equal(q.quantized_weight(), rtn.quantized_weight())
+    assert torch.equal(q.to_quantized().dequantize(), rtn.to_quantized().dequantize())
+    # the scales get a gradient through the fake quantization, and the weight its straight-through one
+    x = torch.randn(5, 64)
+    q(x).square().sum().backward()
+    assert q.log_scale.grad is not None and q.log_scale.grad.abs().sum() > 0
+    assert q.weight.grad is not None and q.weight.grad.abs().sum() > 0
+    # a moved scale: the forward, quantized_weight and the converted layer all use the learned grid
+    with torch.no_grad():
+        q.log_scale.add_(torch.linspace(-0.3, 0.2, q.log_scale.numel()).view_as(q.log_scale))
+    scales, zeros = q.grid()
+    torch.testing.assert_close(scales, q.scale0 * q.log_scale.exp())
+    wq = q.quantized_weight()
+    assert not torch.equal(wq, rtn.quantized_weight())
+    torch.testing.assert_close(q(x), F.linear(x, wq, lin.bias))
+    real = q.to_quantized()
+    if bits == 8:  # fp32 scales: exactly the fake-quantized weight
+        assert torch.equal(real.dequantize(), wq)
+    else:  # the int4 kernels keep scales in bf16
+        step = float(scales.max())
+        torch.testing.assert_close(real.dequantize(), wq, rtol=0, atol=step * 2**-4)  # |code - zero| <= 15
+    # shrunken scales clip: some codes sit at the ends of the range
+    lo, hi = (0, 15) if bits == 4 else (-127, 127)
+    codes = q._codes(q._rounding_input(), scales, zeros)
+    assert bool(((codes == lo) | (codes == hi)).any())
+
+
+def test_qat_param_groups_give_the_scales_their_own_learning_rate():
+    m = prepare_qat_(tiny_model("llama"), small(lr=1e-3, scale_lr=5e-3))
+    weights, scales = qat_param_groups(m)
+    layers = qat_layers(m).values()
+    assert weights["lr"] == 1e-3 and scales["lr"] == 5e-3
+    assert {id(p) for p in weights["params"]} == {id(la.weight) for la in layers}
+    assert {id(p) for p in scales["params"]} == {id(la.log_scale) for la in layers}
+    m2 = prepare_qat_(tiny_model("llama"), small(scales="minmax"))
+    (only,) = qat_param_groups(m2)
+    assert len(only["params"]) == TARGETS
+    with pytest.raises(RecipeError, match="no QATLinear"):
+        qat_param_groups(tiny_model("llama"))
+
+
 def test_prepare_swaps_targets_freezes_the_rest_and_gradients_flow(prompt):
     m = tiny_model("llama")
     prepare_qat_(m, small())
@@ -105,10 +158,12 @@ def test_prepare_swaps_targets_freezes_the_rest_and_gradients_flow(prompt):
     assert len(layers) == TARGETS and m.training
     assert type(m.lm_head) is nn.Linear and m.lm_head.weight is m.model.embed_tokens.weight  # head stays as it was
     trainable = {n for n, p in m.named_parameters() if p.requires_grad}
-    assert trainable == {f"{n}.weight" for n in layers}  # tiny llama's projections have no bias
+    # tiny llama's projections have no bias; each layer's learned scales train too
+    assert trainable == {f"{n}.{p}" for n in layers for p in ("weight", "log_scale")}
     out = m(prompt, labels=prompt)
     out.loss.backward()
     assert all(layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0 for layer in layers.values())
+    assert all(layer.log_scale.grad is not None for layer in layers.values())
     assert m.model.norm.weight.grad is None and m.model.embed_tokens.weight.grad is None
 
 

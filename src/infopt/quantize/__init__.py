@@ -11,14 +11,14 @@ from .fp8 import FP8, FP8Linear
 from .gptq import GPTQ
 from .int4 import Int4Linear, Int4WeightOnly
 from .int8 import Int8Linear, Int8WeightOnly
-from .qat import QAT, QATLinear, convert_qat_, prepare_qat_
+from .qat import QAT, QATLinear, convert_qat_, prepare_qat_, qat_param_groups
 from .serialize import quantization_config_for
 from .smoothquant import SmoothQuantW8A8, smooth_
 from .w8a8 import W8A8Linear
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "register_quantizer", "register_calibrated", "Int8WeightOnly",
            "Int8Linear", "Int4WeightOnly", "Int4Linear", "QuantizedExperts",
-           "GPTQ", "AWQ", "QAT", "QATLinear", "prepare_qat_", "convert_qat_",
+           "GPTQ", "AWQ", "QAT", "QATLinear", "prepare_qat_", "convert_qat_", "qat_param_groups",
            "SmoothQuantW8A8", "W8A8Linear", "smooth_", "BnbInt8", "BnbNF4", "FP8", "FP8Linear",
            "quantization_config_for"]
 

@@ -33,10 +33,14 @@ from .int8 import Int8Linear, quantize_int8_per_channel
 from .layerwise import check_calibrated_config, check_calibrated_model
 from .primitives import dequantize, group_block
 
-__all__ = ["QAT", "QATLinear", "prepare_qat_", "convert_qat_", "LOSSES", "DISTILL_TOP_K"]
+__all__ = ["QAT", "QATLinear", "prepare_qat_", "convert_qat_", "qat_param_groups", "LOSSES", "SCALES",
+           "DISTILL_TOP_K"]
 
 LOSSES: tuple[str, ...] = ("distill", "next_token")
 """Training objectives of :class:`QAT` (see its ``loss`` field)."""
+
+SCALES: tuple[str, ...] = ("learned", "minmax")
+"""How :class:`QAT` sets each group's scale (see its ``scales`` field)."""
 
 DISTILL_TOP_K = 64
 """Tokens of the float model's distribution kept per position for the ``distill`` loss (the rest is one bucket)."""
@@ -57,17 +61,17 @@ class QAT(StepConfig):
     once more, by the very function ``Int4WeightOnly`` / ``Int8WeightOnly`` use, into the real layers: so
     saving, reloading, ``from_pretrained``, tensor-parallel sharding and the fused kernels all apply.
 
-    Scales are **not learned**: each forward recomputes every group's scale and zero point from the
-    current weights with the round-to-nearest rule (min/max, or absmax when symmetric). Why: (1) the
-    fake-quantized weight is then exactly the weight the conversion produces (the int4 kernels store
-    scales in bf16 and take bf16 activations, the only difference), so the loss that was trained is the
-    loss of the converted model; (2) a short fine-tune of a few hundred steps leaves learned scales
-    (LSQ) near their min/max start, while they would add a second learning rate to tune; (3) min/max
-    grids clip nothing, so every weight the optimizer moves stays representable. The cost: an outlier
-    keeps its group's range wide, which learned clipping could narrow. Measured since (docs/quantize.md, "Learned
-    scales"): on the weights' learning rate, learned scales do stay near their start (no gain), but as log-scales on
-    their own learning rate they lowered the default model's g64 perplexity increase from +0.85 to +0.67; not built
-    in yet.
+    Scales (``scales``): ``"learned"`` (the default) gives each group's scale a trainable log-factor, started
+    at 0 over the round-to-nearest grid of the weights before training (min/max, or absmax when symmetric) and
+    trained on its own learning rate ``scale_lr``; the zero points stay where that grid put them. The rounding
+    passes the gradient straight through, the clamp to the code range passes none outside it, so a scale can
+    shrink below its min/max start and clip an outlier when that lowers the loss. ``"minmax"`` recomputes every
+    group's grid from the current weights each step instead, as round-to-nearest would: nothing is clipped and
+    no second learning rate exists. Either way the fake-quantized weight is the weight the conversion
+    produces (the int4 kernels keep scales in bf16, the only difference), so the loss that was trained is the
+    loss of the converted model. Measured on the default model at g64 with integer zero points, 150 steps
+    (``benchmarks/qat_quality.py``, docs/quantize.md): learned scales at ``scale_lr`` 2e-3 take the perplexity
+    increase from +0.85 (min/max) to +0.67; on the weights' own learning rate they stayed at their start.
 
     Only the swapped linears' weights and biases train, kept as fp32 master copies whatever the model's
     dtype; norms, embeddings and the head stay frozen. Quantization perturbs the linears, so they are
@@ -90,6 +94,10 @@ class QAT(StepConfig):
         symmetric: 4-bit zero point fixed at 8 instead of fitted per group (8 bits are always symmetric).
         zero_point: 4 bits: ``"float"`` (the levels span each group's min..max exactly, the
             ``Int4WeightOnly`` default) or ``"int"`` (an integer zero point, GPTQ's format).
+        scales: ``"learned"`` (a trained log-factor per group's scale, on ``scale_lr``) or ``"minmax"`` (each
+            group's scale recomputed from the current weights every step); see above.
+        scale_lr: the learned scales' peak AdamW learning rate (the weights' schedule, scaled), for
+            ``scales="learned"``.
         steps: optimizer steps.
         lr: AdamW's peak learning rate.
         batch_size: calibration rows per step.
@@ -125,6 +133,8 @@ class QAT(StepConfig):
     group_size: int = 128
     symmetric: bool = False
     zero_point: str = "float"
+    scales: str = "learned"
+    scale_lr: float = 2e-3
     steps: int = 100
     lr: float = 2e-5
     batch_size: int = 4
@@ -138,6 +148,10 @@ class QAT(StepConfig):
         check_calibrated_config(self)  # bits, group_size, samples, seq_len, symmetric
         if self.zero_point not in ("float", "int"):
             raise bad_field(self, "zero_point", self.zero_point, "float, int")
+        if self.scales not in SCALES:
+            raise bad_field(self, "scales", self.scales, ", ".join(SCALES))
+        if not _number(self.scale_lr) or not 0 < self.scale_lr < 1:
+            raise bad_field(self, "scale_lr", self.scale_lr, "a number in (0, 1), e.g. 2e-3")
         for name in ("steps", "batch_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -209,6 +223,13 @@ class QATLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach().to(torch.float32, copy=True))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32, copy=True))
         self.keep_original = "disk"  # how prepare_qat_ kept the layer this replaced; convert_qat_ keeps it alike
+        self.log_scale: nn.Parameter | None = None
+        if config.scales == "learned":
+            # the round-to-nearest grid of the starting weights, [out, G]; training moves log_scale from 0
+            s0, z = self._minmax_grid(self._rounding_input())
+            self.register_buffer("scale0", s0)
+            self.register_buffer("zero", z)
+            self.log_scale = nn.Parameter(torch.zeros_like(s0))
 
     @classmethod
     def from_float(cls, module: nn.Module, config: QAT, *, conv1d: bool = False) -> QATLinear:
@@ -220,35 +241,76 @@ class QATLinear(nn.Module):
         # [out, in] fp32: the master weight as the converted layer will see it (cast through the model's dtype)
         return self.weight.detach().to(self.out_dtype).float()
 
+    def _minmax_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round-to-nearest's ``(scales, zeros)`` of ``w``, each ``[out, G]`` fp32 (int8: zeros 0)."""
+        if self.config.bits == 4:
+            _, scales, zeros = quantize_int4_grouped(w, self.group_size, self.config.symmetric, self.config.zero_point)
+            return scales.float(), zeros.float()
+        _, scales = quantize_int8_per_channel(w, self.group_size)
+        return scales.float(), torch.zeros_like(scales, dtype=torch.float32)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current ``(scales, zeros)``, ``[out, G]`` fp32: learned, or round-to-nearest's of the current weight
+        (no gradient)."""
+        if self.log_scale is None:
+            return self._minmax_grid(self._rounding_input())
+        return (self.scale0 * self.log_scale.detach().exp()).clamp_min(1e-12), self.zero
+
+    def _codes(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        """Rounded, clamped codes ``[out, G, group]`` of ``w`` on a grid; the rounding's gradient passes straight
+        through, the clamp's is zero outside the code range."""
+        lo, hi = (0, 15) if self.config.bits == 4 else (-127, 127)
+        r = w.view(self.out_features, -1, self.group_size) / scales.unsqueeze(-1) + zeros.unsqueeze(-1)
+        return (r + (r.round() - r).detach()).clamp(lo, hi)
+
+    def _fake_quantized(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        return ((self._codes(w, scales, zeros) - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)).reshape(w.shape)
+
+    def _round_to_nearest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scales, zeros)`` of the current weight by ``Int4WeightOnly`` / ``Int8WeightOnly``'s own function
+        (the min/max grid; int8: zeros None)."""
+        w, g = self._rounding_input(), None if self.config.group_size == -1 else self.group_size
+        if self.config.bits == 4:
+            return quantize_int4_grouped(w, self.group_size, self.config.symmetric, self.config.zero_point)
+        q, scales = quantize_int8_per_channel(w, g)
+        return q, scales, None
+
     def quantized_weight(self) -> torch.Tensor:
         """The fp32 ``[out, in]`` weight the converted layer stands for (no gradient)."""
         with torch.no_grad():
-            w = self._rounding_input()
-            if self.config.bits == 4:
-                codes, scales, zeros = quantize_int4_grouped(w, self.group_size, self.config.symmetric,
-                                                             self.config.zero_point)
-                return dequantize(codes, (1, self.group_size), scales, zeros)
-            q, s = quantize_int8_per_channel(w, None if self.config.group_size == -1 else self.group_size)
-            return dequantize(q, group_block(q.shape, None if self.config.group_size == -1 else self.group_size), s)
+            if self.log_scale is not None:
+                return self._fake_quantized(self._rounding_input(), *self.grid())
+            codes, scales, zeros = self._round_to_nearest()
+            g = None if self.config.group_size == -1 and self.config.bits == 8 else self.group_size
+            return dequantize(codes, group_block(codes.shape, g), scales, zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]; w + (wq - w).detach() is wq forward and the identity backward (STE)
-        w = self.weight + (self.quantized_weight() - self.weight).detach()
+        if self.log_scale is None:
+            # w + (wq - w).detach() is wq forward and the identity backward (STE)
+            w = self.weight + (self.quantized_weight() - self.weight).detach()
+        else:  # the scales learn through the fake quantization (the weight through its straight-through rounding)
+            scales = (self.scale0 * self.log_scale.exp()).clamp_min(1e-12)
+            w = self._fake_quantized(self.weight, scales, self.zero)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), b)
 
     def to_quantized(self) -> nn.Module:
-        """The ``Int4Linear`` / ``Int8Linear`` of the current weights, built as ``Int4WeightOnly`` /
-        ``Int8WeightOnly`` build theirs (``compute_dtype="auto"`` for int8)."""
-        w = self._rounding_input()
+        """The ``Int4Linear`` / ``Int8Linear`` of the current weights on the current grid (min/max: built as
+        ``Int4WeightOnly`` / ``Int8WeightOnly`` build theirs; ``compute_dtype="auto"`` for int8)."""
         bias = None if self.bias is None else self.bias.detach().to(self.out_dtype)
+        with torch.no_grad():
+            if self.log_scale is None:
+                codes, scales, zeros = self._round_to_nearest()
+            else:
+                scales, zeros = self.grid()
+                codes = self._codes(self._rounding_input(), scales, zeros).reshape(self.out_features, -1)
         if self.config.bits == 4:
-            codes, scales, zeros = quantize_int4_grouped(w, self.group_size, self.config.symmetric,
-                                                         self.config.zero_point)
-            return Int4Linear.from_codes(codes, scales, zeros, group_size=self.group_size, bias=bias,
+            return Int4Linear.from_codes(codes.to(torch.uint8), scales, zeros, group_size=self.group_size, bias=bias,
                                          dtype=self.out_dtype)
-        q, s = quantize_int8_per_channel(w, None if self.config.group_size == -1 else self.group_size)
-        return Int8Linear.from_codes(q, s, bias=bias, dtype=self.out_dtype, compute_dtype="auto")
+        if self.config.group_size == -1 and scales.dim() == 2:
+            scales = scales[:, 0]  # one scale per output row
+        return Int8Linear.from_codes(codes.to(torch.int8), scales.contiguous(), bias=bias, dtype=self.out_dtype,
+                                     compute_dtype="auto")
 
     def extra_repr(self) -> str:
         c = self.config
@@ -458,8 +520,9 @@ def _lr_factor(steps: int) -> Callable[[int], float]:
 
 def _finetune(model: nn.Module, layers: dict[str, QATLinear], ids: torch.Tensor, teacher, config: QAT) -> list[float]:
     """Run ``config.steps`` AdamW steps on the prepared model; the loss of each step."""
-    params = [p for layer in layers.values() for p in layer.parameters()]
-    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    groups = _param_groups(layers.values(), config)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(config.steps))
     gen = torch.Generator().manual_seed(config.seed)
     n = ids.shape[0]
@@ -489,6 +552,34 @@ def _finetune(model: nn.Module, layers: dict[str, QATLinear], ids: torch.Tensor,
             log.append(float(loss.detach()))
             bar.set_postfix(loss=f"{log[-1]:.4g}")
     return log
+
+
+def _param_groups(layers, config: QAT) -> list[dict[str, Any]]:
+    weights = [p for layer in layers for name, p in layer.named_parameters() if name != "log_scale"]
+    scales = [layer.log_scale for layer in layers if layer.log_scale is not None]
+    return [{"params": weights, "lr": config.lr}] + ([{"params": scales, "lr": config.scale_lr}] if scales else [])
+
+
+def qat_param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer parameter groups for training a model :func:`prepare_qat_` prepared with a loop of your own:
+    the :class:`QATLinear` weights and biases at the config's ``lr``, and their learned scales (``scales="learned"``)
+    at its ``scale_lr`` (on the weights' learning rate they barely move).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = prepare_qat_(tiny_model(), QAT(group_size=32))
+        >>> opt = torch.optim.AdamW(qat_param_groups(m))
+        >>> [g["lr"] for g in opt.param_groups]
+        [2e-05, 0.002]
+    """
+    layers = list(_qat_layers(model).values())
+    if not layers:
+        raise RecipeError("qat_param_groups: the model has no QATLinear layer; call prepare_qat_(model, QAT(...)) "
+                          "first")
+    configs = {layer.config for layer in layers}
+    if len(configs) > 1:
+        return [g for c in configs for g in _param_groups([la for la in layers if la.config == c], c)]
+    return _param_groups(layers, layers[0].config)
 
 
 def _run(model: nn.Module, config: QAT, targets: list[Target], ids: torch.Tensor | None, rebuild: bool
