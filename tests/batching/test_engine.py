@@ -362,3 +362,24 @@ def test_greedy_choice_is_fp32_argmax_ties_included(dtype):
     ref = logits.float().clone()
     ref[0, 7] = -float("inf")
     assert masked == ref.argmax(-1).tolist() and logits[0, 7] != -float("inf")  # masking works on a copy
+
+
+def test_each_step_records_its_blocks_once(monkeypatch):
+    """The scheduler allocated each step's blocks, so it alone completes them (the cache only closes its layout):
+    one ``KVBlockManager.complete`` per step, each over that step's sequences."""
+    from infopt.kvcache.manager import KVBlockManager
+
+    calls = []
+    real = KVBlockManager.complete
+
+    def spy(self, ids):
+        ids = list(ids)
+        calls.append(ids)
+        return real(self, ids)
+
+    monkeypatch.setattr(KVBlockManager, "complete", spy)
+    engine = Engine(tiny_model("llama"), max_batch_tokens=16, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [42, 7]]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+    assert len(calls) == engine.stats["steps"] and all(calls)

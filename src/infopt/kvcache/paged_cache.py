@@ -255,11 +255,17 @@ class PagedCache(Cache):
         starts = self.blocks.allocate(entries)
         if starts is None:
             return None
-        return self.layout_step(entries, starts)
+        batch = self.layout_step(entries, starts)
+        self._step_ids = batch.seq_ids  # this cache allocated: end_step / abort_step record the step's blocks
+        return batch
 
     def layout_step(self, entries: Sequence[tuple[Hashable, Sequence[int]]], starts: Sequence[int]) -> PagedBatch:
         """The layout half of :meth:`try_begin_step`, for entries whose blocks ``self.blocks.allocate(entries)``
         already reserved (it returned ``starts``): the packed inputs and the attention metadata of the step.
+
+        Whoever allocated also records the outcome on ``self.blocks`` (``complete(ids)`` after the forward,
+        ``abort(ids)`` if it failed, as the engine's scheduler does); :meth:`end_step` / :meth:`abort_step` then
+        only close the layout.
 
         Raises:
             BlockStateError: this cache serves a padded generate call, or the previous step was not ended
@@ -290,7 +296,7 @@ class PagedCache(Cache):
         slots = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
         self._set_meta(table, start + n, query_pos, n, gather=gather, scatter=seq_of * q + idx, token_index=None,
                        slots=slots, device=device)
-        self._step_ids = tuple(ids)
+        self._step_ids = ()  # the allocator's to complete (try_begin_step sets its own)
         self._n_tokens = total
         tokens = torch.tensor([t for _, toks in entries for t in toks], dtype=torch.long, device=device)
         return PagedBatch(tuple(ids), tokens[None], pos[None].to(device), (off + n - 1).to(device), news)
@@ -310,7 +316,8 @@ class PagedCache(Cache):
 
     def abort_step(self) -> None:
         """Undo the bookkeeping of a forward that failed: sequences go back to their length before it."""
-        self.blocks.abort(self._step_ids)
+        if self._step_ids:
+            self.blocks.abort(self._step_ids)
         self._meta = None
         self._step_ids = ()
 
@@ -363,7 +370,8 @@ class PagedCache(Cache):
     def _complete_step(self) -> None:
         if self._meta is None:
             return
-        self.blocks.complete(self._step_ids)
+        if self._step_ids:  # a step this cache allocated (layout_step's belong to their allocator)
+            self.blocks.complete(self._step_ids)
         self._meta = None
         self._step_ids = ()
 
