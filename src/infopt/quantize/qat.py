@@ -243,11 +243,9 @@ class QATLinear(nn.Module):
 
     def _minmax_grid(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Round-to-nearest's ``(scales, zeros)`` of ``w``, each ``[out, G]`` fp32 (int8: zeros 0)."""
-        if self.config.bits == 4:
-            _, scales, zeros = quantize_int4_grouped(w, self.group_size, self.config.symmetric, self.config.zero_point)
-            return scales.float(), zeros.float()
-        _, scales = quantize_int8_per_channel(w, self.group_size)
-        return scales.float(), torch.zeros_like(scales, dtype=torch.float32)
+        _, scales, zeros = self._round_to_nearest(w)
+        scales = scales.float().reshape(self.out_features, -1)
+        return scales, torch.zeros_like(scales) if zeros is None else zeros.float()
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The current ``(scales, zeros)``, ``[out, G]`` fp32: learned, or round-to-nearest's of the current weight
@@ -266,10 +264,12 @@ class QATLinear(nn.Module):
     def _fake_quantized(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
         return ((self._codes(w, scales, zeros) - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)).reshape(w.shape)
 
-    def _round_to_nearest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(codes, scales, zeros)`` of the current weight by ``Int4WeightOnly`` / ``Int8WeightOnly``'s own function
-        (the min/max grid; int8: zeros None)."""
-        w, g = self._rounding_input(), None if self.config.group_size == -1 else self.group_size
+    def _round_to_nearest(self, w: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scales, zeros)`` of ``w`` (default: the current weight) by ``Int4WeightOnly`` /
+        ``Int8WeightOnly``'s own function (the min/max grid; int8: zeros None, scales ``[out]`` per row)."""
+        w = self._rounding_input() if w is None else w
+        g = None if self.config.group_size == -1 else self.group_size
         if self.config.bits == 4:
             return quantize_int4_grouped(w, self.group_size, self.config.symmetric, self.config.zero_point)
         q, scales = quantize_int8_per_channel(w, g)
@@ -576,10 +576,8 @@ def qat_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     if not layers:
         raise RecipeError("qat_param_groups: the model has no QATLinear layer; call prepare_qat_(model, QAT(...)) "
                           "first")
-    configs = {layer.config for layer in layers}
-    if len(configs) > 1:
-        return [g for c in configs for g in _param_groups([la for la in layers if la.config == c], c)]
-    return _param_groups(layers, layers[0].config)
+    configs = dict.fromkeys(layer.config for layer in layers)  # one QAT config per prepare_qat_ call
+    return [g for c in configs for g in _param_groups([la for la in layers if la.config == c], c)]
 
 
 def _run(model: nn.Module, config: QAT, targets: list[Target], ids: torch.Tensor | None, rebuild: bool
