@@ -9,7 +9,7 @@ import torch
 import infopt
 from infopt.compile import compile_stats
 from infopt.compile.packed import can_pack
-from infopt.compile.saved import COMPILED_DIR, MANIFEST
+from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
 from infopt.models import tiny_model
 
 # packed fp32 linears would keep the steps unsaved (their graphs name this process's packed weights; see
@@ -27,6 +27,25 @@ def _saved(tmp_path):
     return folder, want
 
 
+needs_aot = pytest.mark.skipif(not can_save_steps(), reason=f"torch {torch.__version__} has no "
+                               "torch.compile(...).aot_compile: steps are not saved (see the test below)")
+
+
+def test_without_aot_compile_no_step_is_saved_and_loading_compiles(tmp_path, monkeypatch):
+    """On a torch without ahead-of-time compilation (2.11), saving says so and keeps no step; the loaded model
+    compiles its step and gives the same tokens."""
+    import infopt.compile.saved as saved
+
+    monkeypatch.setattr(saved, "can_save_steps", lambda: False)
+    with pytest.warns(RuntimeWarning, match="cannot compile a decode step ahead of time"):
+        folder, want = _saved(tmp_path)
+    assert not (folder / COMPILED_DIR).exists()
+    m, _ = infopt.load(folder)
+    assert torch.equal(m.generate(IDS, max_new_tokens=12, do_sample=False), want)
+    assert compile_stats(m).loaded == 0 and compile_stats(m).compiles >= 1
+
+
+@needs_aot
 def test_load_runs_the_saved_step_without_compiling(tmp_path):
     folder, want = _saved(tmp_path)
     manifest = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())
@@ -39,6 +58,7 @@ def test_load_runs_the_saved_step_without_compiling(tmp_path):
     assert stats.compiles == 0 and stats.calls > 0  # the decode steps ran the loaded graph
 
 
+@needs_aot
 def test_a_manifest_from_another_setup_compiles_instead(tmp_path):
     folder, want = _saved(tmp_path)
     path = folder / COMPILED_DIR / MANIFEST
@@ -51,6 +71,7 @@ def test_a_manifest_from_another_setup_compiles_instead(tmp_path):
     assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
 
 
+@needs_aot
 def test_a_saved_step_is_not_used_with_grad_enabled(tmp_path):
     folder, _ = _saved(tmp_path)
     model, _ = infopt.load(folder)

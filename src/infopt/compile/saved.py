@@ -86,6 +86,16 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
+def can_save_steps() -> bool:
+    """Whether this torch compiles a function ahead of time (``torch.compile(fn).aot_compile``, torch 2.12 and later):
+    without it ``save_optimized`` keeps no compiled step and the loaded model compiles its steps as usual."""
+    return callable(getattr(torch.compile(_identity), "aot_compile", None))
+
+
+def _identity(x):
+    return x
+
+
 def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     """Compile ahead of time, and write under ``directory/infopt_compiled``, every decode shape ``model`` has
     compiled (its warm-up shapes and any compiled since). Returns the file names written (empty when the model
@@ -119,6 +129,11 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
         return []
     keys = [k for k in fwd._fns if k not in fwd._eager]
     if not keys:
+        return []
+    if not can_save_steps():
+        warnings.warn(f"infopt: torch {torch.__version__} cannot compile a decode step ahead of time (no "
+                      "torch.compile(...).aot_compile; torch 2.12 and later have it), so none is saved with the model; "
+                      "loading it compiles its steps as usual", RuntimeWarning, stacklevel=2)
         return []
     out = Path(directory) / COMPILED_DIR
     out.mkdir(parents=True, exist_ok=True)
