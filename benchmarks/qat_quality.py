@@ -12,7 +12,7 @@ the teacher pass, so the defaults (150 steps, 128 rows) take ~13 minutes; ``with
 says whether teacher + training stayed under ``--budget-minutes``.
 
 Usage: python benchmarks/qat_quality.py [--group-size 64] [--steps 150] [--lr 2e-5] [--scales learned minmax]
-       [--scale-lr 2e-3] [--methods fp32 rtn gptq qat] [--tiny] [--out PATH]
+       [--scale-lr 5e-3] [--methods fp32 rtn gptq qat] [--tiny] [--out PATH]
 ``--tiny`` runs the same rows on a tiny random llama in seconds (a smoke test; the numbers mean nothing) and
 writes its JSON to the temporary folder unless ``--out`` is given.
 """
@@ -45,7 +45,7 @@ p.add_argument("--seq-len", type=int, default=256, help="QAT tokens per row")
 p.add_argument("--loss", default="distill", choices=["distill", "next_token"])
 p.add_argument("--scales", nargs="+", default=["learned", "minmax"], choices=["learned", "minmax"],
                help="one QAT row per choice (QAT's scales field)")
-p.add_argument("--scale-lr", type=float, default=2e-3, help="the learned scales' learning rate")
+p.add_argument("--scale-lr", type=float, default=5e-3, help="the learned scales' learning rate")
 p.add_argument("--methods", nargs="+", default=["fp32", "rtn", "gptq", "qat"], choices=["fp32", "rtn", "gptq", "qat"],
                help="which rows to run (fp32 is the reference either way)")
 p.add_argument("--gptq-samples", type=int, default=32, help="GPTQ calibration rows (as benchmarks/quantize_quality.py)")
