@@ -248,12 +248,15 @@ class QATLinear(nn.Module):
         scales = scales.float().reshape(self.out_features, -1)
         return scales, torch.zeros_like(scales) if zeros is None else zeros.float()
 
+    def _learned_scales(self) -> torch.Tensor:
+        return (self.scale0 * self.log_scale.exp()).clamp_min(1e-12)  # [out, G], with the log-factor's gradient
+
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The current ``(scales, zeros)``, ``[out, G]`` fp32: learned, or round-to-nearest's of the current weight
         (no gradient)."""
         if self.log_scale is None:
             return self._minmax_grid(self._rounding_input())
-        return (self.scale0 * self.log_scale.detach().exp()).clamp_min(1e-12), self.zero
+        return self._learned_scales().detach(), self.zero
 
     def _codes(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
         """Rounded, clamped codes ``[out, G, group]`` of ``w`` on a grid; the rounding's gradient passes straight
@@ -290,8 +293,7 @@ class QATLinear(nn.Module):
             # w + (wq - w).detach() is wq forward and the identity backward (STE)
             w = self.weight + (self.quantized_weight() - self.weight).detach()
         else:  # the scales learn through the fake quantization (the weight through its straight-through rounding)
-            scales = (self.scale0 * self.log_scale.exp()).clamp_min(1e-12)
-            w = self._fake_quantized(self.weight, scales, self.zero)
+            w = self._fake_quantized(self.weight, self._learned_scales(), self.zero)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, w.to(x.dtype), b)
 
