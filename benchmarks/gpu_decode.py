@@ -30,6 +30,7 @@ import torch
 
 import infopt
 from infopt.bench.harness import machine_info, measure_bandwidth, weight_bytes_per_token
+from infopt.eval import first_difference
 
 QUANT = {
     "int8": {"method": "int8"},
@@ -203,8 +204,8 @@ def main() -> None:
                 plain_out = out
             if plain_out is not None:
                 row["token_identical_to_plain"] = bool(torch.equal(out, plain_out))
-                row["first_difference"] = None if row["token_identical_to_plain"] else int(
-                    (out[0, : plain_out.shape[1]] != plain_out[0, : out.shape[1]]).nonzero()[0, 0] - ids.shape[1])
+                row["first_difference"] = first_difference(plain_out[0, ids.shape[1]:].tolist(),
+                                                           out[0, ids.shape[1]:].tolist())
             row["cuda_graph_launches"] = graph_launches(model, ids, 16)
             if name != "none":
                 from infopt.compile import compile_stats

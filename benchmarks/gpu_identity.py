@@ -26,6 +26,7 @@ import torch
 
 import infopt
 from infopt.bench.harness import machine_info
+from infopt.eval import first_difference
 from infopt.models import load_default
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
@@ -38,14 +39,6 @@ VARIANTS = {
     "gpu-fast": "gpu-fast",
     "gpu-fast+emulate": "gpu-fast",
 }
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None:
-    n = min(a.shape[1], b.shape[1])
-    diff = (a[0, :n] != b[0, :n]).nonzero()
-    if len(diff):
-        return int(diff[0, 0]) - start
-    return None if a.shape == b.shape else n - start
 
 
 def main() -> None:
@@ -77,8 +70,9 @@ def main() -> None:
             with patch:
                 m, _ = load_default(dtype=torch.bfloat16, device=dev)
                 infopt.optimize(m, VARIANTS[name])
-                row["first_difference"] = {q: first_difference(m.generate(ids, **kw), want, ids.shape[1])
-                                           for q, ids, want in prompts}
+                row["first_difference"] = {  # in generated tokens
+                    q: first_difference(want[0, ids.shape[1]:].tolist(), m.generate(ids, **kw)[0, ids.shape[1]:].tolist())
+                    for q, ids, want in prompts}
             row["identical"] = sum(v is None for v in row["first_difference"].values())
             del m
         except Exception as e:  # one variant failing must not hide the others

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["greedy_outputs", "assert_same_tokens", "assert_token_identical"]
+__all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical"]
 
 Prompt = str | torch.Tensor | Sequence[int]
 
@@ -103,6 +103,26 @@ def _show(ids: Sequence[int], tokenizer) -> str:
     return repr(tokenizer.decode(list(ids))) if tokenizer is not None else str(list(ids))
 
 
+def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int | None:
+    """Where two token sequences first differ.
+
+    Args:
+        expected, actual: token ids (e.g. two continuations of one prompt).
+
+    Returns:
+        The first index where they differ (a length difference counts at the shorter one's end), or None when they
+        are identical.
+
+    Example:
+        >>> first_difference([5, 6, 7], [5, 9, 7]), first_difference([5, 6], [5, 6, 7]), first_difference([1], [1])
+        (1, 2, None)
+    """
+    a, b = list(expected), list(actual)
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def assert_same_tokens(expected: Sequence[Sequence[int]], actual: Sequence[Sequence[int]], *, tokenizer=None,
                        names: tuple[str, str] = ("expected", "actual"),
                        prompt_lengths: Sequence[int] | None = None) -> None:
@@ -138,9 +158,9 @@ def assert_same_tokens(expected: Sequence[Sequence[int]], actual: Sequence[Seque
     a_name, b_name = names
     for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
         a, b = list(a), list(b)
-        if a == b:
+        pos = first_difference(a, b)
+        if pos is None:
             continue
-        pos = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
         where = f" (sequence position {prompt_lengths[i] + pos})" if prompt_lengths is not None else ""
         raise AssertionError(
