@@ -6,8 +6,8 @@ from infopt.generate import Forward, Unsupported, lean_decode, parse_call
 from infopt.models import tiny_model
 
 
-def greedy_decode(m, call, cache):
-    return lean_decode(call, cache, Forward(m))
+def greedy_decode(m, call, cache, every=None):
+    return lean_decode(call, cache, Forward(m), eos_check_every=every)
 
 
 def _batch():
@@ -19,7 +19,8 @@ def _batch():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_greedy_matches_generate(arch, cache):
+@pytest.mark.parametrize("every", [None, 4], ids=["eos-read-each-token", "eos-read-every-4"])
+def test_greedy_matches_generate(arch, cache, every):
     m = tiny_model(arch)
     ids, mask = _batch()
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -29,8 +30,46 @@ def test_greedy_matches_generate(arch, cache):
     ref = m.generate(ids, eos_token_id=eos, **kwargs)
     call = parse_call(m, (ids,), dict(eos_token_id=eos, **kwargs))
     c = DynamicCache() if cache == "dynamic" else StaticCache(config=m.config, max_cache_len=32)
-    out = greedy_decode(m, call, c)
+    out = greedy_decode(m, call, c, every)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("stop_at", [1, 3, 4, 5, 8, 11])
+def test_eos_read_every_k_tokens_ends_where_generate_ends(stop_at):
+    # the last row to stop does so before, at or after a read; the loop runs past it and cuts the output back
+    m = tiny_model()
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    free = m.generate(ids, max_new_tokens=12, do_sample=False)
+    eos = int(free[0, 5 + stop_at - 1])
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    ref = m.generate(ids, **kw)
+    for every in (1, 4):
+        out = greedy_decode(m, parse_call(m, (ids,), kw), StaticCache(config=m.config, max_cache_len=32), every)
+        assert torch.equal(out, ref), every
+
+
+def test_eos_read_every_k_tokens_reads_the_device_k_times_less(monkeypatch):
+    # what the GPU path is for: each read of a device value (bool/int of a tensor) waits for the queued kernels
+    m = tiny_model()
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=7)
+    reads = {"n": 0}
+    for name in ("__bool__", "__int__", "item"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            reads["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = {}
+    for every in (1, 8):
+        call = parse_call(m, (ids,), kw)
+        reads["n"] = 0
+        greedy_decode(m, call, StaticCache(config=m.config, max_cache_len=64), every)
+        counts[every] = reads["n"]
+    assert counts[1] >= 32, counts
+    assert counts[8] <= counts[1] - 24, counts
 
 
 def test_min_new_tokens_and_max_length():

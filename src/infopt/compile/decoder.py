@@ -262,13 +262,14 @@ class CompiledForward(Forward):
         """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's)."""
         return self.timings.get((batch, token_bucket(k), length))
 
-    def step(self, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
+    def step(self, input_ids, position_ids, cache_position, attention_mask, cache, first: int | None = None
+             ) -> torch.Tensor:
         length = static_length(cache)
         B, k = input_ids.shape
         kb = token_bucket(k)
-        start = int(cache_position[0])
+        start = first if first is not None else int(cache_position[0])  # (a GPU sync when not given)
         if length is None or kb > MAX_TOKENS or start + kb > length:  # not a decode shape (or no room to pad): eager
-            return super().step(input_ids, position_ids, cache_position, attention_mask, cache)
+            return super().step(input_ids, position_ids, cache_position, attention_mask, cache, first)
         pad = kb - k
         if pad:  # [B, kb]: the last token repeated at the next positions; its slots are rolled back below
             more = torch.arange(1, pad + 1, device=input_ids.device)

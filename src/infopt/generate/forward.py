@@ -63,7 +63,7 @@ class Forward:
         return None
 
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-             attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+             attention_mask: torch.Tensor | None, cache, first: int | None = None) -> torch.Tensor:
         """``k`` new tokens per row after the cached ones: fp32 logits ``[B, k, V]``.
 
         Args:
@@ -72,11 +72,14 @@ class Forward:
             attention_mask: ``[B, W]`` over the cache slots (``W`` at least the filled length plus ``k``; a static
                 cache's full length for a fixed shape), or None when no row has padding or holes.
             cache: the transformers ``Cache``.
+            first: ``cache_position[0]`` as a Python int, when the caller keeps it on the host: reading it from a
+                GPU tensor waits for the GPU to finish every queued kernel, once per token.
         """
         k = input_ids.shape[1]
         kw = {"logits_to_keep": k} if self.keeps else {}
         if attention_mask is not None:  # eager: the mask up to the last new slot, as generate passes it
-            attention_mask = attention_mask[:, : int(cache_position[-1]) + 1]
+            end = first + k if first is not None else int(cache_position[-1]) + 1
+            attention_mask = attention_mask[:, :end]
         # the model derives the cache slots itself, as in generate (an evicting cache maps them its own way)
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          use_cache=True, **{CACHE_KWARG: cache}, **kw)

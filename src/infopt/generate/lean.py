@@ -7,6 +7,11 @@ attention mask, the mask dropped when it has no padding, fp32 argmax of the last
 ``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Sampling
 calls (temperature, top-k, top-p, min-p) use transformers' own warpers and ``torch.multinomial`` on the
 global generator in ``generate``'s order, so a seeded call draws the same tokens.
+
+On a GPU the loop never reads a value back per token: the cache slot is counted on the host, and whether every
+row has stopped is read every :data:`EOS_CHECK_EVERY` tokens (each read waits for all queued kernels, so the host
+could not queue the next token's step while the GPU runs this one). The steps run past the last EOS are cut from
+the output, which stays the tokens ``generate`` returns.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import torch
 from .call import GenerateCall, Unsupported
 from .forward import Forward, static_length
 
-__all__ = ["lean_decode", "positions_of"]
+__all__ = ["lean_decode", "positions_of", "EOS_CHECK_EVERY"]
+
+EOS_CHECK_EVERY = 8
+"""Tokens between reads of "every row stopped" off a CPU (on a CPU, and with a streamer, every token)."""
 
 
 def positions_of(call: GenerateCall) -> torch.Tensor:
@@ -30,8 +38,12 @@ def positions_of(call: GenerateCall) -> torch.Tensor:
 
 
 @torch.no_grad()  # not inference_mode: a cache allocated lazily here must stay writable by later calls (reset)
-def lean_decode(call: GenerateCall, cache, forward: Forward) -> torch.Tensor:
+def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: int | None = None) -> torch.Tensor:
     """Greedy or sampled decoding of ``call`` on ``cache`` (empty; filled in place) through ``forward``.
+
+    Args:
+        eos_check_every: tokens between reads of "every row stopped"; None: 1 on a CPU or with a streamer,
+            :data:`EOS_CHECK_EVERY` elsewhere.
 
     Returns:
         ``[B, T + n]`` token ids, ``n <= max_new_tokens`` (shorter when every row hit EOS), as ``generate``
@@ -63,6 +75,10 @@ def lean_decode(call: GenerateCall, cache, forward: Forward) -> torch.Tensor:
     streamer = call.streamer
     if streamer is not None:
         streamer.put(ids.cpu())
+    every = eos_check_every or (1 if ids.device.type == "cpu" or streamer is not None else EOS_CHECK_EVERY)
+    # steps after which some row was still going: once every row has stopped it stays so, and the output ends
+    # at step live + 1 (counted on the device when the loop does not read it every token)
+    live = torch.zeros((), dtype=torch.long, device=ids.device) if eos is not None and every > 1 else None
 
     logits = forward.prefill(ids, positions, full_mask[:, :T] if full_mask is not None else None, cache)[:, -1]
     n = 0
@@ -83,13 +99,20 @@ def lean_decode(call: GenerateCall, cache, forward: Forward) -> torch.Tensor:
         n += 1
         if eos is not None:
             unfinished &= ~torch.isin(tok, eos)
-            if not bool(unfinished.any()):
-                break
+            if live is None:
+                if not bool(unfinished.any()):
+                    break
+            else:
+                live += unfinished.any()
+                if n % every == 0 and int(live) < n:
+                    break
         if n == N:
             break
-        logits = forward.step(tok[:, None], next_pos, cache_position, full_mask, cache)[:, -1]
+        logits = forward.step(tok[:, None], next_pos, cache_position, full_mask, cache, first=T + n - 1)[:, -1]
         cache_position = cache_position + 1
         next_pos = next_pos + 1
+    if live is not None:
+        n = min(n, int(live) + 1)  # the step at which every row had stopped
     if streamer is not None:
         streamer.end()
     return out[:, : T + n]
