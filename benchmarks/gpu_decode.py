@@ -137,9 +137,15 @@ def where_time_goes(model, ids, n: int = 64, top: int = 12) -> dict:
     events = trace.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
     kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+    # which kernels: the step's kernel count sets a floor (each costs a few microseconds even inside a graph)
+    busy = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
+                  reverse=True)
+    gpu_top = [{"kernel": e.key[:120], "per_token": round(e.count / n, 2),
+                "us_per_token": round(e.self_device_time_total / n, 2),
+                "us_each": round(e.self_device_time_total / max(e.count, 1), 2)} for e in busy[:2 * top]]
     return {"tokens": n, "wall_ms_per_token_under_cprofile": round(wall / n * 1e3, 3),
             "gpu_kernel_ms_per_token": round(gpu_us / n / 1e3, 4), "gpu_kernels_per_token": round(kernels / n, 1),
-            "host_top": host}
+            "host_top": host, "gpu_top": gpu_top}
 
 
 def quality(model, tok, ref_logits, ids) -> dict:

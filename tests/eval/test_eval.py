@@ -436,3 +436,33 @@ def test_default_model_cpu_fast_and_lossless(default_model, tmp_path):
     finally:
         infopt.undo(model)
     assert ev.evaluate(model, ref).kl == 0.0
+
+
+def test_decode_path_logits_run_the_compiled_step_and_match_plain_decoding():
+    # the logits of an optimized model's own decode path (static cache + compiled step), teacher-forced along
+    # plain generate's greedy output: the same argmax at every step, the same values to fp32 rounding, and every
+    # step but the prompt's through the compiled graph
+    from infopt.compile import compile_stats
+    from infopt.eval import decode_path_logits
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [{"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}}])
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    out = ref.generate(ids, max_new_tokens=12, do_sample=False)[0, 5:]
+    plain = decode_path_logits(ref, ids, out)
+    calls = compile_stats(m).calls
+    fast = decode_path_logits(m, ids, out)
+    assert compile_stats(m).calls - calls == 11
+    assert plain.shape == fast.shape == (12, ref.config.vocab_size)
+    assert torch.equal(plain.argmax(-1), out) and torch.equal(fast.argmax(-1), out)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+    # and they are the logits a whole-sequence forward gives
+    full = ref(torch.cat([ids[0], out])[None]).logits[0, 4:-1].float()
+    torch.testing.assert_close(plain, full, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_path_logits_refuse_a_batch():
+    from infopt.eval import decode_path_logits
+
+    with pytest.raises(ValueError, match=r"one prompt, input_ids \[1, T\]"):
+        decode_path_logits(tiny_model(), torch.tensor([[1, 2], [3, 4]]), torch.tensor([5]))

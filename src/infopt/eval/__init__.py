@@ -17,7 +17,7 @@ from .metrics import (
 )
 from .quality import STORE_DTYPES, EvalResult, evaluate, make_reference, reference_for
 from .store import load_reference, reference_meta, save_reference
-from .tokens import assert_same_tokens, assert_token_identical, first_difference, greedy_outputs
+from .tokens import assert_same_tokens, assert_token_identical, decode_path_logits, first_difference, greedy_outputs
 from .windows import Window, window_layout
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "assert_token_identical",
     "check_reference",
     "compare",
+    "decode_path_logits",
     "default_text",
     "encode_text",
     "evaluate",

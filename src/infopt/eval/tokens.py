@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical"]
+__all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical", "decode_path_logits"]
 
 Prompt = str | torch.Tensor | Sequence[int]
 
@@ -202,3 +202,55 @@ def assert_token_identical(model_a: nn.Module, model_b: nn.Module, prompts: Prom
     b = greedy_outputs(model_b, ids, max_new_tokens)
     assert_same_tokens(a, b, tokenizer=tokenizer, names=("model_a", "model_b"),
                        prompt_lengths=[int(x.shape[-1]) for x in ids])
+
+
+@torch.no_grad()
+def decode_path_logits(model: nn.Module, input_ids: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """The logits ``model``'s own decode path gives each token of ``continuation``, teacher-forced.
+
+    The prompt runs through the prefill, then each token of ``continuation`` but the last through one decode step,
+    on the cache and forward the model's recipe installed (a static cache, a compiled step with CUDA graphs), or on
+    a dynamic cache and eager forwards for a plain model. This measures what a compiled decode step computes:
+    ``model(ids)`` on the whole sequence runs the eager prefill path instead.
+
+    Args:
+        model: a causal LM, optimized or not.
+        input_ids: ``[1, T]`` prompt ids.
+        continuation: ``[N]`` or ``[1, N]`` tokens after the prompt (e.g. plain ``generate``'s greedy output).
+
+    Returns:
+        ``[N, V]`` fp32 logits: row ``i`` predicts ``continuation[i]``.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model(); ids = torch.tensor([[1, 17, 400]])
+        >>> out = m.generate(ids, max_new_tokens=4, do_sample=False)
+        >>> logits = decode_path_logits(m, ids, out[0, 3:])
+        >>> logits.shape[0], torch.equal(logits.argmax(-1), out[0, 3:])
+        (4, True)
+    """
+    from ..generate import Forward, decoder_for, parse_call, positions_of
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"decode_path_logits takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
+    cont = continuation.reshape(-1).to(input_ids.device)
+    T, N = input_ids.shape[1], cont.numel()
+    if N == 0:
+        raise ValueError("decode_path_logits needs at least one continuation token")
+    call = parse_call(model, (input_ids,), {"max_new_tokens": N, "do_sample": False})
+    dec = decoder_for(model)
+    if dec is not None:
+        cache, forward = dec.open_cache(call), dec.forward_for()
+    else:
+        from transformers import DynamicCache
+
+        cache, forward = DynamicCache(config=model.config), Forward(model)
+    try:
+        rows = [forward.prefill(input_ids, positions_of(call), None, cache)[:, -1].float()]
+        for i in range(N - 1):
+            slot = torch.tensor([T + i], device=input_ids.device)
+            rows.append(forward.step(cont[i].view(1, 1), slot.view(1, 1), slot, None, cache, first=T + i)[:, -1])
+    finally:
+        if dec is not None:
+            dec.close_cache(call, None)
+    return torch.cat(rows).float()
