@@ -10,8 +10,10 @@ For each recipe the model is loaded afresh in bf16 on the GPU, optimized, and ti
 median of ``--repeats``, with the GPU synchronized around each generate. Each row also records whether the
 greedy tokens equal plain bf16 ``generate``'s, how many CUDA graph launches one generate made (torch.profiler's
 ``cudaGraphLaunch`` runtime calls: CUDA graphs replayed, not just captured), the weight bytes read per token and
-the bandwidth that implies against a device-to-device copy; on the default model, lossy recipes also get KL and
-top-1 agreement against the bf16 model on the evaluation text (``--quality``).
+the bandwidth that implies against a device-to-device copy, and the KL / top-1 of the recipe's own decode path
+(compiled steps included) teacher-forced along plain ``generate``'s tokens against plain decoding (``decode_path``);
+on the default model, lossy recipes also get KL and top-1 agreement against the bf16 model on the evaluation text
+(``--quality``: a whole-sequence forward, which measures the weights, not the compiled step).
 
 ``llama-1b`` is a Llama built from a config with random weights (hidden 2048, 16 layers, 5632 MLP, 32/4 heads,
 32k vocabulary: 0.84B parameters), large enough for decode to be bound by reading the weights; its quality
@@ -30,7 +32,7 @@ import torch
 
 import infopt
 from infopt.bench.harness import machine_info, measure_bandwidth, weight_bytes_per_token
-from infopt.eval import first_difference
+from infopt.eval import decode_path_logits, first_difference
 
 QUANT = {
     "int8": {"method": "int8"},
@@ -183,7 +185,7 @@ def main() -> None:
                 "rows": rows}
 
     rows = []
-    plain_out = None
+    plain_out = plain_path = None
     eval_ids = ref_logits = None
     bw = measure_bandwidth(device="cuda")
     for name in args.recipes.split(","):
@@ -220,6 +222,19 @@ def main() -> None:
                 row["compile"] = st.as_dict() if st is not None else None
             if eval_ids is not None and name != "none":
                 row["quality"] = quality(model, tok, ref_logits, eval_ids)
+            # the recipe's own decode path (compiled steps included; the whole-sequence forward of `quality` runs
+            # the eager prefill path), teacher-forced along plain generate's tokens, against plain decoding
+            cont = None if plain_out is None else plain_out[0, ids.shape[1]:]
+            if cont is not None:
+                got = decode_path_logits(model, ids, cont)
+                if name == "none":
+                    plain_path = got
+                else:
+                    kl = torch.nn.functional.kl_div(got.log_softmax(-1), plain_path.log_softmax(-1), log_target=True,
+                                                    reduction="none").sum(-1)
+                    row["decode_path"] = {"kl_mean": round(float(kl.mean()), 6), "kl_max": round(float(kl.max()), 5),
+                                          "top1": round(float((got.argmax(-1) == plain_path.argmax(-1)).float()
+                                                              .mean()), 4)}
             if args.profile:
                 row["profile"] = where_time_goes(model, ids)
             del model
