@@ -84,11 +84,20 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
 
 
-def _targets(model: nn.Module, min_elements: int) -> list[nn.Linear]:
+def _targets(model: nn.Module, min_elements: int) -> list:
+    """The fp32 CPU linears to pack: plain ``nn.Linear`` layers, and the fused projection groups of
+    :mod:`infopt.compile.fuse` (one packed weight per group)."""
     seen: set[int] = set()
     out = []
     for m in model.modules():
-        if (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype == torch.float32
+        group = m.__dict__.get("_infopt_fused")
+        if group is not None:
+            w = group.weight
+            if (id(group) not in seen and w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
+                    and w.numel() >= min_elements):
+                seen.add(id(group))
+                out.append(group)
+        elif (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype == torch.float32
                 and m.weight.device.type == "cpu" and "forward" not in m.__dict__
                 and m.weight.numel() >= min_elements):
             seen.add(id(m))
@@ -96,12 +105,13 @@ def _targets(model: nn.Module, min_elements: int) -> list[nn.Linear]:
     return out
 
 
-def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list[nn.Linear]:
+def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list:
     """Route every fp32 CPU ``nn.Linear`` of ``model`` (exactly that class, its forward not already patched, with
-    at least ``min_elements`` weights) through ``infopt::packed_linear``, in place.
+    at least ``min_elements`` weights), and every fused projection group (:mod:`infopt.compile.fuse`), through
+    ``infopt::packed_linear``, in place.
 
     Returns:
-        The layers changed; :func:`unpack_linears_` of them undoes it.
+        The layers (and fused groups) changed; :func:`unpack_linears_` of them undoes it.
 
     Raises:
         RuntimeError: the torch build has no oneDNN prepacked linear (:func:`can_pack` is False).
@@ -126,9 +136,13 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list[nn
     with torch.no_grad():
         for i, m in enumerate(layers):
             handle = slot * _SLOT + i
-            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
-            m._infopt_packed = handle
-            m.forward = types.MethodType(_forward, m)
+            if isinstance(m, nn.Module):
+                _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
+                m._infopt_packed = handle
+                m.forward = types.MethodType(_forward, m)
+            else:  # a fused projection group: its fused matmul runs on the packed copy of its fused weight
+                _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
+                m.packed = handle
             weakref.finalize(m, _PACKED.pop, handle, None)
     weakref.finalize(layers[0], _release, slot, token)
     return layers
@@ -137,8 +151,11 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list[nn
 def unpack_linears_(layers: list[nn.Linear]) -> None:
     """Undo :func:`pack_linears_` on ``layers``: their own forward again, packed copies freed."""
     for m in layers:
-        handle = m.__dict__.pop("_infopt_packed", None)
-        m.__dict__.pop("forward", None)
+        if isinstance(m, nn.Module):
+            handle = m.__dict__.pop("_infopt_packed", None)
+            m.__dict__.pop("forward", None)
+        else:  # a fused projection group
+            handle, m.packed = m.packed, None
         if handle is not None:
             _PACKED.pop(handle, None)
             _SLOTS.pop(handle // _SLOT, None)
@@ -148,7 +165,7 @@ def packed_bytes(layers: list[nn.Linear]) -> int:
     """Bytes the packed copies of ``layers`` hold."""
     total = 0
     for m in layers:
-        entry = _PACKED.get(m.__dict__.get("_infopt_packed"))
+        entry = _PACKED.get(m.__dict__.get("_infopt_packed") if isinstance(m, nn.Module) else m.packed)
         if entry is not None:
             total += m.weight.numel() * m.weight.element_size()
     return total

@@ -66,6 +66,10 @@ class Compile(StepConfig):
             (:mod:`infopt.compile.packed`: 1.5-4x faster fp32 linears at decode widths on the CPUs measured;
             the packed copy costs the layers' fp32 size in memory). ``"auto"``: on a CPU model in fp32 with
             a torch build that has them; ``True`` insists (an error where unavailable); ``False`` never.
+        fuse_projections: one matmul for each attention layer's q/k/v and each gated MLP's gate/up projections
+            (:mod:`infopt.compile.fuse`: the layers' weights move into one buffer, no copy; five matmuls per
+            decoder layer become two). ``"auto"`` and ``True``: every group of plain ``nn.Linear`` layers;
+            ``False``: none.
 
     Raises:
         RecipeError: an unknown mode or backend, or bad warm-up sizes.
@@ -87,6 +91,7 @@ class Compile(StepConfig):
     warmup_batch_sizes: tuple[int, ...] = (1,)
     warmup_lengths: tuple[int, ...] = (256,)
     pack_linears: bool | str = "auto"
+    fuse_projections: bool | str = "auto"
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -100,6 +105,8 @@ class Compile(StepConfig):
         _positive_ints(self, "warmup_lengths", self.warmup_lengths)
         if self.pack_linears not in (True, False, "auto"):
             raise bad_field(self, "pack_linears", self.pack_linears, "auto, true or false")
+        if self.fuse_projections not in (True, False, "auto"):
+            raise bad_field(self, "fuse_projections", self.fuse_projections, "auto, true or false")
 
     def check(self, model, info, steps):
         if self.backend == "inductor" and info.device.type == "cpu" and _cxx_compiler() is None:
@@ -262,6 +269,23 @@ def _median_seconds(step, args: tuple, k: int, device: torch.device, repeats: in
     return sorted(times)[len(times) // 2]
 
 
+def _fuse(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
+    """Queue the fusion of the model's q/k/v and gate/up projections (after every step is applied, as packing: a
+    self draft copies the original layers first), before packing and the warm-up."""
+    if config.fuse_projections is False:
+        return
+    from . import fuse
+
+    def run():
+        groups = fuse.fuse_projections_(model)
+        if groups:
+            record_custom(model, f"{len(groups)} fused projection groups", lambda: fuse.unfuse_projections_(groups),
+                          step=config.key)
+            ctx.notes.append(f"{len(groups)} projection groups fused (q/k/v, gate/up): one matmul each")
+
+    ctx.after.append(run)
+
+
 def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
     """Queue the packing of the model's fp32 linears (after every step is applied: a self draft copies and
     quantizes the original layers first), before the warm-up compiles the graphs that call them."""
@@ -299,6 +323,7 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
                          "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
+    _fuse(model, config, ctx)
     _pack(model, config, ctx, info)
     from .saved import warmup_skipped
 

@@ -1,0 +1,123 @@
+import pytest
+import torch
+from torch import nn
+
+import infopt
+from infopt.compile import compile_stats
+from infopt.compile.fuse import fuse_projections_, unfuse_projections_
+from infopt.core.errors import RecipeError
+from infopt.models import tiny_model
+
+IDS = torch.tensor([[1, 17, 400, 23, 9, 5, 88]])
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "qwen3"])
+def test_fused_model_is_the_same_model(arch):
+    # same tokens, same state_dict (keys, values, parameter objects), one storage per group, no extra memory
+    ref, m = tiny_model(arch), tiny_model(arch)
+    params = dict(m.named_parameters())
+    groups = fuse_projections_(m)
+    assert len(groups) == 2 * m.config.num_hidden_layers
+    assert dict(m.named_parameters()) == params  # the same Parameter objects
+    sd, want = m.state_dict(), ref.state_dict()
+    assert list(sd) == list(want) and all(torch.equal(sd[k], want[k]) for k in want)
+    attn = m.model.layers[0].self_attn
+    assert len({_storage(attn.q_proj.weight), _storage(attn.k_proj.weight), _storage(attn.v_proj.weight)}) == 1
+    if attn.q_proj.bias is not None:  # qwen2: the biases are fused too
+        assert _storage(attn.q_proj.bias) == _storage(attn.v_proj.bias)
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in ref.parameters())
+    kw = dict(max_new_tokens=16, do_sample=False)
+    assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
+    torch.testing.assert_close(m(IDS).logits, ref(IDS).logits)
+    assert all(g.calls > 0 for g in groups)  # the fused matmul ran, for every group
+
+
+def test_a_projection_called_on_another_input_computes_its_own():
+    m = tiny_model()
+    attn = m.model.layers[0].self_attn
+    fuse_projections_(m)
+    x1, x2 = torch.randn(1, 3, m.config.hidden_size), torch.randn(1, 3, m.config.hidden_size)
+    q = attn.q_proj(x1)
+    k = attn.k_proj(x2)  # not the input q_proj saw
+    v = attn.v_proj(x1)
+    torch.testing.assert_close(q, nn.functional.linear(x1, attn.q_proj.weight))
+    torch.testing.assert_close(k, nn.functional.linear(x2, attn.k_proj.weight))
+    torch.testing.assert_close(v, nn.functional.linear(x1, attn.v_proj.weight))
+
+
+def test_weights_written_or_moved_after_fusion_are_used():
+    # load_state_dict writes in place through the views; .to() gives each weight storage of its own: both must
+    # reach the fused matmul (the group fuses again on the next eager forward)
+    m, other = tiny_model(), tiny_model(seed=1)
+    groups = fuse_projections_(m)
+    m.load_state_dict(other.state_dict())
+    torch.testing.assert_close(m(IDS).logits, other(IDS).logits)
+    m.to(torch.float64)
+    torch.testing.assert_close(m(IDS).logits, other.to(torch.float64)(IDS).logits)
+    assert all(g.refuses == 1 for g in groups)
+    attn = m.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == torch.float64 and _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight)
+
+
+def test_undo_gives_each_layer_its_own_storage_and_forward():
+    ref, m = tiny_model(), tiny_model()
+    groups = fuse_projections_(m)
+    unfuse_projections_(groups)
+    attn = m.model.layers[0].self_attn
+    assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)
+    assert "forward" not in attn.q_proj.__dict__ and "_infopt_fused" not in attn.k_proj.__dict__
+    sd, want = m.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], want[k]) for k in want)
+
+
+def test_quantized_and_patched_layers_are_left_alone():
+    m = tiny_model()
+    infopt.optimize(m, [{"quantize": {"method": "int8"}}])
+    assert fuse_projections_(m) == []
+    m2 = tiny_model()
+    m2.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: None)
+    groups = fuse_projections_(m2)
+    assert len(groups) == 2 * m2.config.num_hidden_layers - 1  # layer 0's q/k/v: a hook on k_proj
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_step_fuses_by_default_token_identical(dtype):
+    # fp32: the fused groups also run on oneDNN's packed weights where the torch build has them
+    ref, m = tiny_model(dtype=dtype), tiny_model(dtype=dtype)
+    infopt.optimize(m, [{"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}}])
+    group = m.model.layers[0].self_attn.q_proj._infopt_fused
+    kw = dict(max_new_tokens=20, do_sample=False)
+    assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
+    stats = compile_stats(m)
+    assert stats.compiles == 1 and not stats.eager_shapes and stats.compiles_after_warmup == 0
+    assert group.calls > 0
+    infopt.undo(m)
+    assert "_infopt_fused" not in m.model.layers[0].self_attn.q_proj.__dict__
+    assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
+
+
+def test_compiled_packed_fused_step_sees_weights_written_in_place():
+    # the packed copy of a fused buffer is keyed on the buffer's version; a write through a layer's view bumps it
+    # hidden 768: the fused q/k/v (1152 x 768) is large enough to be packed
+    m, ref = tiny_model(hidden_size=768, num_heads=8), tiny_model(hidden_size=768, num_heads=8, seed=1)
+    infopt.optimize(m, [{"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}}])
+    group = m.model.layers[0].self_attn.q_proj._infopt_fused
+    from infopt.compile import packed
+
+    assert group.packed is not None or not packed.can_pack()
+    m.load_state_dict(ref.state_dict())
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
+
+
+def test_compile_step_fuse_projections_off_and_bad_value():
+    m = tiny_model()
+    infopt.optimize(m, [{"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "fuse_projections": False,
+                                                                     "warmup_lengths": []}}])
+    assert "_infopt_fused" not in m.model.layers[0].self_attn.q_proj.__dict__
+    with pytest.raises(RecipeError, match="fuse_projections"):
+        infopt.optimize(tiny_model(), [{"kvcache": {"kind": "static"}}, {"compile": {"fuse_projections": "yes"}}])
