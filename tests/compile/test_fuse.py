@@ -121,3 +121,17 @@ def test_compile_step_fuse_projections_off_and_bad_value():
     assert "_infopt_fused" not in m.model.layers[0].self_attn.q_proj.__dict__
     with pytest.raises(RecipeError, match="fuse_projections"):
         infopt.optimize(tiny_model(), [{"kvcache": {"kind": "static"}}, {"compile": {"fuse_projections": "yes"}}])
+
+
+def test_a_fused_model_saves_and_loads_in_plain_transformers(tmp_path):
+    # safetensors refuses views of a shared buffer: state_dict hands out tensors of their own
+    from transformers import AutoModelForCausalLM
+
+    ref, m = tiny_model(), tiny_model()
+    fuse_projections_(m)
+    m.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    want = ref.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    # keep_vars=True still gives the parameters themselves
+    assert m.state_dict(keep_vars=True)["model.layers.0.self_attn.q_proj.weight"] is m.model.layers[0].self_attn.q_proj.weight

@@ -8,9 +8,11 @@ GEMMs on a CPU (``benchmarks/fuse_projections.py``).
 How it stays invisible to everything else:
 
 - **No copy, no new parameter.** Each group's weights are moved into one buffer, back to back, and each layer's
-  ``weight`` (the same ``nn.Parameter`` object) becomes a view of its rows. ``state_dict``, ``parameters()``,
-  saving and loading see the layers as before, at the same memory; an in-place write to a layer's weight
-  (``load_state_dict``, an optimizer step) writes into the fused buffer.
+  ``weight`` (the same ``nn.Parameter`` object) becomes a view of its rows. ``parameters()``, ``state_dict`` and
+  loading see the layers as before, at the same memory; an in-place write to a layer's weight
+  (``load_state_dict``, an optimizer step) writes into the fused buffer. ``state_dict()`` hands out copies of the
+  fused layers' tensors (safetensors refuses views of a shared buffer), so saving costs their size once more while
+  it runs.
 - **The modules stay ``nn.Linear``.** Only their ``forward`` is patched: the group's first projection computes the
   fused output and returns its slice; the others return their slices of it when called on the same input tensor,
   and compute their own linear otherwise (a model that calls them on different inputs stays correct).
@@ -164,6 +166,16 @@ def _member_forward(group: FusedGroup, index: int):
     return forward
 
 
+def _own_storage(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook of a fused layer: its weight and bias as tensors of their own (safetensors, and so
+    ``save_pretrained``, refuses tensors that share a storage they do not cover). Parameters asked for as such
+    (``keep_vars=True``) stay the parameters."""
+    for name in ("weight", "bias"):
+        t = state_dict.get(prefix + name)
+        if t is not None and not isinstance(t, nn.Parameter):
+            state_dict[prefix + name] = t.clone()
+
+
 def _eligible(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
     layers = [getattr(parent, n, None) for n in names]
     if not all(type(m) is nn.Linear for m in layers):  # exactly nn.Linear: quantized and wrapped layers stay
@@ -211,6 +223,7 @@ def fuse_projections_(model: nn.Module) -> list[FusedGroup]:
                 make = _first_forward if i == 0 else _member_forward
                 m.forward = types.MethodType(make(group, i), m)
                 m._infopt_fused = group
+                m._infopt_fused_hook = m.register_state_dict_post_hook(_own_storage)
             groups.append(group)
     return groups
 
@@ -221,4 +234,7 @@ def unfuse_projections_(groups: list[FusedGroup]) -> None:
         for m in group.modules():
             m.__dict__.pop("forward", None)
             m.__dict__.pop("_infopt_fused", None)
+            hook = m.__dict__.pop("_infopt_fused_hook", None)
+            if hook is not None:
+                hook.remove()
         group.unfuse()
