@@ -43,9 +43,12 @@ FAST = [{"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}}, {"c
 
 
 def recipe_steps(name: str):
-    """``none``, a preset, a quantizer above, or ``gpu-fast+<quantizer>``."""
+    """``none``, a preset, a quantizer above, ``gpu-fast+<quantizer>``, or ``gpu-fast-unfused`` (the preset with
+    separate q/k/v and gate/up projections: what fusing them saves)."""
     if name == "none":
         return None
+    if name == "gpu-fast-unfused":
+        return {"steps": [*FAST[:2], {"compile": {"mode": "reduce-overhead", "fuse_projections": False}}]}
     if name in QUANT:
         return {"steps": [{"quantize": QUANT[name]}]}
     if name.startswith("gpu-fast+"):

@@ -132,10 +132,10 @@ run_stage() {  # name, command...
 bench() {
   case $1 in
     decode-default) run_stage bench-decode-default "$PY" benchmarks/gpu_decode.py --model default --quality \
-                      --recipes "${GPU_LANE_DEFAULT_RECIPES:-none,gpu-fast,int8,int4,fp8,gpu-fast+int4,gpu-fast+fp8}" \
+                      --recipes "${GPU_LANE_DEFAULT_RECIPES:-none,gpu-fast,gpu-fast-unfused,gpu-fast+int4,gpu-fast+fp8,int8,int4,fp8}" \
                       --json "$RESULTS/decode-default.json" "${decode_extra[@]}" ;;
     decode-1b) run_stage bench-decode-1b "$PY" benchmarks/gpu_decode.py --model llama-1b \
-                 --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
+                 --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast-unfused,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
                  --json "$RESULTS/decode-llama-1b.json" "${decode_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
              --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \

@@ -272,8 +272,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         >>> [s.key for s in m.infopt.steps]
         ['kvcache:static', 'compile', 'speculative:self_draft']
         >>> infopt.undo(m)  # generate's wrapper and decoder, its cache, forwards and speculative parts, the drafter,
-        ...                 # the attention backend, the packed head, the report and the save hook
-        10
+        ...                 # the attention backend, the fused projections, the packed head, the report and the save hook
+        11
     """
     if gate is not None:
         check_gate(gate)

@@ -286,17 +286,19 @@ def linear_fqns(model: nn.Module, *, include_lm_head: bool = False) -> list[str]
 
 
 def param_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters and buffers, each storage counted once (tied weights once)."""
-    seen: set[int] = set()
+    """Bytes held by the model's parameters and buffers, each stretch of memory counted once (tied weights once;
+    views of one buffer, as fused projections are, each for its own rows)."""
+    seen: set = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t is None:
             continue
         try:
-            key = t.untyped_storage().data_ptr()
+            ptr = t.untyped_storage().data_ptr()
+            key = (ptr, t.storage_offset(), t.numel()) if ptr != 0 else id(t)
         except (RuntimeError, NotImplementedError):
             key = id(t)
-        if key in seen and key != 0:
+        if key in seen:
             continue
         seen.add(key)
         total += t.numel() * t.element_size()
