@@ -116,7 +116,7 @@ class FusedGroup:
                 if self.bias is not None:
                     increment_version(self.bias)
                 self._versions = self._member_versions()
-        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             out = torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
         else:
             out = nn.functional.linear(x, self.weight, self.bias)

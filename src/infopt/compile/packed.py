@@ -23,7 +23,9 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["can_pack", "pack_linears_", "unpack_linears_", "packed_bytes", "PACK_ROWS"]
+__all__ = ["can_pack", "can_pack_dtype", "pack_linears_", "unpack_linears_", "packed_bytes", "PACK_ROWS"]
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 PACK_ROWS = 16
 """The row count oneDNN picks the blocked layout for: the widest compiled verify (narrower calls run it as well)."""
@@ -54,6 +56,20 @@ def can_pack() -> bool:
                 and hasattr(mk, "_linear_pointwise"))
 
 
+def can_pack_dtype(dtype: torch.dtype) -> bool:
+    """True when linears of ``dtype`` can run on prepacked weights here: fp32 wherever :func:`can_pack`, bf16 where
+    oneDNN also runs bf16 matmuls on this CPU (AVX512-BF16 or AMX; elsewhere it would emulate them)."""
+    if dtype not in PACKED_DTYPES or not can_pack():
+        return False
+    if dtype == torch.float32:
+        return True
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
@@ -79,12 +95,12 @@ def _(x, weight, bias, handle):
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
+    if x.dtype != self.weight.dtype or x.device.type != "cpu" or self.weight.dtype not in PACKED_DTYPES:
         return nn.functional.linear(x, self.weight, self.bias)
     return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
 
 
-def _targets(model: nn.Module, min_elements: int) -> list:
+def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> list:
     """The fp32 CPU linears to pack: plain ``nn.Linear`` layers, and the fused projection groups of
     :mod:`infopt.compile.fuse` (one packed weight per group)."""
     seen: set[int] = set()
@@ -93,11 +109,11 @@ def _targets(model: nn.Module, min_elements: int) -> list:
         group = m.__dict__.get("_infopt_fused")
         if group is not None:
             w = group.weight
-            if (id(group) not in seen and w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
+            if (id(group) not in seen and w is not None and w.dtype in dtypes and w.device.type == "cpu"
                     and w.numel() >= min_elements):
                 seen.add(id(group))
                 out.append(group)
-        elif (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype == torch.float32
+        elif (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype in dtypes
                 and m.weight.device.type == "cpu" and "forward" not in m.__dict__
                 and m.weight.numel() >= min_elements):
             seen.add(id(m))
@@ -105,7 +121,8 @@ def _targets(model: nn.Module, min_elements: int) -> list:
     return out
 
 
-def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list:
+def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
+                  dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list:
     """Route every fp32 CPU ``nn.Linear`` of ``model`` (exactly that class, its forward not already patched, with
     at least ``min_elements`` weights), and every fused projection group (:mod:`infopt.compile.fuse`), through
     ``infopt::packed_linear``, in place.
@@ -125,7 +142,7 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS) -> list:
     if not can_pack():
         raise RuntimeError("this torch build has no oneDNN prepacked linear (torch.ops.mkldnn._linear_pointwise); "
                            "use Compile(pack_linears=False)")
-    layers = _targets(model, min_elements)
+    layers = _targets(model, min_elements, dtypes)
     if not layers:
         return layers
     slot = _MODEL_SLOT.get(model)  # a model packed again (after an undo) takes its slot back: the same handles

@@ -62,10 +62,11 @@ class Compile(StepConfig):
         warmup_lengths: call lengths (prompt + new tokens) compiled at apply time; each stands for
             its 256-token cache bucket (capped at the static cache's ``max_length``). Empty: compile
             lazily on the first call of each shape.
-        pack_linears: run the model's fp32 ``nn.Linear`` layers on oneDNN's prepacked weights
-            (:mod:`infopt.compile.packed`: 1.5-4x faster fp32 linears at decode widths on the CPUs measured;
-            the packed copy costs the layers' fp32 size in memory). ``"auto"``: on a CPU model in fp32 with
-            a torch build that has them; ``True`` insists (an error where unavailable); ``False`` never.
+        pack_linears: run the model's fp32 (or bf16) ``nn.Linear`` layers on oneDNN's prepacked weights
+            (:mod:`infopt.compile.packed`: 1.5-4x faster fp32 linears at decode widths on the CPUs measured, and
+            bf16 ones without a weight reorder per call; the packed copy costs the layers' size in memory).
+            ``"auto"``: on a CPU model in fp32, or in bf16 where oneDNN runs bf16 matmuls, with a torch build that
+            has them; ``True`` insists (an error where unavailable); ``False`` never.
         fuse_projections: one matmul for each attention layer's q/k/v and each gated MLP's gate/up projections
             (:mod:`infopt.compile.fuse`: the layers' weights move into one buffer, no copy; five matmuls per
             decoder layer become two). ``"auto"`` and ``True``: every group of plain ``nn.Linear`` layers;
@@ -293,21 +294,23 @@ def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
 
     if config.pack_linears is False:
         return
-    wanted = info.device.type == "cpu" and info.dtype == torch.float32
-    if config.pack_linears is True and not (wanted and packed.can_pack()):
+    wanted = info.device.type == "cpu" and packed.can_pack_dtype(info.dtype)
+    if config.pack_linears is True and not wanted:
         raise IncompatibleModelError(
-            f"Compile(pack_linears=True) needs an fp32 model on CPU and a torch build with oneDNN (model: "
-            f"{info.dtype} on {info.device.type}; oneDNN prepacked linear available: {packed.can_pack()}); use "
-            "pack_linears: auto")
-    if not (wanted and packed.can_pack()):
+            f"Compile(pack_linears=True) needs an fp32 model on CPU (or bf16 on a CPU whose oneDNN runs bf16 "
+            f"matmuls) and a torch build with oneDNN (model: {info.dtype} on {info.device.type}; oneDNN prepacked "
+            f"linear available: {packed.can_pack()}); use pack_linears: auto")
+    if not wanted:
         return
+    dtype = info.dtype
+    name = "fp32" if dtype == torch.float32 else "bf16"
 
     def pack():
-        layers = packed.pack_linears_(model)
+        layers = packed.pack_linears_(model, dtypes=(dtype,))
         if layers:
-            record_custom(model, f"{len(layers)} fp32 linears on prepacked weights",
+            record_custom(model, f"{len(layers)} {name} linears on prepacked weights",
                           lambda: packed.unpack_linears_(layers), step=config.key)
-            ctx.notes.append(f"{len(layers)} fp32 linears run on oneDNN prepacked weights (+"
+            ctx.notes.append(f"{len(layers)} {name} linears run on oneDNN prepacked weights (+"
                              f"{packed.packed_bytes(layers) / 2**20:.0f} MiB beside the originals)")
 
     ctx.after.append(pack)
