@@ -429,3 +429,33 @@ def test_a_data_dependent_trace_falls_back_to_eager_with_one_warning(monkeypatch
     stats = compile_stats(m)
     assert stats.calls == 0 and stats.eager_calls >= 3 * 9
     assert "DataDependent" in next(iter(stats.eager_shapes.values()))
+
+
+@pytest.mark.parametrize("guards", ["per_call", "per_token"])
+def test_a_change_dynamo_module_guards_would_catch_is_caught_once_per_call(guards):
+    # module_guards="per_call" skips dynamo's per-token guards on the modules; the check before each call's prompt
+    # must still see a hook added (or a training flag flipped) after the step was compiled
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="default", module_guards=guards)])
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    kw = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    compiles = compile_stats(m).compiles
+
+    def push_seven(module, args, out):
+        out = out.clone()
+        out[..., 7] += 1e4
+        return out
+
+    handle = m.lm_head.register_forward_hook(push_seven)
+    out = m.generate(ids, **kw)
+    assert out[0, 5:].tolist() == [7] * 8  # the prompt's token and every compiled decode step
+    if guards == "per_call":  # infopt's check dropped the graphs: compiled again for the hooked model
+        assert compile_stats(m).compiles > compiles
+    handle.remove()
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_module_guards_bad_value():
+    with pytest.raises(RecipeError, match="module_guards"):
+        Compile(module_guards="never")

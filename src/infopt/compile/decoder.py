@@ -127,6 +127,21 @@ def isolated_compile(fn, *, name: str, **kwargs):
     return torch.compile(types.MethodType(copy, owner) if owner is not None else copy, **kwargs)
 
 
+def module_signature(model: nn.Module) -> int:
+    """A hash of what dynamo's module guards check, computed in one pass: each parameter's and buffer's identity,
+    dtype, device, shape and grad flag, each module's training flag and hooks, the config's values."""
+    parts: list = []
+    for m in model.modules():
+        parts.append((m.training, len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__))
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                parts.append((id(t), t.dtype, t.device, tuple(t.shape), t.requires_grad))
+    config = getattr(model, "config", None)
+    if config is not None:
+        parts.append(repr(sorted((k, repr(v)) for k, v in vars(config).items())))
+    return hash(tuple(parts))
+
+
 def _weak_backend(forward: CompiledForward):
     """The dynamo backend of ``forward``'s graphs, holding it weakly.
 
@@ -195,6 +210,7 @@ class CompiledForward(Forward):
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
+        self._signature: int | None = None  # module_signature at compile time (module_guards "per_call")
         self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
         # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
         # the GQA backend on CPU they then read only those keys, in place, on the C++ kernel
@@ -252,11 +268,34 @@ class CompiledForward(Forward):
         fn = self._fns.get(key)
         if fn is None:
             b, k, length, padded = key
+            kw = {}
+            skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+            if getattr(self.config, "module_guards", "per_token") == "per_call" and skip is not None:
+                # dynamo's guards on the modules' attributes (every parameter's metadata, flags, config) cost about
+                # 1.3 ms per token on a 2-core CPU for a 30-layer model; prefill() checks the same once per call
+                kw["options"] = {"guard_filter_fn": skip}
+                if self._signature is None:
+                    self._signature = module_signature(self.model)
             fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
-                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph, dynamic=self.config.dynamic)
+                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph, dynamic=self.config.dynamic,
+                                  **kw)
             self._fns[key] = fn
             self.stats.shapes.append(_shape_name(key))
         return fn
+
+    def prefill(self, input_ids, position_ids, attention_mask, cache, keep: int = 1) -> torch.Tensor:
+        # once per call, before its compiled steps: with dynamo's per-token module guards off (module_guards
+        # "per_call"), a change they would have caught (a parameter's dtype, shape or device, a module's training
+        # flag, a hook, the config) drops the compiled graphs here, so the next step compiles for the new state
+        if self._signature is not None:
+            now = module_signature(self.model)
+            if now != self._signature:
+                log.info("the model changed since its decode step was compiled (a parameter's dtype, shape or "
+                         "device, a training flag, a hook or the config): compiling it again")
+                self._fns.clear()
+                self._graphs.clear()
+                self._signature = now
+        return super().prefill(input_ids, position_ids, attention_mask, cache, keep)
 
     def step_seconds(self, batch: int, k: int, length: int) -> float | None:
         """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's)."""
