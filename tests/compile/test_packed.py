@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import infopt
-from infopt.compile import Compile
-from infopt.compile import packed
+from infopt.compile import Compile, packed
 from infopt.compile.packed import _PACKED, can_pack, pack_linears_, unpack_linears_
 from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.kvcache import Static
