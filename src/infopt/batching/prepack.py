@@ -28,26 +28,15 @@ __all__ = ["prepack_linears_", "packed_forwards", "supported"]
 _STATE = threading.local()
 
 
-PACKED_DTYPES = (torch.bfloat16, torch.float32)
-
-
 def supported(model: nn.Module) -> bool:
     """True when the model's linears are fp32, or bf16 on a CPU whose oneDNN build runs bf16 matmuls, on a CPU with
     oneDNN's prepacked linear."""
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu" or p.dtype not in PACKED_DTYPES:
+    if p is None or p.device.type != "cpu":
         return False
-    from ..compile.packed import can_pack
+    from ..compile.packed import can_pack_dtype
 
-    if not can_pack():
-        return False
-    if p.dtype == torch.float32:
-        return True
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
+    return can_pack_dtype(p.dtype)
 
 
 @contextlib.contextmanager
