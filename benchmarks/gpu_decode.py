@@ -32,7 +32,7 @@ import torch
 
 import infopt
 from infopt.bench.harness import machine_info, measure_bandwidth, weight_bytes_per_token
-from infopt.eval import decode_path_logits, first_difference
+from infopt.eval import decode_path_logits, first_difference, logit_metrics
 
 QUANT = {
     "int8": {"method": "int8"},
@@ -154,8 +154,6 @@ def where_time_goes(model, ids, n: int = 64, top: int = 12) -> dict:
 
 
 def quality(model, tok, ref_logits, ids) -> dict:
-    from infopt.eval.metrics import logit_metrics
-
     with torch.no_grad():
         logits = model(ids).logits.float()
     m = logit_metrics(logits, ref_logits, ids)
@@ -233,11 +231,9 @@ def main() -> None:
                 if name == "none":
                     plain_path = got
                 else:
-                    kl = torch.nn.functional.kl_div(got.log_softmax(-1), plain_path.log_softmax(-1), log_target=True,
-                                                    reduction="none").sum(-1)
-                    row["decode_path"] = {"kl_mean": round(float(kl.mean()), 6), "kl_max": round(float(kl.max()), 5),
-                                          "top1": round(float((got.argmax(-1) == plain_path.argmax(-1)).float()
-                                                              .mean()), 4)}
+                    figures = logit_metrics(got, plain_path)
+                    row["decode_path"] = {"kl_mean": round(figures["kl"], 6), "kl_max": round(figures["kl_max"], 5),
+                                          "top1": round(figures["top1"], 4)}
             if args.profile:
                 row["profile"] = where_time_goes(model, ids)
             del model

@@ -41,7 +41,7 @@ import torch
 
 import infopt
 from infopt.bench.harness import machine_info
-from infopt.eval import decode_path_logits, first_difference
+from infopt.eval import decode_path_logits, first_difference, logit_metrics
 from infopt.models import load_default
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
@@ -128,13 +128,12 @@ def main() -> None:
                     else:
                         got = torch.cat([decode_path_logits(m, ids, want[0, ids.shape[1]:]) for _, ids, want in prompts])
                     plain = torch.cat(paths)
-                    kl = torch.nn.functional.kl_div(got.log_softmax(-1), plain.log_softmax(-1), log_target=True,
-                                                    reduction="none").sum(-1)
+                    figures = logit_metrics(got, plain)
                     agree = got.argmax(-1) == plain.argmax(-1)
                     top2 = plain.topk(2, dim=-1).values
                     row["decode_path"] = {
-                        "positions": int(agree.numel()), "top1": round(float(agree.float().mean()), 5),
-                        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                        "positions": int(agree.numel()), "top1": round(figures["top1"], 5),
+                        "kl_mean": figures["kl"], "kl_max": figures["kl_max"],
                         "max_abs_logit_diff": round(float((got - plain).abs().max()), 5),
                         "plain_margins_where_top1_differs": [round(float(x), 4) for x in
                                                              (top2[:, 0] - top2[:, 1])[~agree].tolist()]}

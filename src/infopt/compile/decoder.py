@@ -270,15 +270,15 @@ class CompiledForward(Forward):
             b, k, length, padded = key
             kw = {}
             skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-            if getattr(self.config, "module_guards", "per_token") == "per_call" and skip is not None:
+            if self.config.module_guards == "per_call" and skip is not None:
                 # dynamo's guards on the modules' attributes (every parameter's metadata, flags, config) cost about
                 # 1.3 ms per token on a 2-core CPU for a 30-layer model; prefill() checks the same once per call
                 kw["options"] = {"guard_filter_fn": skip}
                 if self._signature is None:
                     self._signature = module_signature(self.model)
             fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
-                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph, dynamic=self.config.dynamic,
-                                  **kw)
+                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph,
+                                  dynamic=self.config.dynamic, **kw)
             self._fns[key] = fn
             self.stats.shapes.append(_shape_name(key))
         return fn

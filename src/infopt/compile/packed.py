@@ -101,7 +101,7 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> list:
-    """The fp32 CPU linears to pack: plain ``nn.Linear`` layers, and the fused projection groups of
+    """The CPU linears of ``dtypes`` to pack: plain ``nn.Linear`` layers, and the fused projection groups of
     :mod:`infopt.compile.fuse` (one packed weight per group)."""
     seen: set[int] = set()
     out = []
@@ -123,8 +123,8 @@ def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> li
 
 def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
                   dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list:
-    """Route every fp32 CPU ``nn.Linear`` of ``model`` (exactly that class, its forward not already patched, with
-    at least ``min_elements`` weights), and every fused projection group (:mod:`infopt.compile.fuse`), through
+    """Route every CPU ``nn.Linear`` of ``model`` whose weight is of ``dtypes`` (exactly that class, its forward not
+    already patched, with at least ``min_elements`` weights), and every such fused projection group (:mod:`infopt.compile.fuse`), through
     ``infopt::packed_linear``, in place.
 
     Returns:
@@ -153,12 +153,11 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
     with torch.no_grad():
         for i, m in enumerate(layers):
             handle = slot * _SLOT + i
+            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
             if isinstance(m, nn.Module):
-                _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
                 m._infopt_packed = handle
                 m.forward = types.MethodType(_forward, m)
             else:  # a fused projection group: its fused matmul runs on the packed copy of its fused weight
-                _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
                 m.packed = handle
             weakref.finalize(m, _PACKED.pop, handle, None)
     weakref.finalize(layers[0], _release, slot, token)

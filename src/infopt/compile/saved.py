@@ -116,8 +116,9 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
         return []
     if any("_infopt_packed" in m.__dict__ or getattr(m.__dict__.get("_infopt_fused"), "packed", None) is not None
            for m in model.modules()):
-        # packed linears (and packed fused projection groups) run in a graph as infopt::packed_linear naming this process's packed weight by a
-        # handle (infopt.compile.packed): the op would repack under a handle the loading process gives another layer
+        # packed linears (and packed fused projection groups) run in a graph as infopt::packed_linear naming this
+        # process's packed weight by a handle (infopt.compile.packed): the op would repack under a handle the loading
+        # process gives another layer
         return []
     if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
         # quantized MoE experts run in a graph as infopt::quantized_experts naming this process's live module by a

@@ -238,15 +238,18 @@ def reference_logits(model: nn.Module, text: str | None = None, tokenizer=None, 
     return Reference(input_ids=input_ids, logits=_logits(model, input_ids))
 
 
-def logit_metrics(logits: torch.Tensor, ref_logits: torch.Tensor, input_ids: torch.Tensor) -> dict[str, float]:
+def logit_metrics(logits: torch.Tensor, ref_logits: torch.Tensor,
+                  input_ids: torch.Tensor | None = None) -> dict[str, float]:
     """KL(ref || model) per token (mean, max), top-1 agreement, and both perplexities, from full tensors.
 
     Args:
-        logits, ref_logits: ``[1, T, V]``.
-        input_ids: ``[1, T]`` (for next-token perplexity).
+        logits, ref_logits: ``[1, T, V]`` (or ``[T, V]`` without ``input_ids``).
+        input_ids: ``[1, T]`` (for next-token perplexity); None: no perplexities (e.g. logits teacher-forced
+            through :func:`~infopt.eval.decode_path_logits`, whose targets are not the ids of a sequence).
 
     Returns:
-        ``{"kl", "kl_max", "top1", "ppl", "ppl_ref", "tokens"}``; KL in nats/token.
+        ``{"kl", "kl_max", "top1", "ppl", "ppl_ref", "tokens"}``, without the last three when ``input_ids`` is
+        None; KL in nats/token.
 
     Example:
         >>> x = torch.randn(1, 4, 10)
@@ -257,6 +260,8 @@ def logit_metrics(logits: torch.Tensor, ref_logits: torch.Tensor, input_ids: tor
     lq = F.log_softmax(ref_logits.float(), dim=-1)
     kl = (lq.exp() * (lq - lp)).sum(-1)  # [1, T]
     top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+    if input_ids is None:
+        return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1)}
     tgt = input_ids[:, 1:]
     nll = -lp[:, :-1].gather(-1, tgt.unsqueeze(-1)).mean()
     nll_ref = -lq[:, :-1].gather(-1, tgt.unsqueeze(-1)).mean()
