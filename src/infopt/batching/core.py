@@ -24,11 +24,32 @@ from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .params import SamplingParams
+from .compiled import CompiledStep
 from .prepack import packed_forwards, prepack_linears_, supported
 from .sampler import choose_tokens
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
 __all__ = ["EngineCore", "CoreEvent", "DEFAULT_KV_BUDGET"]
+
+
+def _prepare_for_compile(model: nn.Module, pack: bool) -> int:
+    """Fuse each layer's q/k/v and gate/up projections into one matmul (:mod:`infopt.compile.fuse`), then, with
+    ``pack``, route every linear of the model's dtype through ``infopt::packed_linear`` on a prepacked weight (both
+    recorded: undo restores the model). Returns how many linears (and fused groups) were packed."""
+    from ..compile import fuse, packed
+    from ..core.patch import record_custom
+
+    groups = fuse.fuse_projections_(model)
+    if groups:
+        record_custom(model, f"{len(groups)} fused projection groups for the compiled engine step",
+                      lambda: fuse.unfuse_projections_(groups), step="batching")
+    if not pack:
+        return 0
+    layers = packed.pack_linears_(model, min_elements=0, dtypes=(next(model.parameters()).dtype,))
+    if layers:
+        record_custom(model, f"{len(layers)} linears on prepacked weights for the compiled engine step",
+                      lambda: packed.unpack_linears_(layers), step="batching")
+    return len(layers)
 
 DEFAULT_KV_BUDGET = 2**30
 """KV-cache bytes an engine's pool gets when ``kv.num_blocks`` is not given (1 GiB)."""
@@ -58,7 +79,7 @@ class EngineCore:
 
     def __init__(self, model: nn.Module, *, max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None,
                  chunked_prefill: bool = True, prefill_chunk: int | None = None, max_skips: int = 16,
-                 prepack: bool | None = None):
+                 prepack: bool | None = None, compile: bool = False):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
@@ -68,6 +89,8 @@ class EngineCore:
         if prepack and not packable:
             raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
                              "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
+        if not isinstance(compile, bool):
+            raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True or False")
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
@@ -77,8 +100,14 @@ class EngineCore:
             from ..attention.backends import set_backend_
 
             set_backend_(model, "paged", step="batching")
-        self._packed_steps = bool(packable if prepack is None else prepack)
-        self.prepacked = prepack_linears_(model) if self._packed_steps else 0
+        packing = bool(packable if prepack is None else prepack)
+        # a compiled step calls the packed weights through a custom operator (the eager engine's packed forwards
+        # are opaque to dynamo); the eager engine switches its packed forwards on for its steps only
+        self._packed_steps = packing and not compile
+        if compile:
+            self.prepacked = _prepare_for_compile(model, packing)
+        else:
+            self.prepacked = prepack_linears_(model) if packing else 0
         self.model = model
         max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
                                 "max_position_embeddings", None)
@@ -102,9 +131,16 @@ class EngineCore:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
         self._logits_to_keep = takes_logits_to_keep(model)
-        self.stats: dict[str, Any] = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0,
-                                      "cancelled": 0, "errors": 0, "busy_s": 0.0, "kv_util_sum": 0.0,
-                                      "kv_util_max": 0.0}
+        self.compiled = CompiledStep(model, keeps=self._logits_to_keep) if compile else None
+        self.stats: dict[str, Any] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start the aggregate figures of :meth:`metrics` afresh (the scheduler's preemption count included)."""
+        self.stats.clear()
+        self.stats.update(steps=0, prefill_tokens=0, decode_tokens=0, finished=0, cancelled=0, errors=0, busy_s=0.0,
+                          kv_util_sum=0.0, kv_util_max=0.0)
+        self.scheduler.preemptions = 0
 
     # -- requests ------------------------------------------------------------------------------------
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
@@ -180,20 +216,39 @@ class EngineCore:
             # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/small_m_matmul.py: 3 rows of the
             # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
             keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         try:
-            with packed_forwards() if self._packed_steps else contextlib.nullcontext():
-                out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                                 paged_step=self.cache.step_inputs(), **kwargs)
+            logits = self._forward(batch, keep, self.cache.step_inputs())
         except Exception as e:
             self.cache.abort_step()
             self.scheduler.abort(plan)
             for seq, _ in plan:
                 self._fail(seq, f"forward failed: {type(e).__name__}: {e}", events)
             return None
-        logits = out.logits[0, :len(due_rows)] if self._logits_to_keep else \
-            out.logits[0, batch.logits_indices[due_rows]]
+        logits = logits[0, :len(due_rows)] if self._logits_to_keep else logits[0, batch.logits_indices[due_rows]]
         return due_rows, logits
+
+    def _forward(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
+        """The step's logits ``[1, rows, vocab]``: through the compiled step once the KV pools exist (the first
+        step allocates them eagerly), else eagerly."""
+        compiled = self.compiled
+        if compiled is not None and compiled.stats.failed is None and self.cache.pool.allocated():
+            try:
+                return compiled(batch.input_ids, batch.position_ids, keep if self._logits_to_keep else None, step)
+            except Exception as e:
+                if not compiled.is_compile_error(e):
+                    raise
+                logits = self._eager(batch, keep, step)  # raises if the forward itself is at fault
+                compiled.disable(e)
+                return logits
+        if compiled is not None:
+            compiled.stats.eager_calls += 1
+        return self._eager(batch, keep, step)
+
+    def _eager(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        with packed_forwards() if self._packed_steps else contextlib.nullcontext():
+            return self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                              paged_step=step, **kwargs).logits
 
     def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,
                 events: list[CoreEvent]) -> None:
@@ -245,4 +300,6 @@ class EngineCore:
         s["preemptions"] = self.scheduler.preemptions
         s["tokens_per_busy_s"] = (s["prefill_tokens"] + s["decode_tokens"]) / s["busy_s"] if s["busy_s"] else 0.0
         s["kv_blocks"] = self.cache.allocator.stats()
+        if self.compiled is not None:
+            s["compile"] = self.compiled.stats.as_dict()
         return s

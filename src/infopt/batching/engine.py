@@ -164,6 +164,13 @@ class Engine:
             (:mod:`infopt.batching.prepack`; recorded, undone by :func:`infopt.undo`). None (default): where the
             model is fp32, or bf16 on a CPU whose oneDNN runs bf16 matmuls, on a CPU. False: the plain weights,
             even where an earlier engine packed them. The packed copies take as much memory again as the weights.
+        compile: run the steps through one ``torch.compile``-d forward with dynamic shapes
+            (:mod:`infopt.batching.compiled`): its two graphs are compiled here, by a warm-up of a few tokens, so
+            building the engine takes a minute or two longer on a small CPU model (less with Inductor's cache
+            filled by an earlier process), and no step compiles while serving. ``metrics()["compile"]`` reports
+            the graphs. With ``prepack``, the linears run through a custom operator on the packed weights
+            everywhere (recorded, undone by :func:`infopt.undo`). If compiling fails, the engine says so once and
+            runs its steps eagerly.
 
     Attributes:
         core: the :class:`~infopt.batching.core.EngineCore` that runs the steps (its ``cache``, ``scheduler``,
@@ -184,10 +191,11 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
-                 max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None):
+                 max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None,
+                 compile: bool = False):
         self.core = EngineCore(model, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
                                chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips,
-                               prepack=prepack)
+                               prepack=prepack, compile=compile)
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling or SamplingParams()
         self._ids = itertools.count()
@@ -198,6 +206,8 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        if compile:
+            self.warmup()
 
     # the core's parts, for callers and tests that look inside
     model = property(lambda self: self.core.model)
@@ -216,6 +226,28 @@ class Engine:
     prepacked = property(lambda self: self.core.prepacked)
     stats = property(lambda self: self.core.stats)
     capacity_tokens = property(lambda self: self.core.capacity_tokens)
+
+    def warmup(self) -> None:
+        """Compile the compiled step's graphs now (``Engine(compile=True)`` calls this when it is built): one
+        two-token request alone (its prompt runs eagerly and allocates the KV pools, then a single-token step),
+        then two together (a step of several tokens). The engine's statistics start afresh afterwards. Nothing to
+        do without ``compile``.
+
+        Raises:
+            RuntimeError: a warm-up request failed (the model cannot run in this engine; the reason is given).
+        """
+        compiled = self.core.compiled
+        if compiled is None or compiled.warmed_up:
+            return
+        vocab = self.core.vocab_size or 2
+        ids = [[1 % vocab, 2 % vocab], [3 % vocab, 4 % vocab]]
+        sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        for prompts in (ids[:1], ids):
+            for out in self.generate(prompts, sp):
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
+        compiled.warmed_up = True
+        self.core.reset_stats()
 
     # -- submission ----------------------------------------------------------------------------------
     def _encode(self, prompt: Any) -> list[int]:

@@ -62,6 +62,10 @@ class KVBlockPool:
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    def allocated(self) -> bool:
+        """True once every layer's K/V pools exist (the first forward through the pool allocates them)."""
+        return all(k is not None for k in self.keys) and all(v is not None for v in self.values)
+
     def storage(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's ``(K, V)`` pools, allocated on first use shaped after ``like_*`` ``[B, H_kv, q, D]``."""
         k = self.keys[layer_idx]

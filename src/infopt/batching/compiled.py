@@ -1,0 +1,133 @@
+"""The engine's packed forward under ``torch.compile``: two graphs serve every step.
+
+A step's shapes change every time: its token count (decode tokens plus prefill chunks), its sequence count, the
+width of its block table and the rows whose logits are due. The forward is compiled once with dynamic shapes, and
+before each call the sequence, block and logit-row dimensions are marked *unbacked*, so dynamo never specializes
+them (a backed size of 1 would get a graph of its own: one per combination of single sequence, single block,
+single due row). The token count stays backed because transformers' mask and rotary code branch on it; it splits
+the steps into single-token decodes and everything else. So an engine compiles two graphs, in its warm-up, and
+none while it serves (:class:`EngineCompileStats` counts them).
+
+What the graph buys on CPU is fusion of everything between the matmuls and the attention kernel (norms, rotary
+embeddings, activations, residual adds, the K/V writes), which the eager forward runs as hundreds of small
+operators per step. The linears stay on oneDNN's prepacked weights through ``infopt::packed_linear``
+(:mod:`infopt.compile.packed`), and attention stays on the ``infopt::paged_attention`` kernel; both are custom
+operators the graph calls as they are. ``benchmarks/engine_throughput.py --compile off on`` measures it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("infopt.batching")
+
+__all__ = ["CompiledStep", "EngineCompileStats"]
+
+
+@dataclass
+class EngineCompileStats:
+    """What an engine's compiled step did.
+
+    Attributes:
+        graphs: graphs compiled (two after the warm-up: single-token steps and the rest).
+        seconds: wall time spent compiling them.
+        after_warmup: graphs compiled while serving, each a stall of about ``seconds / graphs`` for the requests in
+            that step (0 when the warm-up covered every kind of step).
+        calls: steps run through the compiled graphs.
+        eager_calls: steps run eagerly (the first step, which allocates the KV pools, and every step after a
+            compile failure).
+        failed: why compiling failed (the engine then runs every step eagerly), or None.
+    """
+
+    graphs: int = 0
+    seconds: float = 0.0
+    after_warmup: int = 0
+    calls: int = 0
+    eager_calls: int = 0
+    failed: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, "seconds": round(self.seconds, 2), "after_warmup": self.after_warmup,
+                "calls": self.calls, "eager_calls": self.eager_calls, "failed": self.failed}
+
+
+def _mark_unbacked(t: torch.Tensor | None, *dims: int) -> None:
+    if t is not None:
+        from torch._dynamo.decorators import mark_unbacked
+
+        for d in dims:
+            mark_unbacked(t, d)
+
+
+class CompiledStep:
+    """``model``'s packed forward (``input_ids`` and ``position_ids`` ``[1, T]``, a ``paged_step``, the logit rows to
+    keep), compiled with dynamic shapes; see the module docstring.
+
+    Args:
+        model: the engine's model (its attention backend already ``paged``).
+        keeps: the model's forward takes ``logits_to_keep``.
+    """
+
+    def __init__(self, model: nn.Module, *, keeps: bool):
+        from ..compile.decoder import _weak_backend, isolated_compile
+
+        self.model = model
+        self.keeps = keeps
+        self.stats = EngineCompileStats()
+        self.warmed_up = False
+        self._device = next(model.parameters()).device
+        self._fn = isolated_compile(self._forward, name="engine_step", backend=_weak_backend(self), dynamic=True,
+                                    fullgraph=True)
+
+    def _forward(self, input_ids, position_ids, keep, step):
+        kw = {"logits_to_keep": keep} if self.keeps else {}
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, paged_step=step,
+                          **kw).logits
+
+    def _compiler(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        from ..compile.decoder import mode_options
+
+        t0 = time.perf_counter()
+        fn = compile_fx(gm, example_inputs, config_patches=mode_options("default", self._device, False))
+        self.stats.graphs += 1
+        self.stats.seconds += time.perf_counter() - t0
+        if self.warmed_up:
+            self.stats.after_warmup += 1
+            log.warning("the engine compiled a step shape its warm-up did not cover (graph %d): the requests in this "
+                        "step waited for it", self.stats.graphs)
+        return fn
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, step
+                 ) -> torch.Tensor:
+        """The step's logits, as the model returns them."""
+        meta = step.meta
+        starts = meta.query_start()  # built here, so the graph takes it as an input
+        _mark_unbacked(meta.block_table, 0, 1)
+        _mark_unbacked(meta.kv_lens, 0)
+        _mark_unbacked(meta.new_lens, 0)
+        _mark_unbacked(starts, 0)
+        _mark_unbacked(keep, 0)
+        out = self._fn(input_ids, position_ids, keep, step)
+        self.stats.calls += 1
+        return out
+
+    @staticmethod
+    def is_compile_error(e: BaseException) -> bool:
+        """True for errors raised by dynamo or Inductor. The engine then runs the step eagerly: if that fails too,
+        the forward itself is at fault; if it succeeds, compiling is (:meth:`disable`)."""
+        from torch._dynamo.exc import TorchDynamoException
+
+        return isinstance(e, TorchDynamoException)
+
+    def disable(self, e: BaseException) -> None:
+        """Give up on compiling for this engine (every later step runs eagerly), saying why once."""
+        self.stats.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log.warning("the engine's compiled step failed to compile (%s); its steps run eagerly", self.stats.failed)

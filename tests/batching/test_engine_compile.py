@@ -1,0 +1,106 @@
+"""The engine's compiled step (``Engine(compile=True)``): greedy identity with plain generate, two graphs compiled by
+the warm-up and none while serving, undo, the eager fallback when compiling fails."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import infopt
+from infopt.batching import Engine, SamplingParams
+from infopt.batching.compiled import CompiledStep
+from infopt.kvcache import Paged
+from infopt.models import tiny_model
+
+
+def _prompts(n: int, seed: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4000) for _ in range(rng.randint(1, hi))] for _ in range(n)]
+
+
+def _solo(model, prompt: list[int], new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _linear_forwards(model: nn.Module) -> int:
+    return sum("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_serving():
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    assert _linear_forwards(model) == 0
+    eng = Engine(model, max_batch_tokens=48, max_seqs=12, kv=Paged(block_size=4, num_blocks=120), compile=True)
+    stats = eng.metrics()["compile"]
+    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None
+    assert eng.metrics()["steps"] == 0  # the warm-up's steps are not counted
+    rng = random.Random(1)
+    prompts = _prompts(24, seed=2, hi=90)
+    lengths = [rng.randint(1, 20) for _ in prompts]
+    # a small budget and pool: prompts chunked across steps, sequences preempted, steps of one and of many
+    # sequences, one and many due rows, block tables of one and of many blocks
+    outs = eng.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    for p, n, o in zip(prompts, lengths, outs, strict=True):
+        assert o.token_ids == _solo(ref, p, n), (len(p), n)
+    single = eng.generate([[7]], SamplingParams(max_new_tokens=3))[0]
+    assert single.token_ids == _solo(ref, [7], 3)
+    stats = eng.metrics()["compile"]
+    assert stats["graphs"] == 2 and stats["after_warmup"] == 0, stats
+    assert stats["calls"] > eng.metrics()["steps"] // 2
+    # q/k/v and gate/up fused, the linears on packed weights through the custom operator (where oneDNN packs)
+    assert _linear_forwards(model) >= 4 * model.config.num_hidden_layers
+    assert "_infopt_fused" in model.model.layers[0].self_attn.q_proj.__dict__
+    eng.stop()
+    infopt.undo(model)
+    assert _linear_forwards(model) == 0
+    assert "_infopt_fused" not in model.model.layers[0].self_attn.q_proj.__dict__
+    assert model.config._attn_implementation != "infopt_paged"
+
+
+def test_compile_failure_falls_back_to_eager_steps_with_a_warning(monkeypatch, caplog):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def broken(self, gm, example_inputs):
+        raise BackendCompilerFailed(broken, RuntimeError("no compiler here"))
+
+    monkeypatch.setattr(CompiledStep, "_compiler", broken)
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger="infopt.batching"):
+        eng = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(block_size=4, num_blocks=64), compile=True)
+    assert any("failed to compile" in r.getMessage() for r in caplog.records)
+    stats = eng.metrics()["compile"]
+    assert stats["failed"] is not None and "no compiler here" in stats["failed"] and stats["graphs"] == 0
+    prompts = _prompts(4, seed=5, hi=20)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == [_solo(ref, p, 6) for p in prompts]
+    assert eng.metrics()["compile"]["eager_calls"] >= eng.metrics()["steps"]
+
+
+def test_a_forward_error_is_not_taken_for_a_compile_error():
+    assert CompiledStep.is_compile_error(RuntimeError("shape mismatch")) is False
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_compile_must_be_a_bool(bad):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="compile="):
+        Engine(model, kv=Paged(num_blocks=16), compile=bad)
+    assert model.config._attn_implementation != "infopt_paged"  # refused before anything changed
+
+
+@pytest.mark.gpu
+def test_compiled_engine_on_cuda_matches_generate_greedy():
+    ref = tiny_model("llama").cuda()
+    model = tiny_model("llama").cuda()
+    eng = Engine(model, max_batch_tokens=48, max_seqs=8, kv=Paged(block_size=16, num_blocks=64), compile=True)
+    prompts = _prompts(8, seed=3, hi=60)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [o.token_ids for o in outs] == [_solo(ref, p, 12) for p in prompts]
+    stats = eng.metrics()["compile"]
+    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
