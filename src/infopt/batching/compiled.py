@@ -129,5 +129,6 @@ class CompiledStep:
 
     def disable(self, e: BaseException) -> None:
         """Give up on compiling for this engine (every later step runs eagerly), saying why once."""
-        self.stats.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        text = " ".join(str(e).split())  # dynamo's messages span lines; the cause follows the first
+        self.stats.failed = f"{type(e).__name__}: {text[:400]}"
         log.warning("the engine's compiled step failed to compile (%s); its steps run eagerly", self.stats.failed)
