@@ -8,6 +8,7 @@ one's whole generation.
 
     python benchmarks/batching_ttft.py                       # default model, chunk sizes 64,128,256
     python benchmarks/batching_ttft.py --tiny --shorts 2     # smoke run
+    python benchmarks/batching_ttft.py --compile --chunks 64 --no-unchunked   # the compiled engine step
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2000, help="long prompt tokens")
     ap.add_argument("--chunks", default="64,128,256", help="prefill_chunk values to try")
     ap.add_argument("--budget", type=int, default=512, help="max_batch_tokens")
+    ap.add_argument("--compile", action="store_true", help="Engine(compile=True) (each engine compiles at start)")
+    ap.add_argument("--no-unchunked", action="store_true", help="skip the run with chunked prefill off")
     ap.add_argument("--json", default="benchmarks/results/batching_ttft.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -60,11 +63,13 @@ def main() -> None:
     long_p, short_p = SamplingParams(max_new_tokens=16, ignore_eos=True), SamplingParams(max_new_tokens=8,
                                                                                          ignore_eos=True)
     results = {"machine": machine_info(), "long_prompt_tokens": len(long_prompt),
-               "short_prompt_tokens": [len(s) for s in shorts], "max_batch_tokens": args.budget, "modes": {}}
+               "short_prompt_tokens": [len(s) for s in shorts], "max_batch_tokens": args.budget,
+               "compile": args.compile, "modes": {}}
 
     def engine(chunked: bool, chunk: int | None) -> Engine:
         return Engine(model, tok, max_batch_tokens=args.budget, max_seqs=16, chunked_prefill=chunked,
-                      prefill_chunk=chunk, kv=Paged(num_blocks=(args.long + 600) // 16 + 8, prefix_caching=False))
+                      prefill_chunk=chunk, kv=Paged(num_blocks=(args.long + 600) // 16 + 8, prefix_caching=False),
+                      compile=args.compile)
 
     # solo TTFT of each short request (median of 3)
     e = engine(True, None)
@@ -76,7 +81,8 @@ def main() -> None:
             ts.append(e.generate([s], short_p)[0].metrics.ttft)
         solo.append(statistics.median(ts))
     results["solo_ttft_ms"] = [1e3 * t for t in solo]
-    modes = [("chunked", True, int(c)) for c in args.chunks.split(",")] + [("unchunked", False, None)]
+    modes = [("chunked", True, int(c)) for c in args.chunks.split(",")] + \
+        ([] if args.no_unchunked else [("unchunked", False, None)])
     for name, chunked, chunk in modes:
         e = engine(chunked, chunk)
         behind, long_ttft = [], []

@@ -200,8 +200,10 @@ PRESETS: dict[str, Preset] = {
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
                 {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
-               "prefix caching; token-identical greedy output",
-               ({"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
+               "prefix caching, its steps compiled on CPU (a minute or so while the recipe is applied); "
+               "token-identical greedy output",
+               ({"kvcache": {"kind": "paged"}},
+                {"batching": {"max_seqs": 64, "max_batch_tokens": 512, "compile": "auto"}})),
         Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs (the original weights; fused "
                "kernels)",
                ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},

@@ -62,6 +62,24 @@ def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_
     assert model.config._attn_implementation != "infopt_paged"
 
 
+def test_a_hook_added_after_compiling_runs_in_the_next_steps():
+    # dynamo's module guards are skipped; the engine's own per-step check must notice the change and compile again
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    eng = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(block_size=4, num_blocks=64), compile=True)
+    prompts = _prompts(3, seed=7, hi=12)
+    before = [_solo(ref, p, 6) for p in prompts]
+    for m in (ref, model):  # negate the final hidden states: each greedy token becomes the least likely one
+        m.model.norm.register_forward_hook(lambda mod, args, out: -out)
+    expected = [_solo(ref, p, 6) for p in prompts]
+    assert expected != before  # the hook changes the tokens, so a stale graph would show
+    eager = eng.metrics()["compile"]["eager_calls"]
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == expected
+    stats = eng.metrics()["compile"]
+    assert stats["graphs"] > 2 and stats["eager_calls"] == eager, stats  # compiled again, not run eagerly
+
+
 def test_compile_failure_falls_back_to_eager_steps_with_a_warning(monkeypatch, caplog):
     def broken(self, gm, example_inputs):  # dynamo raises this as a BackendCompilerFailed
         raise RuntimeError("no compiler here")
@@ -102,3 +120,14 @@ def test_compiled_engine_on_cuda_matches_generate_greedy():
     assert [o.token_ids for o in outs] == [_solo(ref, p, 12) for p in prompts]
     stats = eng.metrics()["compile"]
     assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
+
+
+def test_batching_step_compile_field():
+    from infopt.batching import Batching
+    from infopt.core.errors import RecipeError
+
+    assert Batching(compile="auto").compile == "auto"
+    with pytest.raises(RecipeError, match="compile"):
+        Batching(compile="yes")
+    with pytest.raises(RecipeError, match="compile"):
+        Batching(compile=1)

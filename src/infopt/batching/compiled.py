@@ -81,6 +81,7 @@ class CompiledStep:
         self.warmed_up = False
         self._device = next(model.parameters()).device
         self._signature: int | None = None
+        self._rebuilt = False  # compiling again after the model changed (said once, in __call__)
         self._fn = self._new_fn()
 
     def _new_fn(self):
@@ -112,6 +113,7 @@ class CompiledStep:
         self.stats.seconds += time.perf_counter() - t0
         if self.warmed_up:
             self.stats.after_warmup += 1
+        if self.warmed_up and not self._rebuilt:
             log.warning("the engine compiled a step shape its warm-up did not cover (graph %d): the requests in this "
                         "step waited for it", self.stats.graphs)
         return fn
@@ -126,6 +128,7 @@ class CompiledStep:
                 log.info("the model changed since the engine's step was compiled (a parameter's dtype, shape or "
                          "device, a training flag, a hook or the config): compiling it again")
                 self._fn = self._new_fn()
+                self._rebuilt = True
         meta = step.meta
         starts = meta.query_start()  # built here, so the graph takes it as an input
         _mark_unbacked(meta.block_table, 0, 1)

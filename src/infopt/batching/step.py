@@ -38,7 +38,8 @@ class Batching(StepConfig):
         block_size, num_blocks, prefix_caching: the engine's paged KV cache (``num_blocks`` None:
             a 1 GiB pool); a ``kvcache: {kind: paged}`` step in the same recipe supplies them instead.
         compile: run the engine's steps through one compiled forward (``Engine(compile=True)``): its graphs are
-            compiled while the recipe is applied (a minute or two for a small model on a small CPU).
+            compiled while the recipe is applied (a minute or so for a small model on a small CPU). ``"auto"``:
+            on CPU models (where it is measured), not elsewhere.
 
     Raises:
         RecipeError: a non-positive size or a non-bool flag.
@@ -56,7 +57,7 @@ class Batching(StepConfig):
     block_size: int = 16
     num_blocks: int | None = None
     prefix_caching: bool = True
-    compile: bool = False
+    compile: bool | str = False
 
     def __post_init__(self):
         for name in ("max_seqs", "max_batch_tokens", "block_size"):
@@ -64,9 +65,11 @@ class Batching(StepConfig):
                 raise bad_field(self, name, getattr(self, name), "a positive integer")
         if self.num_blocks is not None and not _pos(self.num_blocks):
             raise bad_field(self, "num_blocks", self.num_blocks, "a positive integer, or null for a 1 GiB pool")
-        for name in ("chunked_prefill", "prefix_caching", "compile"):
+        for name in ("chunked_prefill", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
+            raise bad_field(self, "compile", self.compile, "true, false or auto")
 
     def paged(self) -> Paged:
         return Paged(block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching)
@@ -160,8 +163,9 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     """
     config = config or Batching()
     key = step or config.key
+    compile = config.compile if isinstance(config.compile, bool) else next(model.parameters()).device.type == "cpu"
     engine = Engine(model, tokenizer, max_batch_tokens=config.max_batch_tokens, max_seqs=config.max_seqs,
-                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=config.compile)
+                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile)
     set_part(model, "engine", EnginePart(engine, key), step=key)
     _ENGINES[model] = engine
 
@@ -183,5 +187,5 @@ def _apply(model: nn.Module, config: Batching, ctx: ApplyContext) -> None:
         f"{engine.cache.allocator.num_blocks} KV blocks of {engine.cache.block_size} tokens, chunked prefill "
         f"{'on' if config.chunked_prefill else 'off'}"
         + (f"; steps compiled ({engine.metrics()['compile']['graphs']} graphs, "
-           f"{engine.metrics()['compile']['seconds']:.0f} s)" if config.compile else "")
+           f"{engine.metrics()['compile']['seconds']:.0f} s)" if engine.core.compiled is not None else "")
     )
