@@ -52,12 +52,14 @@ def test_a_projection_called_on_another_input_computes_its_own():
 def test_weights_written_or_moved_after_fusion_are_used():
     # load_state_dict writes in place through the views; .to() gives each weight storage of its own: both must
     # reach the fused matmul (the group fuses again on the next eager forward)
+    # (inference: with grad mode on, each layer runs its own linear and the group is not used)
     m, other = tiny_model(), tiny_model(seed=1)
     groups = fuse_projections_(m)
     m.load_state_dict(other.state_dict())
-    torch.testing.assert_close(m(IDS).logits, other(IDS).logits)
-    m.to(torch.float64)
-    torch.testing.assert_close(m(IDS).logits, other.to(torch.float64)(IDS).logits)
+    with torch.no_grad():
+        torch.testing.assert_close(m(IDS).logits, other(IDS).logits)
+        m.to(torch.float64)
+        torch.testing.assert_close(m(IDS).logits, other.to(torch.float64)(IDS).logits)
     assert all(g.refuses == 1 for g in groups)
     attn = m.model.layers[0].self_attn
     assert attn.q_proj.weight.dtype == torch.float64 and _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight)
@@ -166,3 +168,24 @@ def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens():
         assert counts[True] <= counts[False] - 4 * 3 * 20, counts
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_gradients_reach_each_fused_and_packed_weight():
+    # the fused buffer and the packed copies are no parameters: with grad mode on, each layer runs its own linear
+    from infopt.compile import packed
+
+    ref, model = tiny_model(), tiny_model()
+    groups = fuse_projections_(model)
+    layers = packed.pack_linears_(model, min_elements=0) if packed.can_pack() else []
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    for m in (ref, model):
+        m(ids).logits.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    calls = groups[0].calls
+    with torch.no_grad():  # inference still runs the fused matmul
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+    assert groups[0].calls == calls + 1
+    packed.unpack_linears_(layers)
+    unfuse_projections_(groups)

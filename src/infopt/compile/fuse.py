@@ -35,6 +35,8 @@ import weakref
 import torch
 from torch import nn
 
+from .packed import usable as packed_usable
+
 __all__ = ["FusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -116,7 +118,7 @@ class FusedGroup:
                 if self.bias is not None:
                     increment_version(self.bias)
                 self._versions = self._member_versions()
-        if self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        if self.packed is not None and packed_usable(x, self.weight):
             out = torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
         else:
             out = nn.functional.linear(x, self.weight, self.bias)
@@ -149,6 +151,11 @@ def _first_forward(group: FusedGroup, index: int):
     off, n = group.offsets[index], group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            # training: each layer its own linear (the fused buffer is no parameter, so gradients would not reach
+            # the layers' weights); the members compute theirs too, finding no fused output for this input
+            group._x = group._out = None
+            return nn.functional.linear(x, self.weight, self.bias)
         return group.out(x).narrow(-1, off, n)
 
     return forward
