@@ -438,3 +438,48 @@ def test_int8_activations_on_cuda_run_the_reference_with_the_cpu_kernels_numbers
     cpu = m(ids).logits
     gpu = m.cuda()(ids.cuda()).logits.cpu()
     torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-4)
+
+
+# ---- int8 weights x fp32 activations (fp32 sums) ----------------------------------------------------------------
+
+@kernel
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), n=st.integers(1, 70), k=st.sampled_from([1, 7, 16, 17, 40, 64, 576]),
+       seed=st.integers(0, 2**16))
+def test_int8_f32_kernel_matches_the_fp32_matmul_of_the_dequantized_weight(rows, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) / 50
+    x = torch.randn(rows, k, generator=g)
+    got = torch.ops.infopt.int8_f32_linear(x, w, s)
+    want = (x.double() @ (w.double() * s.double()[:, None]).t()).float()
+    # fp32 sums in another order than float64's: a few ulps of the row's magnitude
+    tol = 1e-6 * (x.abs().double() @ (w.abs().double() * s.double()[:, None]).t()).float() + 1e-6
+    assert bool(((got - want).abs() <= 8 * tol).all())
+
+
+@kernel
+def test_int8_f32_kernel_refuses_bad_input_with_its_name():
+    w, s = torch.zeros(8, 16, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="int8_f32_linear: x must be float32"):
+        torch.ops.infopt.int8_f32_linear(torch.zeros(2, 16, dtype=torch.bfloat16), w, s)
+    with pytest.raises(RuntimeError, match="int8_f32_linear: x has 15 input features"):
+        torch.ops.infopt.int8_f32_linear(torch.zeros(2, 15), w, s)
+    with pytest.raises(RuntimeError, match="int8_f32_linear: scale must be"):
+        torch.ops.infopt.int8_f32_linear(torch.zeros(2, 16), w, torch.ones(7))
+
+
+@kernel
+def test_int8_layer_of_an_fp32_model_keeps_fp32_activations_on_the_kernel():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 192)
+    layer = Int8Linear.from_float(lin)  # compute_dtype auto
+    assert layer.compute_dtype is None  # not the bf16 activation cast
+    want_w = layer.dequantize()
+    for rows in (1, 3, a8.F32_KERNEL_ROWS, a8.F32_KERNEL_ROWS + 1, 64):  # decode on the kernel, prompts dequantized
+        x = torch.randn(rows, 576)
+        torch.testing.assert_close(layer(x), x @ want_w.t() + lin.bias, atol=2e-5, rtol=1e-5)
+    bf16 = Int8Linear.from_float(lin, compute_dtype="bfloat16")
+    x = torch.randn(1, 576)
+    exact = x.double() @ want_w.double().t() + lin.bias.double()
+    assert (layer(x).double() - exact).abs().max() < (bf16(x).double() - exact).abs().max() / 10

@@ -751,6 +751,111 @@ at::Tensor w8a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at:
   return out;
 }
 
+// ---- int8 weights, fp32 activations -------------------------------------------------------------------------------
+// int8_f32_linear(x [M, K] fp32, weight int8 [N, K] (row-major, as Int8Linear holds it), scale fp32 [N]) -> [M, N]
+//   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k], accumulated in fp32: only the weights are rounded, so this is the
+//   fp32 matmul of the dequantized weight up to the order of the sums (the bf16 activation cast of
+//   torch._weight_int8pack_mm is what costs that kernel's accuracy). For one to a few rows (decode): each pass takes
+//   4 output rows x up to 4 rows of x, converting each 16 weights to fp32 once for all the rows of x. Threads split
+//   the output rows in contiguous ranges, so each streams its part of the weight once.
+
+template <int MR>
+void int8_f32_rows(const float* x, int64_t K, const int8_t* w, int64_t n_rows, float* out /* [MR][4] */) {
+  // n_rows (1..4) output rows starting at w (stride K); rows beyond n_rows are not read
+  int64_t k = 0;
+  float part[MR][4] = {};
+#if defined(__AVX512F__)
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j)
+      wv[j] = j < n_rows ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k))))
+                         : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) part[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+#elif defined(__AVX2__)
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[4];
+    for (int j = 0; j < 4; ++j)
+      wv[j] = j < n_rows ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))))
+                         : _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[m][j]);
+      part[m][j] = ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+    }
+#endif
+  for (; k < K; ++k)
+    for (int j = 0; j < n_rows; ++j)
+      for (int m = 0; m < MR; ++m) part[m][j] += x[m * K + k] * static_cast<float>(w[j * K + k]);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) out[m * 4 + j] = part[m][j];
+}
+
+at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const at::Tensor& scale) {
+  const char* op = "int8_f32_linear";
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.device().is_cpu(),
+              op, ": weight must be contiguous int8 [out, in] on the CPU, got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.device().is_cpu() &&
+                  scale.dim() == 1 && scale.size(0) == N,
+              op, ": scale must be contiguous float32 [", N, "] on the CPU, got ", scale.scalar_type(), " ",
+              scale.sizes());
+  TORCH_CHECK(x_.device().is_cpu() && x_.dim() == 2 && x_.scalar_type() == at::kFloat, op,
+              ": x must be float32 [rows, in_features] on the CPU, got ", x_.scalar_type(), " ", x_.sizes(), " on ",
+              x_.device());
+  TORCH_CHECK(x_.size(1) == K, op, ": x has ", x_.size(1), " input features, the weight ", K);
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t NB = (N + 3) / 4;
+  const int64_t grain = NB * 4 * K * M >= kParallelWork ? 1 : std::max<int64_t>(NB, 1);
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    float acc[kMR * 4];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 4, nr = std::min<int64_t>(4, N - n0);
+      const int8_t* wb = wp + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int64_t mr = std::min(kMR, M - m0);
+        const float* xb = xp + m0 * K;
+        switch (mr) {
+          case 1: int8_f32_rows<1>(xb, K, wb, nr, acc); break;
+          case 2: int8_f32_rows<2>(xb, K, wb, nr, acc); break;
+          case 3: int8_f32_rows<3>(xb, K, wb, nr, acc); break;
+          default: int8_f32_rows<4>(xb, K, wb, nr, acc); break;
+        }
+        for (int64_t m = 0; m < mr; ++m)
+          for (int64_t j = 0; j < nr; ++j) yp[(m0 + m) * N + n0 + j] = acc[m * 4 + j] * sp[n0 + j];
+      }
+    }
+  });
+  return y;
+}
+
 std::string quant_linear_isa() { return kIsa; }
 
 }  // namespace
@@ -768,6 +873,7 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
+  m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
@@ -777,4 +883,5 @@ TORCH_LIBRARY_IMPL(infopt, CPU, m) {
   m.impl("int8_a8_linear", &int8_a8_linear);
   m.impl("int4_a8_dense_t", &int4_a8_dense_t);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("int8_f32_linear", &int8_f32_linear);
 }

@@ -25,12 +25,13 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from ..core import extensions
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
-           "int4_dense_t_reference", "ROWS"]
+           "int4_dense_t_reference", "int8_f32_linear", "F32_KERNEL_ROWS", "ROWS"]
 
 ROWS = 16
 """Output rows per weight block: the layers' ``out_features`` must be a multiple of it."""
@@ -61,6 +62,10 @@ def available() -> bool:
                     @extensions.register_fake_once("infopt::int4_a8_dense_t")
                     def _(weight, scale_min, group, dtype):
                         return weight.new_empty(weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype)
+
+                    @extensions.register_fake_once("infopt::int8_f32_linear")
+                    def _(x, weight, scale):
+                        return x.new_empty(x.shape[0], weight.shape[0])
 
                     @extensions.register_fake_once("infopt::w8a8_linear")
                     def _(x, weight, weight_scale, bias):
@@ -223,6 +228,29 @@ def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, sc
     else:
         y = int8_a8_reference(x2, weight, scale, group)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+F32_KERNEL_ROWS = 16
+"""Rows up to which :func:`int8_f32_linear` is the int8 layers' choice for fp32 inputs; wider calls (prompts)
+multiply by the dequantized weight in one fp32 GEMM, as the kernel streams the weight once per 4 rows."""
+
+
+def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` fp32 times a per-row int8 weight ``[N, K]`` with ``scale [N]``: ``[..., N]`` fp32, accumulated
+    in fp32 (only the weight is rounded). The C++ kernel on CPU (built for decode's one to a few rows), else torch.
+
+    Example:
+        >>> w = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+        >>> s, x = torch.rand(32) / 100, torch.randn(3, 64)
+        >>> torch.allclose(int8_f32_linear(x, w, s), x @ (w.float() * s[:, None]).t(), atol=1e-4)
+        True
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.device.type == "cpu" and x.dtype == torch.float32 and available():
+        y = torch.ops.infopt.int8_f32_linear(x2, weight, scale)
+    else:
+        y = F.linear(x2.float(), weight.float()) * scale.float()
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def int4_dense_t_reference(weight: torch.Tensor, scale_min: torch.Tensor, group: int,

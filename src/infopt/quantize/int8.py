@@ -139,6 +139,13 @@ def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) ->
     return q, (scale[:, 0] if group_size is None else scale)
 
 
+def _f32_kernel(dtype: torch.dtype, device: torch.device, activations: str) -> bool:
+    """True where fp32 activations of a per-row layer run on infopt's int8 x fp32 kernel (a CPU fp32 model with the
+    C++ kernels built)."""
+    return (dtype == torch.float32 and torch.device(device).type == "cpu" and activations == "float"
+            and a8.available())
+
+
 def _int8pack_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
 
@@ -220,7 +227,7 @@ class Int8Linear(nn.Module):
         out_f, in_f = codes.shape
         group = None if scales.dim() == 1 else in_f // scales.shape[1]
         cd = _COMPUTE_DTYPES[compute_dtype]
-        if cd is None and group is None:
+        if cd is None and group is None and not _f32_kernel(dtype, codes.device, activations):
             cd = torch.bfloat16 if _int8pack_available(codes.device) else None
         new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
                   group_size=group, activations=activations)
@@ -315,6 +322,13 @@ class Int8Linear(nn.Module):
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
+        elif x.dtype == torch.float32 and cd in (None, torch.float32) and _f32_kernel(x.dtype, x.device, "float"):
+            # fp32 activations, fp32 sums: decode's few rows on the int8 kernel; prompts on the dequantized weight
+            rows = x.numel() // self.in_features
+            if rows <= a8.F32_KERNEL_ROWS:
+                y = a8.int8_f32_linear(x, self.weight_int8, self.weight_scale)
+            else:
+                y = F.linear(x, self.dequantize().to(x.dtype))
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
