@@ -32,10 +32,12 @@ class Int8WeightOnly(StepConfig):
         group_size: None (default) for one scale per output channel, which the fused CPU kernel
             takes; or a number of input channels per scale (finer, more accurate, but dequantized
             per call: slower). Must divide every quantized layer's ``in_features``.
-        compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
-            int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
-            on the same weights, and the model's dtype elsewhere. On CPU ``"float32"`` keeps fp32
-            activations (dequantizes each call: exact but slower). On CUDA every per-channel layer
+        compute_dtype: dtype of the matmul. ``"auto"``: on CPU, an fp32 model keeps fp32 activations and
+            sums on infopt's int8 x fp32 kernel for decode's few rows (:func:`infopt.quantize.a8.int8_f32_linear`;
+            prompts multiply by the dequantized weight), where the C++ kernels build; other models (and CPUs
+            without them) use bfloat16 activations with the fused int8 kernel (``torch._weight_int8pack_mm``),
+            faster than an fp32 matmul but costing accuracy; the model's dtype elsewhere. ``"float32"``: fp32
+            activations (the same kernel, or dequantize per call without it). On CUDA every per-channel layer
             runs infopt's Triton kernel (:func:`~infopt.quantize.triton_int8.int8_weight_mm`: int8 weight
             tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
             dequantize-then-matmul, with a warning.
