@@ -470,15 +470,19 @@ def test_int8_f32_kernel_refuses_bad_input_with_its_name():
 
 
 @kernel
-def test_int8_layer_of_an_fp32_model_keeps_fp32_activations_on_the_kernel():
+def test_int8_layer_with_float32_compute_keeps_fp32_activations_on_the_kernel(monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(576, 192)
-    layer = Int8Linear.from_float(lin)  # compute_dtype auto
-    assert layer.compute_dtype is None  # not the bf16 activation cast
+    layer = Int8Linear.from_float(lin, compute_dtype="float32")
     want_w = layer.dequantize()
     for rows in (1, 3, a8.F32_KERNEL_ROWS, a8.F32_KERNEL_ROWS + 1, 64):  # decode on the kernel, prompts dequantized
         x = torch.randn(rows, 576)
         torch.testing.assert_close(layer(x), x @ want_w.t() + lin.bias, atol=2e-5, rtol=1e-5)
+    calls = []
+    real = a8.int8_f32_linear
+    monkeypatch.setattr(a8, "int8_f32_linear", lambda *a: calls.append(1) or real(*a))
+    layer(torch.randn(2, 576))
+    assert calls  # decode rows went to the kernel
     bf16 = Int8Linear.from_float(lin, compute_dtype="bfloat16")
     x = torch.randn(1, 576)
     exact = x.double() @ want_w.double().t() + lin.bias.double()

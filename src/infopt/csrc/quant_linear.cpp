@@ -760,22 +760,26 @@ at::Tensor w8a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at:
 //   the output rows in contiguous ranges, so each streams its part of the weight once.
 
 template <int MR>
-void int8_f32_rows(const float* x, int64_t K, const int8_t* w, int64_t n_rows, float* out /* [MR][4] */) {
-  // n_rows (1..4) output rows starting at w (stride K); rows beyond n_rows are not read
+void int8_f32_rows(const float* x, int64_t K, const int8_t* w, float* out /* [MR][4] */) {
+  // 4 output rows starting at w (stride K) times MR rows of x (stride K); fixed trip counts, so the 4 x MR
+  // accumulators stay in registers
   int64_t k = 0;
   float part[MR][4] = {};
 #if defined(__AVX512F__)
   __m512 acc[MR][4];
+#pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (; k + 16 <= K; k += 16) {
     __m512 wv[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
-      wv[j] = j < n_rows ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k))))
-                         : _mm512_setzero_ps();
+      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k))));
+#pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
@@ -783,16 +787,19 @@ void int8_f32_rows(const float* x, int64_t K, const int8_t* w, int64_t n_rows, f
     for (int j = 0; j < 4; ++j) part[m][j] = _mm512_reduce_add_ps(acc[m][j]);
 #elif defined(__AVX2__)
   __m256 acc[MR][4];
+#pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
     __m256 wv[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
-      wv[j] = j < n_rows ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))))
-                         : _mm256_setzero_ps();
+      wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))));
+#pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
@@ -804,7 +811,7 @@ void int8_f32_rows(const float* x, int64_t K, const int8_t* w, int64_t n_rows, f
     }
 #endif
   for (; k < K; ++k)
-    for (int j = 0; j < n_rows; ++j)
+    for (int j = 0; j < 4; ++j)
       for (int m = 0; m < MR; ++m) part[m][j] += x[m * K + k] * static_cast<float>(w[j * K + k]);
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) out[m * 4 + j] = part[m][j];
@@ -837,19 +844,28 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     float acc[kMR * 4];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 4, nr = std::min<int64_t>(4, N - n0);
+      const int64_t n0 = b * 4;
+      if (n0 + 4 > N) {  // the last 1-3 rows: plain sums (the same fp32 products, in order)
+        for (int64_t n = n0; n < N; ++n)
+          for (int64_t m = 0; m < M; ++m) {
+            float t = 0.f;
+            for (int64_t k = 0; k < K; ++k) t += xp[m * K + k] * static_cast<float>(wp[n * K + k]);
+            yp[m * N + n] = t * sp[n];
+          }
+        continue;
+      }
       const int8_t* wb = wp + n0 * K;
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {
         const int64_t mr = std::min(kMR, M - m0);
         const float* xb = xp + m0 * K;
         switch (mr) {
-          case 1: int8_f32_rows<1>(xb, K, wb, nr, acc); break;
-          case 2: int8_f32_rows<2>(xb, K, wb, nr, acc); break;
-          case 3: int8_f32_rows<3>(xb, K, wb, nr, acc); break;
-          default: int8_f32_rows<4>(xb, K, wb, nr, acc); break;
+          case 1: int8_f32_rows<1>(xb, K, wb, acc); break;
+          case 2: int8_f32_rows<2>(xb, K, wb, acc); break;
+          case 3: int8_f32_rows<3>(xb, K, wb, acc); break;
+          default: int8_f32_rows<4>(xb, K, wb, acc); break;
         }
         for (int64_t m = 0; m < mr; ++m)
-          for (int64_t j = 0; j < nr; ++j) yp[(m0 + m) * N + n0 + j] = acc[m * 4 + j] * sp[n0 + j];
+          for (int64_t j = 0; j < 4; ++j) yp[(m0 + m) * N + n0 + j] = acc[m * 4 + j] * sp[n0 + j];
       }
     }
   });

@@ -32,12 +32,12 @@ class Int8WeightOnly(StepConfig):
         group_size: None (default) for one scale per output channel, which the fused CPU kernel
             takes; or a number of input channels per scale (finer, more accurate, but dequantized
             per call: slower). Must divide every quantized layer's ``in_features``.
-        compute_dtype: dtype of the matmul. ``"auto"``: on CPU, an fp32 model keeps fp32 activations and
-            sums on infopt's int8 x fp32 kernel for decode's few rows (:func:`infopt.quantize.a8.int8_f32_linear`;
-            prompts multiply by the dequantized weight), where the C++ kernels build; other models (and CPUs
-            without them) use bfloat16 activations with the fused int8 kernel (``torch._weight_int8pack_mm``),
-            faster than an fp32 matmul but costing accuracy; the model's dtype elsewhere. ``"float32"``: fp32
-            activations (the same kernel, or dequantize per call without it). On CUDA every per-channel layer
+        compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
+            int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
+            on the same weights, and the model's dtype elsewhere. ``"float32"`` keeps fp32 activations and
+            sums: on CPU, decode's few rows run on infopt's int8 x fp32 kernel
+            (:func:`infopt.quantize.a8.int8_f32_linear`) and prompts on the dequantized weight (without the C++
+            kernels, the weight is dequantized on every call). On CUDA every per-channel layer
             runs infopt's Triton kernel (:func:`~infopt.quantize.triton_int8.int8_weight_mm`: int8 weight
             tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
             dequantize-then-matmul, with a warning.
@@ -229,7 +229,7 @@ class Int8Linear(nn.Module):
         out_f, in_f = codes.shape
         group = None if scales.dim() == 1 else in_f // scales.shape[1]
         cd = _COMPUTE_DTYPES[compute_dtype]
-        if cd is None and group is None and not _f32_kernel(dtype, codes.device, activations):
+        if cd is None and group is None:
             cd = torch.bfloat16 if _int8pack_available(codes.device) else None
         new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
                   group_size=group, activations=activations)
@@ -324,7 +324,7 @@ class Int8Linear(nn.Module):
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-        elif x.dtype == torch.float32 and cd in (None, torch.float32) and _f32_kernel(x.dtype, x.device, "float"):
+        elif x.dtype == torch.float32 and cd == torch.float32 and _f32_kernel(x.dtype, x.device, "float"):
             # fp32 activations, fp32 sums: decode's few rows on the int8 kernel; prompts on the dequantized weight
             rows = x.numel() // self.in_features
             if rows <= a8.F32_KERNEL_ROWS:
