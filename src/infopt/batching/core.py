@@ -23,8 +23,8 @@ from ..generate import takes_logits_to_keep
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
-from .params import SamplingParams
 from .compiled import CompiledStep
+from .params import SamplingParams
 from .prepack import packed_forwards, prepack_linears_, supported
 from .sampler import choose_tokens
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
