@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .packed import usable as packed_usable
+from .packed import wants_grad
 
 __all__ = ["FusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
 
@@ -151,7 +152,7 @@ def _first_forward(group: FusedGroup, index: int):
     off, n = group.offsets[index], group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        if wants_grad(x, self.weight):
             # training: each layer its own linear (the fused buffer is no parameter, so gradients would not reach
             # the layers' weights); the members compute theirs too, finding no fused output for this input
             group._x = group._out = None

@@ -23,7 +23,8 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["can_pack", "can_pack_dtype", "pack_linears_", "unpack_linears_", "packed_bytes", "usable", "PACK_ROWS"]
+__all__ = ["can_pack", "can_pack_dtype", "pack_linears_", "unpack_linears_", "packed_bytes", "usable", "wants_grad",
+           "PACK_ROWS"]
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -103,11 +104,16 @@ def _(x, weight, bias, handle):
 _packed_linear_op = torch.ops.infopt.packed_linear.default
 
 
+def wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``x @ weight.T`` must carry a gradient: grad mode on and either tensor requiring grad."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when a packed linear may serve ``x @ weight.T``: a CPU input of the weight's dtype, and no gradient
-    wanted (the operator has no backward; with grad mode on and a tensor requiring grad, the plain linear runs)."""
+    wanted (the operator has no backward; where one is wanted, the plain linear runs)."""
     return (x.dtype == weight.dtype and x.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and not wants_grad(x, weight))
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

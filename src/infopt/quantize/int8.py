@@ -141,13 +141,6 @@ def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) ->
     return q, (scale[:, 0] if group_size is None else scale)
 
 
-def _f32_kernel(dtype: torch.dtype, device: torch.device, activations: str) -> bool:
-    """True where fp32 activations of a per-row layer run on infopt's int8 x fp32 kernel (a CPU fp32 model with the
-    C++ kernels built)."""
-    return (dtype == torch.float32 and torch.device(device).type == "cpu" and activations == "float"
-            and a8.available())
-
-
 def _int8pack_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
 
@@ -324,7 +317,7 @@ class Int8Linear(nn.Module):
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-        elif x.dtype == torch.float32 and cd == torch.float32 and _f32_kernel(x.dtype, x.device, "float"):
+        elif cd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu" and a8.available():
             # fp32 activations, fp32 sums: decode's few rows on the int8 kernel; prompts on the dequantized weight
             rows = x.numel() // self.in_features
             if rows <= a8.F32_KERNEL_ROWS:
