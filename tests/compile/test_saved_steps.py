@@ -2,6 +2,8 @@
 and falls back to compiling when they do not fit (another setup, a changed dtype)."""
 
 import json
+import shutil
+import zipfile
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 import infopt
 from infopt.compile import compile_stats
 from infopt.compile.packed import can_pack
-from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
+from infopt.compile.saved import COMPILED_DIR, KERNELS, MANIFEST, can_save_steps
 from infopt.models import tiny_model
 
 # packed fp32 linears would keep the steps unsaved (their graphs name this process's packed weights; see
@@ -31,6 +33,21 @@ needs_aot = pytest.mark.skipif(not can_save_steps(), reason=f"torch {torch.__ver
                                "torch.compile(...).aot_compile: steps are not saved (see the test below)")
 
 
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """One saved folder for the module (saving builds the steps' kernels in a child process: seconds)."""
+    if not can_save_steps():
+        pytest.skip(f"torch {torch.__version__} has no torch.compile(...).aot_compile")
+    return _saved(tmp_path_factory.mktemp("saved-once"))
+
+
+@pytest.fixture
+def saved(saved_once, tmp_path):
+    """A copy of the module's saved folder this test may change, and the tokens the model gave before saving."""
+    folder, want = saved_once
+    return shutil.copytree(folder, tmp_path / "saved"), want
+
+
 def test_without_aot_compile_no_step_is_saved_and_loading_compiles(tmp_path, monkeypatch):
     """On a torch without ahead-of-time compilation (2.11), saving says so and keeps no step; the loaded model
     compiles its step and gives the same tokens."""
@@ -46,8 +63,8 @@ def test_without_aot_compile_no_step_is_saved_and_loading_compiles(tmp_path, mon
 
 
 @needs_aot
-def test_load_runs_the_saved_step_without_compiling(tmp_path):
-    folder, want = _saved(tmp_path)
+def test_load_runs_the_saved_step_without_compiling(saved):
+    folder, want = saved
     manifest = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())
     assert manifest["steps"] and all((folder / COMPILED_DIR / f"{n}.bin").is_file() for n in manifest["steps"])
     model, _ = infopt.load(folder)
@@ -59,8 +76,8 @@ def test_load_runs_the_saved_step_without_compiling(tmp_path):
 
 
 @needs_aot
-def test_a_manifest_from_another_setup_compiles_instead(tmp_path):
-    folder, want = _saved(tmp_path)
+def test_a_manifest_from_another_setup_compiles_instead(saved):
+    folder, want = saved
     path = folder / COMPILED_DIR / MANIFEST
     meta = json.loads(path.read_text())
     meta["fingerprint"]["torch"] = "0.0.0"
@@ -72,8 +89,8 @@ def test_a_manifest_from_another_setup_compiles_instead(tmp_path):
 
 
 @needs_aot
-def test_a_saved_step_is_not_used_with_grad_enabled(tmp_path):
-    folder, _ = _saved(tmp_path)
+def test_a_saved_step_is_not_used_with_grad_enabled(saved):
+    folder, _ = saved
     model, _ = infopt.load(folder)
     from infopt.generate import decoder_for
 
@@ -88,6 +105,62 @@ def test_a_saved_step_is_not_used_with_grad_enabled(tmp_path):
         saved(ids, pos[None], pos, None, cache)
     assert f._fns.get(key) is not saved  # replaced by a guarded compile of the shape
     assert compile_stats(model).compiles >= 1
+
+
+@needs_aot
+def test_the_saved_kernels_fill_an_empty_compile_cache(saved, tmp_path, monkeypatch):
+    """Saving keeps the shared libraries that loading the steps builds; loading with an empty Inductor cache puts
+    them there (so Inductor finds them instead of compiling), keeps files it already has, and gives the same
+    tokens."""
+    folder, want = saved
+    with zipfile.ZipFile(folder / COMPILED_DIR / KERNELS) as z:
+        names = z.namelist()
+    assert any(n.endswith(".main.so") for n in names)  # the steps' kernels, beside the vector-ISA probes
+    cache = tmp_path / "inductor-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    kept = cache / names[0]
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"already here")
+    model, _ = infopt.load(folder)
+    assert all((cache / n).is_file() for n in names)
+    assert kept.read_bytes() == b"already here"
+    with zipfile.ZipFile(folder / COMPILED_DIR / KERNELS) as z:
+        assert (cache / names[-1]).read_bytes() == z.read(names[-1])
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
+    assert compile_stats(model).compiles == 0
+
+
+@needs_aot
+def test_a_kernels_file_with_unexpected_entries_restores_only_kernel_names(saved, tmp_path, monkeypatch, caplog):
+    folder, want = saved
+    with zipfile.ZipFile(folder / COMPILED_DIR / KERNELS, "a") as z:
+        z.writestr("../escaped.so", b"x")
+        z.writestr("ab/not_a_library.py", b"x")
+    cache = tmp_path / "cache" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    with caplog.at_level("WARNING", logger="infopt.compile"):
+        model, _ = infopt.load(folder)
+    assert "unexpected entry '../escaped.so'" in caplog.text
+    assert not (tmp_path / "cache" / "escaped.so").exists() and not (cache / "ab").exists()
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
+
+
+@needs_aot
+def test_when_the_kernels_cannot_be_built_ahead_the_steps_are_saved_without_them(tmp_path, monkeypatch):
+    import subprocess
+
+    import infopt.compile.saved as saved_module
+
+    def fail(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, args[0], stderr="no compiler here")
+
+    monkeypatch.setattr(saved_module.subprocess, "run", fail)
+    with pytest.warns(RuntimeWarning, match="kernels could not be built ahead of time.*no compiler here"):
+        folder, want = _saved(tmp_path)
+    assert not (folder / COMPILED_DIR / KERNELS).exists()
+    model, _ = infopt.load(folder)
+    assert compile_stats(model).loaded >= 1
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
 
 
 def test_no_compile_step_writes_no_compiled_folder(tmp_path):

@@ -13,6 +13,15 @@ installed versions, or a step that fails to load, is compiled as before, with a 
 saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
 otherwise that shape is compiled anew.
 
+A saved step's C++ kernels are built by Inductor when the step loads, into its cache (``TORCHINDUCTOR_CACHE_DIR``):
+about 9 s on two cores when that cache is empty, half of it probing which vector ISAs the compiler can build.
+:func:`save_steps` therefore also loads the steps once in a child process with an empty cache and keeps what that
+load built (``kernels.zip``, about 1 MB); :func:`load_steps` puts those files into an empty or older cache before
+loading, so a new process on the same setup starts as fast as one whose cache is warm. Inductor names each file by a
+hash of its source and of the compiler command (include paths, flags) or compiler version, so a file only ever
+serves the exact build it came from: on a machine where Python or torch live elsewhere, the names differ and Inductor
+builds its kernels as before.
+
 CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding, the batching
 engine or quantized MoE experts (they warm up on load as before).
 """
@@ -24,9 +33,14 @@ import contextvars
 import hashlib
 import json
 import logging
+import os
 import platform
+import re
+import subprocess
 import sys
+import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +53,9 @@ __all__ = ["COMPILED_DIR", "save_steps", "steps_fit", "load_steps", "fingerprint
 
 COMPILED_DIR = "infopt_compiled"
 MANIFEST = "manifest.json"
+KERNELS = "kernels.zip"
+# an Inductor cache file as the zip names it: "<two-letter folder>/<hash>[.main].so" (nothing else is restored)
+_KERNEL_NAME = re.compile(r"[a-z0-9_]{2}/[a-z0-9_]+(\.main)?\.so")
 
 _SKIP_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("infopt_skip_warmup", default=False)
 
@@ -165,7 +182,77 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     if not written:
         return []
     (out / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint(model), "steps": written}, indent=1))
-    return [f"{n}.bin" for n in written]
+    files = [f"{n}.bin" for n in written]
+    if _bundle_kernels(out, list(written)):
+        files.append(KERNELS)
+    return files
+
+
+_LOAD_CHILD = r"""
+import sys, torch
+from infopt.compile import decoder
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        torch.compiler.load_compiled_function(f, f_globals=decoder.__dict__)
+"""
+
+
+def _bundle_kernels(out: Path, names: list[str], timeout: float = 900.0) -> bool:
+    """Load the saved steps in a child process with an empty Inductor cache and zip the shared libraries that load
+    built (the steps' C++ kernels and the vector-ISA probes) into ``out/kernels.zip``. False, with a warning, when
+    the child fails: the steps are saved all the same, and loading them builds their kernels."""
+    with tempfile.TemporaryDirectory(prefix="infopt-kernels-") as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tmp}
+        try:
+            subprocess.run([sys.executable, "-c", _LOAD_CHILD, *(str(out / f"{n}.bin") for n in names)], env=env,
+                           check=True, capture_output=True, text=True, timeout=timeout)
+        except (subprocess.SubprocessError, OSError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            warnings.warn(f"infopt: the saved decode steps' kernels could not be built ahead of time "
+                          f"({type(e).__name__}: {detail.strip()[-300:]}); loading the model builds them (seconds "
+                          "more on a machine whose compile cache is empty)", RuntimeWarning, stacklevel=3)
+            return False
+        root = Path(tmp)
+        libs = sorted(p for p in root.rglob("*.so") if _KERNEL_NAME.fullmatch(p.relative_to(root).as_posix()))
+        if not libs:
+            return False
+        with zipfile.ZipFile(out / KERNELS, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            for p in libs:
+                z.write(p, p.relative_to(root).as_posix())
+    return True
+
+
+def _restore_kernels(folder: Path) -> int:
+    """Copy the saved kernels (see :func:`_bundle_kernels`) into Inductor's cache where it lacks them; files already
+    there are kept. Returns how many were copied. A failure only costs time (Inductor builds what is missing), so it
+    is logged, not raised."""
+    path = folder / KERNELS
+    if not path.is_file():
+        return 0
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        root = Path(cache_dir())
+        copied = 0
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if not _KERNEL_NAME.fullmatch(name):
+                    log.warning("infopt: %s holds an unexpected entry %r; it is ignored", path, name)
+                    continue
+                dest = root / name
+                if dest.exists():
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(z.read(name))
+                tmp.chmod(0o755)
+                os.replace(tmp, dest)  # atomic: a concurrent process sees the whole file or none
+                copied += 1
+        return copied
+    except (OSError, zipfile.BadZipFile, ImportError) as e:
+        log.warning("infopt: the kernels saved in %s were not restored (%s: %s); Inductor builds them",
+                    folder, type(e).__name__, e)
+        return 0
 
 
 class _Saved:
@@ -215,6 +302,7 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
         return 0
     meta = json.loads((folder / MANIFEST).read_text())
     p = next(model.parameters())
+    _restore_kernels(folder)
     loaded = 0
     for name, key in meta.get("steps", {}).items():
         key = tuple(key)
