@@ -453,3 +453,31 @@ def test_a_change_dynamo_module_guards_would_catch_is_caught_once_per_call(guard
 def test_module_guards_bad_value():
     with pytest.raises(RecipeError, match="module_guards"):
         Compile(module_guards="never")
+
+
+@pytest.mark.parametrize("guards", ["per_call", "per_token"])
+def test_cpu_steps_drop_inductors_size_asserts_only_with_the_per_call_check(guards, monkeypatch):
+    """The per-call module check (with the op contracts in test_op_contracts.py) stands in for Inductor's per-call
+    size asserts on CPU; dynamo's per-token guards keep them, and so does a TORCHINDUCTOR_SIZE_ASSERTS setting."""
+    from infopt.compile import decoder
+
+    seen = []
+    real = decoder.step_options
+
+    def spy(config, device):
+        seen.append(real(config, device))
+        return seen[-1]
+
+    monkeypatch.setattr(decoder, "step_options", spy)
+    monkeypatch.delenv("TORCHINDUCTOR_SIZE_ASSERTS", raising=False)
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="default", module_guards=guards)])
+    assert seen and all(p.get("size_asserts", True) is (guards == "per_token") for p in seen)
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    kw = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+
+    monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "0")
+    assert "size_asserts" not in real(Compile(module_guards="per_call"), torch.device("cpu"))
+    monkeypatch.delenv("TORCHINDUCTOR_SIZE_ASSERTS")
+    assert "size_asserts" not in real(Compile(module_guards="per_call"), torch.device("cuda"))

@@ -123,7 +123,7 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     """
     from ..generate import decoder_for, rollback
     from ..kvcache.static import StaticCaches
-    from .decoder import CompiledForward, CompiledForwards, mode_options
+    from .decoder import CompiledForward, CompiledForwards, step_options
 
     dec = decoder_for(model)
     if dec is None or not isinstance(dec.forwards, CompiledForwards) or not isinstance(dec.cache, StaticCaches):
@@ -156,7 +156,7 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
         return []
     out = Path(directory) / COMPILED_DIR
     out.mkdir(parents=True, exist_ok=True)
-    opts = {**mode_options(config.mode, device, config.cpp_wrapper), "guard_filter_fn": _drop_all_guards}
+    opts = {**step_options(config, device), "guard_filter_fn": _drop_all_guards}
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
     written: dict[str, list] = {}

@@ -74,7 +74,9 @@ class Compile(StepConfig):
         module_guards: when the model's modules are checked for changes a compiled graph depends on (a
             parameter's dtype, shape or device, training flags, hooks, config values). ``"per_call"``: once per
             ``generate`` call, by infopt, before the prompt (dynamo's own module guards, evaluated every token,
-            are skipped: about 1.3 ms per token on a 2-core CPU); ``"per_token"``: dynamo's guards on every step.
+            are skipped: about 1.3 ms per token on a 2-core CPU), and on CPU Inductor's size asserts in the
+            generated step too (:func:`infopt.compile.decoder.step_options`); ``"per_token"``: dynamo's guards
+            on every step.
 
     Raises:
         RecipeError: an unknown mode or backend, or bad warm-up sizes.

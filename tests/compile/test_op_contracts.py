@@ -1,0 +1,98 @@
+"""Every infopt operator a compiled graph calls keeps the contract its fake kernel states (``torch.library.opcheck``):
+the real output has the fake's shape, dtype and strides, and the schema's aliasing and mutation claims hold.
+
+Compiled CPU decode steps run without Inductor's per-call size asserts (``infopt.compile.decoder.mode_options``):
+these checks, with dynamo's guards on the step's inputs and the per-call module check, are what stand in for them.
+"""
+
+import pytest
+import torch
+
+from infopt.attention import paged
+from infopt.compile import packed
+from infopt.quantize import a8
+from infopt.quantize.int4 import quantize_int4_grouped
+
+CHECKS = ("test_schema", "test_faketensor")
+kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
+
+
+def _int4(n, k, group=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return a8.pack_int4(*quantize_int4_grouped(torch.randn(n, k, generator=g), group, zero_point="float"))
+
+
+def _check(op, *args):
+    torch.library.opcheck(op, args, test_utils=CHECKS)
+
+
+@kernel
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_ops_match_their_fakes(rows, dtype):
+    x = torch.randn(rows, 64).to(dtype)
+    w, sm = _int4(48, 64)
+    w2, sm2 = _int4(16, 64, seed=1)
+    _check(torch.ops.infopt.int4_a8_linear.default, x, w, sm, 32)
+    _check(torch.ops.infopt.int4_a8_linear_n.default, x, [w, w2], [sm, sm2], 32)
+    codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    w8, wsum = a8.pack_int8(codes, 32)
+    _check(torch.ops.infopt.int8_a8_linear.default, x, w8, wsum, torch.rand(32) / 50, 32)
+    if dtype == torch.float32:
+        _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32) / 50)
+
+
+@kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dense_copy_matches_its_fake(dtype):
+    w, sm = _int4(32, 64)
+    _check(torch.ops.infopt.int4_a8_dense_t.default, w, sm, 32, dtype)
+
+
+@kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_linear_matches_its_fake(bias):
+    x = torch.randn(33, 64)
+    w = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
+    _check(torch.ops.infopt.w8a8_linear.default, x, w, torch.rand(48) / 50, torch.randn(48) if bias else None)
+
+
+@pytest.mark.skipif(not paged.load_cpu_kernel(), reason="the C++ paged-attention kernel cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("news", [[1], [1, 1, 1], [5, 1]])
+def test_paged_attention_matches_its_fake(dtype, news):
+    g = torch.Generator().manual_seed(0)
+    block, h, h_kv, d = 16, 6, 2, 32
+    kv_lens = [n + 20 for n in news]
+    blocks = [-(-n // block) for n in kv_lens]
+    k = torch.randn(sum(blocks) + 1, block, h_kv, d, generator=g).to(dtype)
+    v = torch.randn_like(k)
+    table = torch.zeros(len(news), max(blocks), dtype=torch.int32)
+    used = 1
+    for s, nb in enumerate(blocks):
+        table[s, :nb] = torch.arange(used, used + nb)
+        used += nb
+    q = torch.randn(sum(news), h, d, generator=g).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
+    _check(torch.ops.infopt.paged_attention.default, q, k, v, table, starts, torch.tensor(kv_lens), 0.2, 0)
+
+
+@pytest.mark.skipif(not packed.can_pack(), reason="this torch build has no oneDNN prepacked linear")
+@pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64)])
+def test_packed_linear_matches_its_fake(shape):
+    lin = torch.nn.Linear(64, 48)
+    packed.pack_linears_(lin, min_elements=0)
+    handle = lin.__dict__["_infopt_packed"]
+    with torch.no_grad():
+        _check(torch.ops.infopt.packed_linear.default, torch.randn(shape), lin.weight, lin.bias, handle)
+
+
+def test_a_fake_that_disagrees_with_its_kernel_is_caught():
+    """The check these tests rely on fails for an operator whose fake states other strides than its kernel gives."""
+    lib = torch.library.Library("infopt_contract_probe", "FRAGMENT")
+    lib.define("f(Tensor x) -> Tensor")
+    lib.impl("f", lambda x: x.clone(), "CPU")
+    torch.library.register_fake("infopt_contract_probe::f", lambda x: x.new_empty(x.shape[1], x.shape[0]).t(),
+                                lib=lib)
+    with pytest.raises(Exception, match="Stride mismatch"):
+        _check(torch.ops.infopt_contract_probe.f.default, torch.randn(3, 4))
