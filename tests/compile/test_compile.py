@@ -481,3 +481,38 @@ def test_cpu_steps_drop_inductors_size_asserts_only_with_the_per_call_check(guar
     assert "size_asserts" not in real(Compile(module_guards="per_call"), torch.device("cpu"))
     monkeypatch.delenv("TORCHINDUCTOR_SIZE_ASSERTS")
     assert "size_asserts" not in real(Compile(module_guards="per_call"), torch.device("cuda"))
+
+
+def test_cpu_steps_run_guard_free_and_move_to_guards_for_a_cache_they_were_not_compiled_for():
+    """On CPU each decode shape is compiled ahead of time without dynamo's guards (GuardFreeStep); a call that
+    brings a cache whose tensors differ from those it was compiled for (here the same values in another memory
+    layout) is compiled again with guards, and gives the eager step's logits."""
+    import copy
+
+    from infopt.compile.decoder import GuardFreeStep
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="default", warmup_batch_sizes=(2,), warmup_lengths=(64,),
+                                                        pack_linears=False)])
+    dec = decoder_for(m)
+    fwd = dec.forward_for(m)
+    (key, step), = fwd._fns.items()
+    assert isinstance(step, GuardFreeStep) and step.fn is not None and key[0] == 2
+    assert compile_stats(m).compiles == 1
+    ids = torch.tensor([[1, 17, 400, 23, 9], [4, 8, 15, 16, 23]])
+    kw = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    assert fwd._fns[key] is step and compile_stats(m).compiles == 1
+
+    with torch.no_grad():
+        cache = dec.cache.cache_for(m, 2, key[2])
+        tok, pos = torch.tensor([[5], [7]]), torch.tensor([[1], [1]])
+        fwd.prefill(tok, torch.zeros_like(tok), None, cache)
+        odd, plain = copy.deepcopy(cache), copy.deepcopy(cache)
+        for layer in odd.layers:  # [B, H, L, D] views of [B, L, H, D] storage
+            layer.keys = layer.keys.transpose(1, 2).contiguous().transpose(1, 2)
+            layer.values = layer.values.transpose(1, 2).contiguous().transpose(1, 2)
+        got = fwd.step(tok, pos, torch.tensor([1]), None, odd, first=1)
+        want = fwd._forward(tok, pos, torch.tensor([1]), None, plain)
+    torch.testing.assert_close(got, want)
+    assert not isinstance(fwd._fns[key], GuardFreeStep) and compile_stats(m).compiles == 2

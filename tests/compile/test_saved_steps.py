@@ -194,3 +194,33 @@ def test_packed_models_keep_their_warm_up(tmp_path):
     model, _ = infopt.load(folder)
     assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
     assert compile_stats(model).loaded == 0 and any("_infopt_packed" in x.__dict__ for x in model.modules())
+
+
+@needs_aot
+def test_a_loaded_step_is_not_used_over_a_cache_laid_out_otherwise(saved):
+    """A loaded step was compiled over a contiguous cache of the model's dtype: a cache in another layout makes
+    that shape compile with guards, and the logits are the eager step's."""
+    import copy
+
+    from infopt.compile.decoder import GuardFreeStep
+    from infopt.generate import decoder_for
+
+    folder, _ = saved
+    model, _ = infopt.load(folder)
+    dec = decoder_for(model)
+    f = dec.forward_for()
+    (key, step), = f._fns.items()
+    assert isinstance(step, GuardFreeStep) and step.fn is not None
+    with torch.no_grad():
+        cache = dec.cache.cache_for(model, key[0], key[2])
+        tok = torch.ones(key[0], 1, dtype=torch.long)
+        f.prefill(tok, torch.zeros_like(tok), None, cache)
+        odd, plain = copy.deepcopy(cache), copy.deepcopy(cache)
+        for layer in odd.layers:
+            layer.keys = layer.keys.transpose(1, 2).contiguous().transpose(1, 2)
+            layer.values = layer.values.transpose(1, 2).contiguous().transpose(1, 2)
+        pos = torch.ones(key[0], 1, dtype=torch.long)
+        got = f.step(tok, pos, torch.tensor([1]), None, odd, first=1)
+        want = f._forward(tok, pos, torch.tensor([1]), None, plain)
+    torch.testing.assert_close(got, want)
+    assert not isinstance(f._fns[key], GuardFreeStep) and compile_stats(model).compiles == 1

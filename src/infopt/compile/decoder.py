@@ -10,6 +10,7 @@ shapes the calls use).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -287,9 +288,29 @@ class CompiledForward(Forward):
             self.stats.compiles_after_warmup += 1
         return fn
 
+    def _guard_free(self) -> bool:
+        """Whether this forward's shapes compile without dynamo's guards (:class:`GuardFreeStep`): Inductor on
+        CPU, one graph per call (``fullgraph``), the per-call module check on, and a torch that compiles ahead of
+        time."""
+        cfg = self.config
+        return (cfg.backend == "inductor" and cfg.fullgraph and cfg.module_guards == "per_call"
+                and self._device.type == "cpu" and can_aot_compile())
+
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
-        if fn is None:
+        if fn is None and self._guard_free():
+            if self._signature is None:
+                self._signature = module_signature(self.model)
+            fn = self._fns[key] = GuardFreeStep(self, key)
+            self.stats.shapes.append(_shape_name(key))
+            return fn
+        return fn if fn is not None else self._guarded(key)
+
+    def _guarded(self, key: tuple):
+        """The shape ``key`` compiled by ``torch.compile`` with dynamo's guards (on the modules too, unless
+        ``module_guards="per_call"``), kept in ``_fns``."""
+        fn = self._fns.get(key)
+        if fn is None or isinstance(fn, GuardFreeStep):
             b, k, length, padded = key
             kw = {}
             skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
@@ -302,8 +323,9 @@ class CompiledForward(Forward):
             fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
                                   backend=_weak_backend(self), fullgraph=self.config.fullgraph,
                                   dynamic=self.config.dynamic, **kw)
+            if key not in self._fns:
+                self.stats.shapes.append(_shape_name(key))
             self._fns[key] = fn
-            self.stats.shapes.append(_shape_name(key))
         return fn
 
     def prefill(self, input_ids, position_ids, attention_mask, cache, keep: int = 1) -> torch.Tensor:
@@ -389,6 +411,120 @@ class CompiledForward(Forward):
                       "without the compiled speed-up), as will any other shape that cannot, without another "
                       "warning. compile_stats(model).eager_shapes lists such shapes",
                       RuntimeWarning, stacklevel=4)
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def _identity(x):
+    return x
+
+
+@functools.cache
+def can_aot_compile() -> bool:
+    """Whether this torch compiles a function ahead of time (``torch.compile(fn).aot_compile``, torch 2.12 and
+    later): a graph without guards, called directly."""
+    return callable(getattr(torch.compile(_identity), "aot_compile", None))
+
+
+def _tensor_sig(t) -> tuple | None:
+    return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _cache_tensors(cache):
+    for layer in getattr(cache, "layers", ()):
+        for v in vars(layer).values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def canonical_args(key: tuple, device: torch.device) -> tuple:
+    """The signature (dtype, device, shape, strides) of the four tensor arguments the decode loop passes a step
+    of shape ``key``: contiguous int64 token ids ``[B, k]``, positions ``[B, k]``, cache positions ``[k]`` and,
+    when padded, an attention mask ``[B, length]``."""
+    b, k, length, padded = key
+    i64 = torch.int64
+    return ((i64, device, (b, k), (k, 1)), (i64, device, (b, k), (k, 1)), (i64, device, (k,), (1,)),
+            (i64, device, (b, length), (length, 1)) if padded else None)
+
+
+class GuardFreeStep:
+    """One decode shape, compiled on its first call ahead of time (``aot_compile``) with every dynamo guard
+    dropped, or loaded compiled (:mod:`infopt.compile.saved`); called directly from then on.
+
+    Dynamo's guards cost about 0.3 ms per token on a 2-core CPU even with the module guards skipped: each call
+    checks the inputs' metadata and global state and gathers them (``torch.profiler``: "TorchDynamo Cache Lookup",
+    "Pregraph bytecode"). infopt picks the graph by shape itself and checks the modules once per call
+    (``module_guards="per_call"``), so what is left to check is done here, more cheaply: per call the grad mode,
+    the model's dtype and device, and the dtype, shape and strides of the four tensor arguments; the cache's
+    tensors whenever the call brings another cache object. A call that differs from what the graph was compiled
+    for moves the shape to a guarded compile (:meth:`CompiledForward._guarded`) for good.
+
+    Args:
+        fwd: the :class:`CompiledForward` the shape belongs to.
+        key: the shape ``(batch, token bucket, cache length, padded)``.
+        fn: a graph compiled already (a loaded step), called as ``fn(fwd, *args)``; None compiles on first call.
+        args_sig: the arguments ``fn`` was compiled for (:func:`canonical_args`); with ``fn``.
+    """
+
+    def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
+        self.fwd, self.key, self.fn, self._args_sig = fwd, key, fn, args_sig
+        p = next(fwd.model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
+        self._cache_sig: tuple | None = None
+
+    def __call__(self, *args):
+        fwd = self.fwd
+        p = next(fwd.model.parameters())
+        sig = tuple(_tensor_sig(a) for a in args[:4])
+        if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
+                or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
+            return self._to_guarded(*args)
+        if self.fn is None:
+            try:
+                compiled = torch.compile(type(fwd)._forward, fullgraph=True, dynamic=fwd.config.dynamic,
+                                         backend=_weak_backend(fwd), options={"guard_filter_fn": _drop_all_guards})
+                self.fn = compiled.aot_compile(((fwd, *args), {}))
+            except _GraphNotHeld:
+                raise
+            except Exception as e:  # noqa: BLE001 - the guarded compile is the fallback (and eager after it)
+                log.info("the decode step for %s did not compile ahead of time (%s: %s); compiling it with guards",
+                         _shape_name(self.key), type(e).__name__, str(e)[:200])
+                return self._to_guarded(*args)
+            self._args_sig = sig
+        return self.fn(fwd, *args)
+
+    def _cache_fits(self, cache) -> bool:
+        if self._cache_ref is not None and self._cache_ref() is cache:
+            return True
+        sig = tuple(_tensor_sig(t) for t in _cache_tensors(cache))
+        if self._cache_sig is None:
+            if self.fn is not None and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
+                                           for t in sig):
+                return False  # a loaded step was saved over a contiguous cache (keys, values) of the model's dtype
+            self._cache_sig = sig
+        elif sig != self._cache_sig:
+            return False
+        try:
+            self._cache_ref = weakref.ref(cache)
+        except TypeError:
+            self._cache_ref = None
+        return True
+
+    def _to_guarded(self, *args):
+        self.fwd._graphs.pop(self.key, None)
+        self.fwd._key = self.key  # the shape the compiler callback counts (set by step() too)
+        return self.fwd._guarded(self.key)(*args)  # (replaces this step in the forward's table)
 
 
 class _GraphNotHeld(RuntimeError):

@@ -9,9 +9,10 @@ weights (``infopt_compiled/``); :func:`load_steps` loads them into the rebuilt m
 The saved steps carry no dynamo guards: infopt itself picks the graph by shape (batch, token bucket, cache
 length, padded or not), and the manifest records what a graph also assumes (torch, transformers and infopt
 versions, a hash of the compile step's source, the CPU's vector ISA, the model's dtype). A folder whose manifest does not match the machine and the
-installed versions, or a step that fails to load, is compiled as before, with a warning. At call time a
-saved step is used only while the model keeps the dtype and device it was saved with, with grad disabled;
-otherwise that shape is compiled anew.
+installed versions, or a step that fails to load, is compiled as before, with a warning. A loaded step runs as
+a :class:`~infopt.compile.decoder.GuardFreeStep`, as the steps compiled in-process on CPU do: only while the
+model keeps the dtype and device it was saved with, with grad disabled, for the decode loop's contiguous int64
+arguments and a cache of the model's dtype; otherwise that shape is compiled anew, with guards.
 
 A saved step's C++ kernels are built by Inductor when the step loads, into its cache (``TORCHINDUCTOR_CACHE_DIR``):
 about 9 s on two cores when that cache is empty, half of it probing which vector ISAs the compiler can build.
@@ -99,18 +100,12 @@ def _step_name(key: tuple) -> str:
     return f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}"
 
 
-def _drop_all_guards(entries):
-    return [False] * len(entries)
-
-
 def can_save_steps() -> bool:
     """Whether this torch compiles a function ahead of time (``torch.compile(fn).aot_compile``, torch 2.12 and later):
     without it ``save_optimized`` keeps no compiled step and the loaded model compiles its steps as usual."""
-    return callable(getattr(torch.compile(_identity), "aot_compile", None))
+    from .decoder import can_aot_compile
 
-
-def _identity(x):
-    return x
+    return can_aot_compile()
 
 
 def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
@@ -123,7 +118,7 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     """
     from ..generate import decoder_for, rollback
     from ..kvcache.static import StaticCaches
-    from .decoder import CompiledForward, CompiledForwards, step_options
+    from .decoder import CompiledForward, CompiledForwards, _drop_all_guards, step_options
 
     dec = decoder_for(model)
     if dec is None or not isinstance(dec.forwards, CompiledForwards) or not isinstance(dec.cache, StaticCaches):
@@ -255,23 +250,6 @@ def _restore_kernels(folder: Path) -> int:
         return 0
 
 
-class _Saved:
-    """A loaded step, called as the compiled function of its shape while the model is as it was saved."""
-
-    def __init__(self, fn, fwd, key: tuple, dtype: torch.dtype, device: torch.device):
-        self.fn, self.fwd, self.key, self.dtype, self.device = fn, fwd, key, dtype, device
-
-    def __call__(self, *args):
-        p = next(self.fwd.model.parameters())
-        if p.dtype != self.dtype or p.device != self.device or torch.is_grad_enabled():
-            # not what it was compiled for: compile this shape the usual way, guarded, from now on
-            self.fwd._fns.pop(self.key, None)
-            self.fwd._graphs.pop(self.key, None)
-            self.fwd._key = self.key  # the shape the compiler callback counts (set by step() too)
-            return self.fwd._compiled(self.key)(*args)
-        return self.fn(self.fwd, *args)
-
-
 def steps_fit(model: nn.Module, directory: str | Path) -> bool:
     """True when ``directory`` holds saved steps made for this setup (:func:`fingerprint` of ``model``, which may
     still be the blank model being rebuilt); a folder made elsewhere is logged and compiles as usual."""
@@ -293,7 +271,7 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
     Returns how many were loaded; a step that does not load is compiled on its first call, with a warning."""
     from ..generate import decoder_for
     from . import decoder as decoder_module
-    from .decoder import CompiledForward, _shape_name
+    from .decoder import CompiledForward, GuardFreeStep, _shape_name, canonical_args
 
     folder = Path(directory) / COMPILED_DIR
     dec = decoder_for(model)
@@ -313,7 +291,7 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
             warnings.warn(f"infopt: the saved decode step {name} did not load ({type(e).__name__}: {str(e)[:200]}); "
                           "it is compiled instead", RuntimeWarning, stacklevel=2)
             continue
-        fwd._fns[key] = _Saved(fn, fwd, key, p.dtype, p.device)
+        fwd._fns[key] = GuardFreeStep(fwd, key, fn, canonical_args(key, p.device))
         fwd._graphs[key] = 1
         fwd.stats.shapes.append(_shape_name(key))
         fwd.stats.loaded += 1
