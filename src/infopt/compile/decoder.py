@@ -290,11 +290,12 @@ class CompiledForward(Forward):
 
     def _guard_free(self) -> bool:
         """Whether this forward's shapes compile without dynamo's guards (:class:`GuardFreeStep`): Inductor on
-        CPU, one graph per call (``fullgraph``), the per-call module check on, and a torch that compiles ahead of
-        time."""
+        CPU, one graph per call (``fullgraph``), the per-call module check on, and a torch whose ``torch.compile``
+        takes a ``guard_filter_fn``."""
         cfg = self.config
         return (cfg.backend == "inductor" and cfg.fullgraph and cfg.module_guards == "per_call"
-                and self._device.type == "cpu" and can_aot_compile())
+                and self._device.type == "cpu"
+                and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"))  # (guard_filter_fn's torch)
 
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
@@ -458,12 +459,14 @@ def canonical_args(key: tuple, device: torch.device) -> tuple:
 
 
 class GuardFreeStep:
-    """One decode shape, compiled on its first call ahead of time (``aot_compile``) with every dynamo guard
-    dropped, or loaded compiled (:mod:`infopt.compile.saved`); called directly from then on.
+    """One decode shape, compiled on its first call with every dynamo guard dropped (``guard_filter_fn``), or
+    loaded compiled (:mod:`infopt.compile.saved`, compiled ahead of time).
 
     Dynamo's guards cost about 0.3 ms per token on a 2-core CPU even with the module guards skipped: each call
-    checks the inputs' metadata and global state and gathers them (``torch.profiler``: "TorchDynamo Cache Lookup",
-    "Pregraph bytecode"). infopt picks the graph by shape itself and checks the modules once per call
+    checks the inputs' metadata and global state ("TorchDynamo Cache Lookup" in ``torch.profiler``). (Compiling
+    with ``aot_compile`` instead, as saved steps are, would also drop the lookup, but it bypasses Inductor's and
+    AOTAutograd's caches: 12.5 s against 2.2 s for ``cpu-fast``'s step on 2 cores with a warm cache.) infopt picks
+    the graph by shape itself and checks the modules once per call
     (``module_guards="per_call"``), so what is left to check is done here, more cheaply: per call the grad mode,
     the model's dtype and device, and the dtype, shape and strides of the four tensor arguments; the cache's
     tensors whenever the call brings another cache object. A call that differs from what the graph was compiled
@@ -478,6 +481,7 @@ class GuardFreeStep:
 
     def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
         self.fwd, self.key, self.fn, self._args_sig = fwd, key, fn, args_sig
+        self._bound = None  # the in-process compile, called with the step's arguments (a loaded fn takes fwd first)
         p = next(fwd.model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
@@ -491,18 +495,15 @@ class GuardFreeStep:
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
             return self._to_guarded(*args)
         if self.fn is None:
-            try:
-                compiled = torch.compile(type(fwd)._forward, fullgraph=True, dynamic=fwd.config.dynamic,
-                                         backend=_weak_backend(fwd), options={"guard_filter_fn": _drop_all_guards})
-                self.fn = compiled.aot_compile(((fwd, *args), {}))
-            except _GraphNotHeld:
-                raise
-            except Exception as e:  # noqa: BLE001 - the guarded compile is the fallback (and eager after it)
-                log.info("the decode step for %s did not compile ahead of time (%s: %s); compiling it with guards",
-                         _shape_name(self.key), type(e).__name__, str(e)[:200])
-                return self._to_guarded(*args)
-            self._args_sig = sig
-        return self.fn(fwd, *args)
+            b, k, length, padded = self.key
+            # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)
+            self._bound = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
+                                           backend=_weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
+                                           options={"guard_filter_fn": _drop_all_guards})
+            out = self._bound(*args)
+            self.fn, self._args_sig = self._bound, sig
+            return out
+        return self._bound(*args) if self._bound is not None else self.fn(fwd, *args)
 
     def _cache_fits(self, cache) -> bool:
         if self._cache_ref is not None and self._cache_ref() is cache:
