@@ -516,3 +516,28 @@ def test_cpu_steps_run_guard_free_and_move_to_guards_for_a_cache_they_were_not_c
         want = fwd._forward(tok, pos, torch.tensor([1]), None, plain)
     torch.testing.assert_close(got, want)
     assert not isinstance(fwd._fns[key], GuardFreeStep) and compile_stats(m).compiles == 2
+
+
+def test_a_guard_free_step_steps_aside_under_autocast_and_grad(monkeypatch):
+    """Dynamo would compile another graph under autocast or with grad enabled; the guard-free step hands such
+    calls to a guarded compile of its shape."""
+    from infopt.compile.decoder import GuardFreeStep
+
+    m = tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="default", warmup_lengths=(64,), pack_linears=False)])
+    dec = decoder_for(m)
+    fwd = dec.forward_for(m)
+    (key, step), = fwd._fns.items()
+    assert isinstance(step, GuardFreeStep) and step.fn is not None
+    handed = []
+    monkeypatch.setattr(fwd, "_guarded", lambda k: (lambda *a: handed.append(k) or "guarded"))
+    cache = dec.cache.cache_for(m, key[0], key[2])
+    tok = torch.ones(key[0], 1, dtype=torch.long)
+    args = (tok, tok.clone(), torch.tensor([1]), None, cache)
+    with torch.no_grad():
+        assert isinstance(step(*args), torch.Tensor) and not handed
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert step(*args) == "guarded"
+    with torch.enable_grad():
+        assert step(*args) == "guarded"
+    assert handed == [key, key]

@@ -468,7 +468,7 @@ class GuardFreeStep:
     AOTAutograd's caches: 12.5 s against 2.2 s for ``cpu-fast``'s step on 2 cores with a warm cache.) infopt picks
     the graph by shape itself and checks the modules once per call
     (``module_guards="per_call"``), so what is left to check is done here, more cheaply: per call the grad mode,
-    the model's dtype and device, and the dtype, shape and strides of the four tensor arguments; the cache's
+    autocast, the model's dtype and device, and the dtype, shape and strides of the four tensor arguments; the cache's
     tensors whenever the call brings another cache object. A call that differs from what the graph was compiled
     for moves the shape to a guarded compile (:meth:`CompiledForward._guarded`) for good.
 
@@ -492,6 +492,7 @@ class GuardFreeStep:
         p = next(fwd.model.parameters())
         sig = tuple(_tensor_sig(a) for a in args[:4])
         if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
+                or torch.is_autocast_enabled(p.device.type)
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
             return self._to_guarded(*args)
         if self.fn is None:
