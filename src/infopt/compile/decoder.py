@@ -418,17 +418,6 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
-def _identity(x):
-    return x
-
-
-@functools.cache
-def can_aot_compile() -> bool:
-    """Whether this torch compiles a function ahead of time (``torch.compile(fn).aot_compile``, torch 2.12 and
-    later): a graph without guards, called directly."""
-    return callable(getattr(torch.compile(_identity), "aot_compile", None))
-
-
 def _tensor_sig(t) -> tuple | None:
     return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
 
@@ -475,13 +464,16 @@ class GuardFreeStep:
     Args:
         fwd: the :class:`CompiledForward` the shape belongs to.
         key: the shape ``(batch, token bucket, cache length, padded)``.
-        fn: a graph compiled already (a loaded step), called as ``fn(fwd, *args)``; None compiles on first call.
+        fn: a graph compiled already (a loaded step), called as ``fn(fwd, *args)``; None compiles on the first call.
         args_sig: the arguments ``fn`` was compiled for (:func:`canonical_args`); with ``fn``.
     """
 
     def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
-        self.fwd, self.key, self.fn, self._args_sig = fwd, key, fn, args_sig
-        self._bound = None  # the in-process compile, called with the step's arguments (a loaded fn takes fwd first)
+        self.fwd, self.key, self._args_sig = fwd, key, args_sig
+        self.loaded = fn is not None
+        # called with the step's arguments: the in-process compile (made on the first call), or a loaded function
+        # with the forward bound as its first argument
+        self.fn = functools.partial(fn, fwd) if fn is not None else None
         p = next(fwd.model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
@@ -498,20 +490,20 @@ class GuardFreeStep:
         if self.fn is None:
             b, k, length, padded = self.key
             # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)
-            self._bound = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
-                                           backend=_weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
-                                           options={"guard_filter_fn": _drop_all_guards})
-            out = self._bound(*args)
-            self.fn, self._args_sig = self._bound, sig
+            fn = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
+                                  backend=_weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
+                                  options={"guard_filter_fn": _drop_all_guards})
+            out = fn(*args)
+            self.fn, self._args_sig = fn, sig
             return out
-        return self._bound(*args) if self._bound is not None else self.fn(fwd, *args)
+        return self.fn(*args)
 
     def _cache_fits(self, cache) -> bool:
         if self._cache_ref is not None and self._cache_ref() is cache:
             return True
         sig = tuple(_tensor_sig(t) for t in _cache_tensors(cache))
         if self._cache_sig is None:
-            if self.fn is not None and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
+            if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
                                            for t in sig):
                 return False  # a loaded step was saved over a contiguous cache (keys, values) of the model's dtype
             self._cache_sig = sig
