@@ -40,6 +40,7 @@ def test_quantized_linear_ops_match_their_fakes(rows, dtype):
     _check(torch.ops.infopt.int8_a8_linear.default, x, w8, wsum, torch.rand(32) / 50, 32)
     if dtype == torch.float32:
         _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32) / 50)
+        _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32, 2) / 50)
 
 
 @kernel

@@ -236,8 +236,9 @@ multiply by the dequantized weight in one fp32 GEMM, as the kernel streams the w
 
 
 def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K]`` fp32 times a per-row int8 weight ``[N, K]`` with ``scale [N]``: ``[..., N]`` fp32, accumulated
-    in fp32 (only the weight is rounded). The C++ kernel on CPU (built for decode's one to a few rows), else torch.
+    """``x [..., K]`` fp32 times an int8 weight ``[N, K]`` with one scale per row (``scale [N]``) or per row and group
+    of ``K // G`` input channels (``scale [N, G]``): ``[..., N]`` fp32, accumulated in fp32 (only the weight is
+    rounded). The C++ kernel on CPU (built for decode's one to a few rows), else torch.
 
     Example:
         >>> w = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
@@ -249,7 +250,11 @@ def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     if x.device.type == "cpu" and x.dtype == torch.float32 and available():
         y = torch.ops.infopt.int8_f32_linear(x2, weight, scale)
     else:
-        y = F.linear(x2.float(), weight.float()) * scale.float()
+        w = weight.float()
+        if scale.dim() == 2:
+            y = F.linear(x2.float(), (w.unflatten(1, (scale.shape[1], -1)) * scale.float()[..., None]).flatten(1))
+        else:
+            y = F.linear(x2.float(), w) * scale.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 

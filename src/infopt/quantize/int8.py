@@ -311,7 +311,12 @@ class Int8Linear(nn.Module):
             y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
         elif self.group_size is not None:
             wd = cd or x.dtype
-            y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
+            if (wd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu"
+                    and x.numel() // self.in_features <= a8.F32_KERNEL_ROWS and a8.available()):
+                # decode's few rows on the int8 kernel with its per-group scales; prompts on the dequantized weight
+                y = a8.int8_f32_linear(x, self.weight_int8, self.weight_scale)
+            else:
+                y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
         elif x.is_cuda and (cd or x.dtype) in MM_DTYPES:
             # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
             # to dequantize-then-matmul, warning once, where Triton is missing)
