@@ -24,7 +24,7 @@ from infopt.models import load_default
 
 CATEGORIES = {  # first match wins; keys are substrings of profiler event names
     "weight matmuls": ("_weight_int4pack_mm", "int4mm_packed_weight", "_weight_int8pack_mm", "infopt::int4_a8_linear",
-                       "infopt::int8_a8_linear", "aten::mm",
+                       "infopt::int8_a8_linear", "infopt::int8_f32_linear", "infopt::w8a8_linear", "aten::mm",
                        "aten::addmm", "_int_mm", "aten::bmm"),
     "attention": ("scaled_dot_product", "flash_attention", "infopt::paged_attention"),
     "dynamo guards": ("TorchDynamo Cache Lookup", "Pregraph bytecode"),

@@ -307,28 +307,26 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         cd = self.compute_dtype
-        if self.activations == "int8":
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and self.activations == "float"
+                and (cd == torch.float32 or (cd is None and self.group_size is not None))
+                and x.numel() <= a8.F32_KERNEL_ROWS * self.in_features and a8.available()):
+            # fp32 activations and sums: decode's few rows on the int8 kernel (per-channel or per-group scales),
+            # called directly: this layer runs about 200 times per token, and each Python step costs
+            y = torch.ops.infopt.int8_f32_linear(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.activations == "int8":
             y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
-        elif self.group_size is not None:
+        elif self.group_size is not None:  # prompts (and other devices): the dequantized weight
             wd = cd or x.dtype
-            if (wd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu"
-                    and x.numel() // self.in_features <= a8.F32_KERNEL_ROWS and a8.available()):
-                # decode's few rows on the int8 kernel with its per-group scales; prompts on the dequantized weight
-                y = a8.int8_f32_linear(x, self.weight_int8, self.weight_scale)
-            else:
-                y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
+            y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
         elif x.is_cuda and (cd or x.dtype) in MM_DTYPES:
             # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-        elif cd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu" and a8.available():
-            # fp32 activations, fp32 sums: decode's few rows on the int8 kernel; prompts on the dequantized weight
-            rows = x.numel() // self.in_features
-            if rows <= a8.F32_KERNEL_ROWS:
-                y = a8.int8_f32_linear(x, self.weight_int8, self.weight_scale)
-            else:
-                y = F.linear(x, self.dequantize().to(x.dtype))
+        elif cd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu":
+            # prompts with fp32 sums (or no C++ kernels): the dequantized weight
+            y = F.linear(x, self.dequantize().to(x.dtype))
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
