@@ -3,11 +3,16 @@
 Rows (KL / top-1 / perplexity against the fp32 model on 1,024 tokens of the eval text):
 - the whole model cast to bf16 (no quantization): the cost of bf16 rounding alone;
 - int8 per channel with bf16 activations (the fused kernel) and with fp32 activations;
-- int8 with 32-channel groups and fp32 activations.
+- int8 with 32-channel groups and fp32 activations;
+- with the output head quantized too (what makes int8 decode fast: the fp32 head is the largest single read per
+  token): per channel, and with 32- and 64-channel groups;
+- with ``--gptq``: 8-bit GPTQ per channel (error-compensated rounding on the calibration text), head in fp32.
+The embedded model is a dequantized GGUF (Q4_1 projections, Q8_0 embedding): any format with 32-channel groups
+lines up with its blocks, which flatters g32 against per-channel scales here.
 Also: distinct weight values per group of 32 in one MLP layer (the embedded model is a dequantized Q4_1
 GGUF: at most 16), and the bytes of the attention + MLP projections in fp32, int8 and int4 (g32, g64).
 
-Usage: python benchmarks/int8_precision.py [--json out.json]
+Usage: python benchmarks/int8_precision.py [--max-tokens 1024] [--gptq] [--json out.json]
 """
 
 import argparse
@@ -19,16 +24,18 @@ import infopt
 from infopt.core.introspect import param_bytes
 from infopt.eval import evaluate, make_reference
 from infopt.models import load_default
-from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+from infopt.quantize import GPTQ, Int4WeightOnly, Int8WeightOnly
 from infopt.quantize.api import quantize_targets
 
 p = argparse.ArgumentParser()
 p.add_argument("--json", default=None)
+p.add_argument("--max-tokens", type=int, default=1024)
+p.add_argument("--gptq", action="store_true", help="add 8-bit GPTQ (about 2 minutes)")
 args = p.parse_args()
 
 model, tok = load_default()
-ref = make_reference(model, tokenizer=tok, max_tokens=1024, dtype="float32")
-out = {}
+ref = make_reference(model, tokenizer=tok, max_tokens=args.max_tokens, dtype="float32")
+out = {"tokens": ref.tokens}
 
 
 def row(name, m):
@@ -40,9 +47,17 @@ def row(name, m):
 bf16 = load_default()[0].to(torch.bfloat16)
 row("fp32 model cast to bf16", bf16)
 del bf16
-for name, cfg in [("int8 per channel, bf16 activations", Int8WeightOnly()),
-                  ("int8 per channel, fp32 activations", Int8WeightOnly(compute_dtype="float32")),
-                  ("int8 g32, fp32 activations", Int8WeightOnly(group_size=32, compute_dtype="float32"))]:
+rows = [("int8 per channel, bf16 activations", Int8WeightOnly()),
+        ("int8 per channel, fp32 activations", Int8WeightOnly(compute_dtype="float32")),
+        ("int8 g32, fp32 activations", Int8WeightOnly(group_size=32, compute_dtype="float32")),
+        ("int8 per channel + head, fp32 activations", Int8WeightOnly(compute_dtype="float32", include_lm_head=True)),
+        ("int8 g64 + head, fp32 activations",
+         Int8WeightOnly(group_size=64, compute_dtype="float32", include_lm_head=True)),
+        ("int8 g32 + head, fp32 activations",
+         Int8WeightOnly(group_size=32, compute_dtype="float32", include_lm_head=True))]
+if args.gptq:
+    rows.append(("gptq 8-bit per channel", GPTQ(bits=8, group_size=-1, samples=32, seq_len=512)))
+for name, cfg in rows:
     infopt.optimize(model, [cfg])
     row(name, model)
     infopt.undo(model)
