@@ -58,7 +58,7 @@ for r in range(args.rounds):
 rows = []
 base = rates["transformers fp32"]
 for name, rs in rates.items():
-    ratios = [a / b for a, b in zip(rs, base)]
+    ratios = [a / b for a, b in zip(rs, base, strict=True)]
     rows.append({"recipe": name, "tokens_per_s": statistics.median(rs), "runs": rs,
                  "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                  "same_tokens_every_round": stable[name]})

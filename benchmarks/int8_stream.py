@@ -39,7 +39,7 @@ f32 = torch.ops.infopt.int8_f32_linear
 
 
 def grouped(g):
-    return [s[:, None].expand(-1, c.shape[1] // g).contiguous() for c, s in zip(codes, row_scales)]
+    return [s[:, None].expand(-1, c.shape[1] // g).contiguous() for c, s in zip(codes, row_scales, strict=True)]
 
 
 cases = {
@@ -51,11 +51,11 @@ cases = {
 times = {name: [] for name in cases}
 for r in range(args.rounds):
     for name, (op, xs, scales) in (list(cases.items()) if r % 2 == 0 else list(cases.items())[::-1]):
-        for c, s in zip(codes, scales):
+        for c, s in zip(codes, scales, strict=True):
             op(xs[c.shape[1]], c, s)
         t0 = time.perf_counter()
         for _ in range(10):
-            for c, s in zip(codes, scales):
+            for c, s in zip(codes, scales, strict=True):
                 op(xs[c.shape[1]], c, s)
         times[name].append((time.perf_counter() - t0) / 10)
 copy = measure_bandwidth()

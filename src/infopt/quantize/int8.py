@@ -30,8 +30,10 @@ class Int8WeightOnly(StepConfig):
 
     Args:
         group_size: None (default) for one scale per output channel, which the fused CPU kernel
-            takes; or a number of input channels per scale (finer, more accurate, but dequantized
-            per call: slower). Must divide every quantized layer's ``in_features``.
+            takes; or a number of input channels per scale (finer, more accurate). With fp32 activations on
+            CPU (``compute_dtype`` ``"float32"``, or ``"auto"`` in an fp32 model) decode's few rows run on
+            infopt's int8 x fp32 kernel with the group scales; other calls dequantize the weight per call.
+            Must divide every quantized layer's ``in_features``.
         compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
             int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
             on the same weights, and the model's dtype elsewhere. ``"float32"`` keeps fp32 activations and
