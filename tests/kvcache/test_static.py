@@ -97,3 +97,20 @@ def test_transformers_loop_under_inference_mode_leaves_a_reusable_cache():
         m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop allocates
     assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False),
                        ref.generate(p, max_new_tokens=6, do_sample=False))
+
+
+def test_calls_with_and_without_autocast_share_a_model():
+    """A call under torch.autocast writes other dtypes than a plain one: it gets a static cache of its own (as a fresh
+    transformers cache would), instead of failing in index_copy_ into the plain call's fp32 tensors, and the reverse."""
+    import infopt
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    p = torch.tensor([[1, 17, 400, 23, 9]])
+    plain = m.generate(p, max_new_tokens=6, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = m.generate(p, max_new_tokens=6, do_sample=False)
+        want_mixed = ref.generate(p, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    again = m.generate(p, max_new_tokens=6, do_sample=False)
+    assert torch.equal(mixed, want_mixed)
+    assert torch.equal(plain, ref.generate(p, max_new_tokens=6, do_sample=False)) and torch.equal(again, plain)

@@ -6,6 +6,7 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from ..core.introspect import context_length, inspect_model
@@ -138,7 +139,10 @@ class StaticCaches(CachePart):
             weakref.WeakKeyDictionary()
 
     def _get(self, model: nn.Module, batch: int, needed: int):
-        key = (batch, bucket_length(min(needed, self.max_length), self.max_length))
+        # transformers' static layers take their dtype from the first keys written: a call under torch.autocast
+        # writes other dtypes than one without, so each autocast state gets its own allocation (as a fresh cache per
+        # call would), instead of a failing index_copy_ into the other call's tensors
+        key = (batch, bucket_length(min(needed, self.max_length), self.max_length), _autocast_state(model))
         held = self._held.get(model)
         if held is not None and held[0] == key:
             held[1].reset()
@@ -158,6 +162,16 @@ class StaticCaches(CachePart):
 
     def cache_for(self, model, batch, slots):
         return self._get(model, batch, slots)
+
+
+def _autocast_state(model: nn.Module) -> tuple:
+    device = getattr(model, "device", None)
+    kind = device.type if isinstance(device, torch.device) else "cpu"
+    try:
+        on = torch.is_autocast_enabled(kind)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return (kind, False, None)
+    return (kind, on, torch.get_autocast_dtype(kind) if on else None)
 
 
 def static_max_length(model: nn.Module) -> int | None:
