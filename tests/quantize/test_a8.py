@@ -515,16 +515,16 @@ def test_int8_layer_with_float32_compute_keeps_fp32_activations_on_the_kernel():
     lin = torch.nn.Linear(576, 192)
     layer = Int8Linear.from_float(lin, compute_dtype="float32")
     want_w = layer.dequantize()
-    for rows in (1, 3, a8.F32_KERNEL_ROWS, a8.F32_KERNEL_ROWS + 1, 64):  # decode on the kernel, prompts dequantized
+    for rows in (1, 3, 16, 17, 64):
         x = torch.randn(rows, 576)
         torch.testing.assert_close(layer(x), x @ want_w.t() + lin.bias, atol=2e-5, rtol=1e-5)
     assert _int8_f32_calls(layer, torch.randn(2, 576)) == 1  # decode rows went to the kernel
-    assert _int8_f32_calls(layer, torch.randn(a8.F32_KERNEL_ROWS + 1, 576)) == 0  # a prompt did not
+    assert _int8_f32_calls(layer, torch.randn(64, 576)) == 1  # and so did a prompt's
     bf16 = Int8Linear.from_float(lin, compute_dtype="bfloat16")
     x = torch.randn(1, 576)
     grouped = Int8Linear.from_float(lin, compute_dtype="float32", group_size=32)
     want_g = grouped.dequantize()
-    for rows in (1, 3, a8.F32_KERNEL_ROWS + 1):
+    for rows in (1, 3, 17):
         xg = torch.randn(rows, 576)
         torch.testing.assert_close(grouped(xg), xg @ want_g.t() + lin.bias, atol=2e-5, rtol=1e-5)
     assert _int8_f32_calls(grouped, x) == 1  # per-group scales: decode rows on the kernel, not a weight per call

@@ -103,17 +103,19 @@ def test_misaligned_weight_is_realigned_before_the_cpu_kernel():
 
 
 @pytest.mark.parametrize("group_size", [None, 32])
-def test_float32_prompts_dequantize_in_chunks_of_rows(monkeypatch, group_size):
-    """fp32 prompts run on the weight dequantized a chunk of rows at a time into a reused buffer: the same product as
-    the whole dequantized weight, across chunk edges (chunks of 3 rows of 64 here, 40 rows: a partial last chunk)."""
+def test_float32_without_the_kernels_dequantizes_in_chunks_of_rows(monkeypatch, group_size):
+    """Without infopt's C++ kernels, fp32 calls run on the weight dequantized a chunk of rows at a time into a reused
+    buffer: the same product as the whole dequantized weight, across chunk edges (chunks of 3 rows of 64 here, 40
+    rows: a partial last chunk)."""
     import infopt.quantize.int8 as int8_mod
 
+    monkeypatch.setattr(int8_mod.a8, "available", lambda: False)
     monkeypatch.setattr(int8_mod, "_CHUNK_WEIGHTS", 3 * 64)
     monkeypatch.setattr(int8_mod, "_SCRATCH", threading.local())
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 40)
     layer = Int8Linear.from_float(lin, compute_dtype="float32", group_size=group_size)
-    x = torch.randn(2, 20, 64)  # 40 rows: a prompt, past the decode kernel's rows
+    x = torch.randn(2, 20, 64)
     want = x @ layer.dequantize().t() + lin.bias
     got = layer(x)
     assert got.shape == (2, 20, 40) and got.is_contiguous()
