@@ -47,7 +47,7 @@ def row(name, m):
 bf16 = load_default()[0].to(torch.bfloat16)
 row("fp32 model cast to bf16", bf16)
 del bf16
-rows = [("int8 per channel, bf16 activations", Int8WeightOnly()),
+rows = [("int8 per channel, bf16 activations", Int8WeightOnly(compute_dtype="bfloat16")),
         ("int8 per channel, fp32 activations", Int8WeightOnly(compute_dtype="float32")),
         ("int8 g32, fp32 activations", Int8WeightOnly(group_size=32, compute_dtype="float32")),
         ("int8 per channel + head, fp32 activations", Int8WeightOnly(compute_dtype="float32", include_lm_head=True)),

@@ -88,8 +88,8 @@ def test_save_reload_preserves_outputs(tmp_path, prompt):
 def test_misaligned_weight_is_realigned_before_the_cpu_kernel():
     """A weight viewed at an offset (a memory-mapped checkpoint) gets an aligned copy before _weight_int8pack_mm."""
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(nn.Linear(128, 64))
-    if layer.compute_dtype is None:
+    layer = Int8Linear.from_float(nn.Linear(128, 64), compute_dtype="bfloat16")
+    if not hasattr(torch, "_weight_int8pack_mm"):
         pytest.skip("this torch has no CPU int8 kernel")
     x = torch.randn(3, 128)
     want = layer(x)

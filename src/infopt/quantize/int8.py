@@ -35,12 +35,13 @@ class Int8WeightOnly(StepConfig):
             CPU (``compute_dtype`` ``"float32"``, or ``"auto"`` in an fp32 model) decode's few rows run on
             infopt's int8 x fp32 kernel with the group scales; other calls dequantize the weight per call.
             Must divide every quantized layer's ``in_features``.
-        compute_dtype: dtype of the matmul. ``"auto"`` uses bfloat16 activations with the fused
-            int8 kernel (``torch._weight_int8pack_mm``) on CPU, which is faster than an fp32 matmul
-            on the same weights, and the model's dtype elsewhere. ``"float32"`` keeps fp32 activations and
-            sums: on CPU, decode's few rows run on infopt's int8 x fp32 kernel
-            (:func:`infopt.quantize.a8.int8_f32_linear`) and prompts on the dequantized weight (without the C++
-            kernels, the weight is dequantized on every call). On CUDA every per-channel layer
+        compute_dtype: dtype of the matmul. ``"auto"``: for an fp32 model on a CPU where infopt's C++ kernels
+            build with AVX-512, ``"float32"`` (measured faster there than bf16 activations, and exact); on other
+            CPUs bfloat16 activations with the fused int8 kernel (``torch._weight_int8pack_mm``), which is
+            faster than an fp32 matmul on the same weights; the model's dtype elsewhere. ``"float32"`` keeps fp32
+            activations and sums: on CPU every call runs on infopt's int8 x fp32 kernel
+            (:func:`infopt.quantize.a8.int8_f32_linear`; without the C++ kernels, the weight is dequantized a
+            chunk of rows at a time). On CUDA every per-channel layer
             runs infopt's Triton kernel (:func:`~infopt.quantize.triton_int8.int8_weight_mm`: int8 weight
             tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
             dequantize-then-matmul, with a warning.
@@ -175,6 +176,16 @@ def _dequantized_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     return y_t.t().contiguous()
 
 
+def _auto_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """``compute_dtype="auto"`` for a per-channel layer: fp32 for an fp32 model on a CPU whose C++ kernels are built
+    with AVX-512 (infopt's int8 x fp32 kernel: exact activations, and measured faster than bf16 activations on
+    ``torch._weight_int8pack_mm`` there, in decode and at prompts' TTFT); else bf16 on that fused kernel where torch
+    has it, else None (the model's dtype)."""
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and a8.isa() == "avx512_vnni":
+        return torch.float32
+    return torch.bfloat16 if _int8pack_available(device) else None
+
+
 def _int8pack_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
 
@@ -257,7 +268,7 @@ class Int8Linear(nn.Module):
         group = None if scales.dim() == 1 else in_f // scales.shape[1]
         cd = _COMPUTE_DTYPES[compute_dtype]
         if cd is None and group is None:
-            cd = torch.bfloat16 if _int8pack_available(codes.device) else None
+            cd = _auto_compute_dtype(dtype, codes.device)
         new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
                   group_size=group, activations=activations)
         new._set_codes(codes.to(torch.int8))
