@@ -5,7 +5,10 @@ Rows, interleaved round by round in one process: ``infopt::int8_f32_linear`` (fp
 scale per row and with 32- and 64-channel groups, and ``torch._weight_int8pack_mm`` (bf16 activations, one scale
 per row). Prints milliseconds per token and the weight bytes read per second; ``--no-head`` leaves the head out.
 
-Usage: python benchmarks/int8_stream.py [--rounds 6] [--no-head] [--json out.json]
+With ``--rows M [M ...]`` it compares instead, for activations of M rows (prompts), the int8 x fp32 kernel against an
+fp32 GEMM over the weight dequantized a chunk of rows at a time (the path without the C++ kernels).
+
+Usage: python benchmarks/int8_stream.py [--rounds 6] [--no-head] [--rows M ...] [--json out.json]
 """
 
 import argparse
@@ -21,6 +24,7 @@ from infopt.quantize import a8
 p = argparse.ArgumentParser()
 p.add_argument("--rounds", type=int, default=6)
 p.add_argument("--no-head", action="store_true")
+p.add_argument("--rows", type=int, nargs="*", default=None)
 p.add_argument("--json", default=None)
 args = p.parse_args()
 if not a8.available():
@@ -41,6 +45,28 @@ f32 = torch.ops.infopt.int8_f32_linear
 def grouped(g):
     return [s[:, None].expand(-1, c.shape[1] // g).contiguous() for c, s in zip(codes, row_scales, strict=True)]
 
+
+if args.rows:
+    from infopt.quantize.int8 import _dequantized_matmul
+
+    out = []
+    for m in args.rows:
+        xm = {k: torch.randn(m, k) for k in (hidden, inter)}
+        runs = {"int8_f32_linear": [], "chunked dequantize + fp32 GEMM": []}
+        for r in range(args.rounds):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                fn = f32 if name == "int8_f32_linear" else _dequantized_matmul
+                t0 = time.perf_counter()
+                for c, s in zip(codes, row_scales, strict=True):
+                    fn(xm[c.shape[1]], c, s)
+                runs[name].append(time.perf_counter() - t0)
+        row = {"rows": m, **{name: statistics.median(v) * 1e3 for name, v in runs.items()}}
+        out.append(row)
+        print(f"{m:5d} rows: " + "  ".join(f"{k} {v:8.1f} ms" for k, v in row.items() if k != "rows"), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_info(), "threads": torch.get_num_threads(), "rows": out}, f, indent=1)
+    raise SystemExit(0)
 
 cases = {
     "int8_f32_linear, per row": (f32, x, row_scales),
