@@ -32,8 +32,8 @@ class Int8WeightOnly(StepConfig):
     Args:
         group_size: None (default) for one scale per output channel, which the fused CPU kernel
             takes; or a number of input channels per scale (finer, more accurate). With fp32 activations on
-            CPU (``compute_dtype`` ``"float32"``, or ``"auto"`` in an fp32 model) decode's few rows run on
-            infopt's int8 x fp32 kernel with the group scales; other calls dequantize the weight per call.
+            CPU (``compute_dtype`` ``"float32"``, or ``"auto"`` in an fp32 model) every call runs on infopt's
+            int8 x fp32 kernel with the group scales; other dtypes and devices dequantize the weight per call.
             Must divide every quantized layer's ``in_features``.
         compute_dtype: dtype of the matmul. ``"auto"``: for an fp32 model on a CPU where infopt's C++ kernels
             build with AVX-512, ``"float32"`` (measured faster there than bf16 activations, and exact); on other
