@@ -121,3 +121,20 @@ def test_float32_without_the_kernels_dequantizes_in_chunks_of_rows(monkeypatch, 
     assert got.shape == (2, 20, 40) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert int8_mod._SCRATCH.buf.numel() == 3 * 64  # one buffer of one chunk, reused for every chunk
+
+
+def test_auto_compute_dtype_is_fp32_for_fp32_models_where_the_kernel_was_measured_faster():
+    """``compute_dtype="auto"``: fp32 models on CPUs whose C++ kernels build with AVX-512 get fp32 activations on the
+    int8 x fp32 kernel (measured faster than bf16 on torch's kernel there); other CPUs keep bf16 activations, and a
+    bf16 model keeps its own dtype's kernel."""
+    from infopt.quantize import a8
+
+    fp32 = Int8Linear.from_float(nn.Linear(64, 32))
+    bf16 = Int8Linear.from_float(nn.Linear(64, 32).to(torch.bfloat16))
+    if a8.isa() == "avx512_vnni":
+        assert fp32.compute_dtype == torch.float32
+    elif hasattr(torch, "_weight_int8pack_mm"):
+        assert fp32.compute_dtype == torch.bfloat16
+    assert bf16.compute_dtype == (torch.bfloat16 if hasattr(torch, "_weight_int8pack_mm") else None)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fp32(x), x @ fp32.dequantize().t() + fp32.bias, atol=3e-2, rtol=1e-2)
