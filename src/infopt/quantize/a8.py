@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import extensions
+from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
@@ -246,11 +247,11 @@ def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     if x.device.type == "cpu" and x.dtype == torch.float32 and available():
         y = torch.ops.infopt.int8_f32_linear(x2, weight, scale)
     else:
-        w = weight.float()
         if scale.dim() == 2:
-            y = F.linear(x2.float(), (w.unflatten(1, (scale.shape[1], -1)) * scale.float()[..., None]).flatten(1))
+            w = dequantize(weight, group_block(weight.shape, weight.shape[1] // scale.shape[1]), scale)
+            y = F.linear(x2.float(), w)
         else:
-            y = F.linear(x2.float(), w) * scale.float()
+            y = F.linear(x2.float(), weight.float()) * scale.float()
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 

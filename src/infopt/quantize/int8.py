@@ -352,21 +352,23 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         cd = self.compute_dtype
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and self.activations == "float"
-                and (cd == torch.float32 or (cd is None and self.group_size is not None)) and a8.available()):
-            # fp32 activations and sums on the int8 kernel (per-channel or per-group scales), decode and prompts
-            # alike (faster than an fp32 GEMM over the dequantized weight at every row count measured, 4 to 2,048);
-            # called directly: this layer runs about 200 times per token, and each Python step costs
+        # fp32 activations and sums on CPU: compute_dtype float32, or auto (None) with group scales
+        fp32_cpu = (x.dtype == torch.float32 and x.device.type == "cpu" and self.activations == "float"
+                    and (cd == torch.float32 or (cd is None and self.group_size is not None)))
+        if fp32_cpu and a8.available():
+            # the int8 kernel (per-channel or per-group scales), decode and prompts alike (faster than an fp32 GEMM
+            # over the dequantized weight at every row count measured, 4 to 2,048); called directly: this layer
+            # runs about 200 times per token, and each Python step costs
             y = torch.ops.infopt.int8_f32_linear(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
-        elif self.activations == "int8":
-            y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
-        elif (x.dtype == torch.float32 and x.device.type == "cpu" and self.activations == "float"
-                and (cd == torch.float32 or (cd is None and self.group_size is not None))
-                and not torch.compiler.is_compiling()):
-            # fp32 without the C++ kernels: the dequantized weight, a chunk of rows at a time
+        elif fp32_cpu and not torch.compiler.is_compiling():
+            # without the C++ kernels: the dequantized weight, a chunk of rows at a time
             y = _dequantized_matmul(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
+        elif fp32_cpu:  # while compiling without the C++ kernels: the dequantized weight
+            y = F.linear(x, self.dequantize())
+        elif self.activations == "int8":
+            y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
         elif self.group_size is not None:  # other devices and dtypes: the dequantized weight
             wd = cd or x.dtype
             y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
@@ -375,9 +377,6 @@ class Int8Linear(nn.Module):
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-        elif cd == torch.float32 and x.dtype == torch.float32 and x.device.type == "cpu":
-            # fp32 while compiling without the C++ kernels: the dequantized weight
-            y = F.linear(x, self.dequantize().to(x.dtype))
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
