@@ -110,6 +110,28 @@ def test_compile_must_be_a_bool(bad):
     assert model.config._attn_implementation != "infopt_paged"  # refused before anything changed
 
 
+def test_compiled_engine_on_the_reference_attention_matches_generate_greedy():
+    # what a GPU without flash-attn runs: the reference paged attention inside the compiled graph, as one operator
+    # (its per-step Python split cannot be traced with dynamic shapes: SDPA refused a symbolic is_causal)
+    from infopt.attention.paged import set_cpu_kernel
+
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    previous = set_cpu_kernel(False)
+    try:
+        eng = Engine(model, max_batch_tokens=48, max_seqs=8, kv=Paged(block_size=16, num_blocks=64), compile=True)
+        prompts = _prompts(8, seed=3, hi=60)
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=12))
+        single = eng.generate([[7]], SamplingParams(max_new_tokens=3))[0]
+        stats = eng.metrics()["compile"]
+        eng.stop()
+    finally:
+        set_cpu_kernel(previous)
+    assert [o.token_ids for o in outs] == [_solo(ref, p, 12) for p in prompts]
+    assert single.token_ids == _solo(ref, [7], 3)
+    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
+
+
 @pytest.mark.gpu
 def test_compiled_engine_on_cuda_matches_generate_greedy():
     ref = tiny_model("llama").cuda()

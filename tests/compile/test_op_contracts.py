@@ -58,13 +58,10 @@ def test_w8a8_linear_matches_its_fake(bias):
     _check(torch.ops.infopt.w8a8_linear.default, x, w, torch.rand(48) / 50, torch.randn(48) if bias else None)
 
 
-@pytest.mark.skipif(not paged.load_cpu_kernel(), reason="the C++ paged-attention kernel cannot be built here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("news", [[1], [1, 1, 1], [5, 1]])
-def test_paged_attention_matches_its_fake(dtype, news):
+def _paged_inputs(dtype, news, extra=20):
     g = torch.Generator().manual_seed(0)
     block, h, h_kv, d = 16, 6, 2, 32
-    kv_lens = [n + 20 for n in news]
+    kv_lens = [n + extra for n in news]
     blocks = [-(-n // block) for n in kv_lens]
     k = torch.randn(sum(blocks) + 1, block, h_kv, d, generator=g).to(dtype)
     v = torch.randn_like(k)
@@ -75,7 +72,32 @@ def test_paged_attention_matches_its_fake(dtype, news):
         used += nb
     q = torch.randn(sum(news), h, d, generator=g).to(dtype)
     starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
-    _check(torch.ops.infopt.paged_attention.default, q, k, v, table, starts, torch.tensor(kv_lens), 0.2, 0)
+    return q, k, v, table, starts, torch.tensor(kv_lens)
+
+
+@pytest.mark.skipif(not paged.load_cpu_kernel(), reason="the C++ paged-attention kernel cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("news", [[1], [1, 1, 1], [5, 1]])
+def test_paged_attention_matches_its_fake(dtype, news):
+    _check(torch.ops.infopt.paged_attention.default, *_paged_inputs(dtype, news), 0.2, 0)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("news", [[1], [1, 1, 1], [5, 1], [3, 1, 9]])
+def test_paged_attention_sdpa_op_matches_its_fake_and_a_dense_softmax(news, window):
+    # the operator a compiled forward calls where no C++ kernel or flash-attn applies (CUDA without flash-attn)
+    q, k, v, table, starts, kv_lens = _paged_inputs(torch.float32, news, extra=21)
+    _check(torch.ops.infopt.paged_attention_sdpa.default, q, k, v, table, starts, kv_lens, 0.2, window)
+    out = torch.ops.infopt.paged_attention_sdpa(q, k, v, table, starts, kv_lens, 0.2, window)
+    for s, n in enumerate(news):  # each sequence's queries are its last n positions, over its own blocks only
+        kv_len = int(kv_lens[s])
+        keys = k[table[s].long()].reshape(-1, 2, 32)[:kv_len].repeat_interleave(3, 1)  # [L, H, D]
+        vals = v[table[s].long()].reshape(-1, 2, 32)[:kv_len].repeat_interleave(3, 1)
+        for i in range(n):
+            pos = kv_len - n + i
+            lo = max(0, pos - window + 1) if window else 0
+            w = torch.softmax(torch.einsum("hd,lhd->hl", q[starts[s] + i], keys[lo:pos + 1]) * 0.2, -1)
+            torch.testing.assert_close(out[starts[s] + i], torch.einsum("hl,lhd->hd", w, vals[lo:pos + 1]))
 
 
 @pytest.mark.skipif(not packed.can_pack(), reason="this torch build has no oneDNN prepacked linear")

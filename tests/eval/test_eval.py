@@ -461,6 +461,30 @@ def test_decode_path_logits_run_the_compiled_step_and_match_plain_decoding():
     torch.testing.assert_close(plain, full, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_path_logits_copy_each_row_of_a_step_that_reuses_its_output_buffer(monkeypatch):
+    # a step replayed as a CUDA graph returns the same output tensor every time, overwritten by the next replay
+    from infopt.eval import decode_path_logits
+    from infopt.generate import decoder_for
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [{"kvcache": {"kind": "static"}}])
+    fwd = decoder_for(m).forward_for()
+    step, buffer = fwd.step, []
+
+    def replayed(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if not buffer:
+            buffer.append(torch.empty_like(out))
+        return buffer[0].copy_(out)
+
+    monkeypatch.setattr(fwd, "step", replayed)
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    out = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, 5:]
+    fast = decode_path_logits(m, ids, out)
+    assert len(buffer) == 1 and torch.equal(fast.argmax(-1), out)
+    torch.testing.assert_close(fast, decode_path_logits(ref, ids, out), rtol=1e-4, atol=1e-4)
+
+
 def test_decode_path_logits_refuse_a_batch():
     from infopt.eval import decode_path_logits
 

@@ -37,13 +37,13 @@ def test_static_token_identical_on_cuda(arch):
     ref_batch = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     infopt.optimize(m, [Static(max_length=256)])
     assert_same_tokens(ref, greedy_outputs(m, PROMPTS, 24))
-    held = decoder_for(m).cache._held  # the static cache part's allocation: (batch, length bucket), cache
+    held = decoder_for(m).cache._held  # the allocation: (batch, length bucket, autocast state), cache
     key, cache = held[m]
-    assert isinstance(cache, StaticCache) and key == (1, 256)
+    assert isinstance(cache, StaticCache) and key == (1, 256, ("cuda", False, None))
     assert all(layer.keys.is_cuda and layer.keys.shape[2] == 256 for layer in cache.layers)
     out = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref_batch)  # left padding through the lean loop's mask
-    assert held[m][0] == (3, 256)
+    assert held[m][0] == (3, 256, ("cuda", False, None))
     assert routing_stats(m).infopt == len(PROMPTS) + 1 and routing_stats(m).original == 0
 
 

@@ -18,7 +18,8 @@ Kernels:
 - ``flash_attn``: on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's variable-length kernel
   reading the block table directly (its paged mode needs a block size that is a multiple of 256).
 - ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
-  where neither kernel applies (or the C++ kernel cannot be built: no compiler).
+  where neither kernel applies (or the C++ kernel cannot be built: no compiler). A compiled forward (the engine's
+  ``compile=True``) calls it as one operator, ``infopt::paged_attention_sdpa``.
 
 :func:`kernel_calls` counts which kernel each layer call ran; :func:`set_cpu_kernel` turns the C++ kernel off.
 """
@@ -198,38 +199,89 @@ def _in_window(pos: torch.Tensor, length: int, window: int | None) -> torch.Tens
 
 def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     # query: [1, H, N, D], the step's tokens flattened; each sequence's new tokens are contiguous
-    _, h, n_tok, d = query.shape
-    h_kv, dv = key_pool.shape[2], value_pool.shape[-1]
     flat = query[0].transpose(0, 1)  # [N, H, D]
-    out = query.new_empty(n_tok, h, dv)
     dec_rows, dec_tokens, dec_blocks, prefills = meta.packed_split()
+    return _packed_sdpa(flat, key_pool, value_pool, meta.block_table, meta.kv_lens, dec_rows, dec_tokens, dec_blocks,
+                        prefills, scaling, window)[None]  # [1, N, H, Dv]
+
+
+def _packed_sdpa(flat, key_pool, value_pool, block_table, kv_lens, dec_rows, dec_tokens, dec_blocks, prefills,
+                 scaling, window=None):
+    """Attention of packed tokens ``flat [N, H, D]`` -> ``[N, H, Dv]``: the decoding sequences (rows ``dec_rows``,
+    their tokens at ``dec_tokens``) in one batched SDPA over their first ``dec_blocks`` blocks, each prefill chunk
+    ``(row, first token, n, kv_len)`` alone over exactly its keys."""
+    n_tok, h, _ = flat.shape
+    h_kv, dv, block_size = key_pool.shape[2], value_pool.shape[-1], key_pool.shape[1]
+    out = flat.new_empty(n_tok, h, dv)
     if dec_rows.numel():
-        table = meta.block_table[dec_rows, :dec_blocks]  # [Sd, nb]: only the blocks decoders use
-        length = dec_blocks * meta.block_size
+        table = block_table[dec_rows, :dec_blocks]  # [Sd, nb]: only the blocks decoders use
+        length = dec_blocks * block_size
         k = _gather_kv(key_pool, table, length)
         v = _gather_kv(value_pool, table, length)
-        mask = torch.arange(length, device=query.device)[None, :] < meta.kv_lens[dec_rows][:, None]  # [Sd, L]
-        near = _in_window(meta.kv_lens[dec_rows] - 1, length, window)  # the decode token sits at kv_len - 1
+        mask = torch.arange(length, device=flat.device)[None, :] < kv_lens[dec_rows][:, None]  # [Sd, L]
+        near = _in_window(kv_lens[dec_rows] - 1, length, window)  # the decode token sits at kv_len - 1
         mask = (mask if near is None else mask & near)[:, None, None]
         o = F.scaled_dot_product_attention(flat[dec_tokens][:, :, None], k, v, attn_mask=mask, scale=scaling,
                                            enable_gqa=h != h_kv)  # [Sd, H, 1, Dv]
         out[dec_tokens] = o[:, :, 0]
     for row, start, n, kv_len in prefills:
-        nb = -(-kv_len // meta.block_size)
-        table = meta.block_table[row:row + 1, :nb]
+        nb = -(-kv_len // block_size)
+        table = block_table[row:row + 1, :nb]
         k = _gather_kv(key_pool, table, kv_len)
         v = _gather_kv(value_pool, table, kv_len)
         q = flat[start:start + n].transpose(0, 1)[None]  # [1, H, n, D]
         mask = None
         if n != kv_len or window:  # a later chunk (query i sits at position kv_len - n + i), or a sliding window
-            pos = torch.arange(kv_len - n, kv_len, device=query.device)
-            mask = torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None]
+            pos = torch.arange(kv_len - n, kv_len, device=flat.device)
+            mask = torch.arange(kv_len, device=flat.device)[None, :] <= pos[:, None]
             near = _in_window(pos, kv_len, window)
             mask = (mask if near is None else mask & near)[None, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
                                            enable_gqa=h != h_kv)  # [1, H, n, Dv]
         out[start:start + n] = o[0].transpose(0, 1)
-    return out[None]  # [1, N, H, Dv]
+    return out
+
+
+@torch.library.custom_op("infopt::paged_attention_sdpa", mutates_args=())
+def _paged_attention_sdpa(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                          block_table: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                          window: int) -> torch.Tensor:
+    """The reference kernel as one operator with the C++ kernel's contract (``query [n, H, D]``: the step's real
+    tokens grouped by sequence, ``query_start [S + 1]``; returns ``[n, H, Dv]``). A compiled forward calls it
+    where neither C++ kernel nor flash-attn applies (CUDA without flash-attn, C++ kernel off): the reference's
+    per-step split is data-dependent Python, which a graph with dynamic shapes cannot trace. It reads the step's
+    layout back to the host once per layer call."""
+    starts, kv = query_start.tolist(), kv_lens.tolist()
+    new = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    dec = [i for i, n in enumerate(new) if n == 1]
+    dev = query.device
+    dec_rows = torch.tensor(dec, dtype=torch.long, device=dev)
+    dec_tokens = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
+    dec_blocks = -(-max((kv[i] for i in dec), default=0) // key_pool.shape[1])
+    prefills = [(i, starts[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
+    return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, dec_rows, dec_tokens, dec_blocks,
+                        prefills, scale, window or None)
+
+
+@_paged_attention_sdpa.register_fake
+def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window):
+    return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
+
+
+def _reference_op(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
+    # the compiled form of `_reference`: the same flattening as `_cpu`, attention in one opaque operator
+    b, h, q, d = query.shape
+    flat = query.transpose(1, 2).reshape(b * q, h, d)
+    if meta.token_index is not None:
+        flat = flat[meta.token_index]
+    scale = scaling if scaling is not None else d ** -0.5
+    out = torch.ops.infopt.paged_attention_sdpa(flat, key_pool, value_pool, meta.block_table, meta.query_start(),
+                                                meta.kv_lens, float(scale), int(window or 0))
+    if meta.token_index is not None:
+        full = out.new_zeros(b * q, h, out.shape[-1])
+        full[meta.token_index] = out
+        out = full
+    return out.view(b, q, h, out.shape[-1])
 
 
 def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
@@ -398,6 +450,8 @@ def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, 
         _count("cpu")
         return _cpu(query, key_pool, value_pool, meta, scaling, window)
     _count("reference")
+    if torch.compiler.is_compiling():
+        return _reference_op(query, key_pool, value_pool, meta, scaling, window)
     return _reference(query, key_pool, value_pool, meta, scaling, window)
 
 

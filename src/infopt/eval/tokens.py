@@ -246,11 +246,14 @@ def decode_path_logits(model: nn.Module, input_ids: torch.Tensor, continuation: 
 
         cache, forward = DynamicCache(config=model.config), Forward(model)
     try:
-        rows = [forward.prefill(input_ids, positions_of(call), None, cache)[:, -1].float()]
+        # each row copied at once: a step replayed as a CUDA graph returns the graph's own output buffer, which the
+        # next replay overwrites
+        rows = [forward.prefill(input_ids, positions_of(call), None, cache)[:, -1].to(torch.float32, copy=True)]
         for i in range(N - 1):
             slot = torch.tensor([T + i], device=input_ids.device)
-            rows.append(forward.step(cont[i].view(1, 1), slot.view(1, 1), slot, None, cache, first=T + i)[:, -1])
+            logits = forward.step(cont[i].view(1, 1), slot.view(1, 1), slot, None, cache, first=T + i)
+            rows.append(logits[:, -1].to(torch.float32, copy=True))
     finally:
         if dec is not None:
             dec.close_cache(call, None)
-    return torch.cat(rows).float()
+    return torch.cat(rows)
