@@ -6,8 +6,8 @@ operators and four generated kernels; with the dynamo frame and the gathering of
 token. AOTInductor compiles the same forward into one shared library whose wrapper is C++. This script exports the
 default model's one-token forward (after ``cpu-fast``'s quantize step: int4 g32 weights with int8 activations, the
 int8 head) with the static cache's key/value tensors as inputs that the step mutates in place (``torch.export``,
-non-strict: a strict export refuses the cache object, and holding the tensors as module attributes lifts them as
-constants), compiles it with ``torch._inductor.aoti_compile_and_package`` and the same graph pass that fuses q/k/v and
+non-strict; transformers' ``TorchExportableModuleWithStaticCache`` exports only in strict mode and keeps the cache
+inside the package, and a cache object as an input is refused), compiles it with ``torch._inductor.aoti_compile_and_package`` and the same graph pass that fuses q/k/v and
 gate/up (:class:`infopt.compile.passes.FuseSharedInputLinears`), and then, alternating in one process:
 
 - times ``--tokens`` greedy tokens through the AOTInductor step (a Python loop: argmax, next call) against
