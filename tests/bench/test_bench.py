@@ -74,6 +74,8 @@ def test_run_bench_lossless_recipe_is_exact_and_reports_ratios(tok, tmp_path):
     res = run_bench(m, tok, "cpu-lossless", "decode", repeats=2, progress=False)
     assert res["exact_greedy"] is True and res["lossless_claimed"] is True
     assert res["quality"]["kl"] == 0.0 and res["quality"]["top1"] == 1.0
+    path = res["quality"]["decode_path"]  # the static cache and the compiled step, one token per step
+    assert path["tokens"] == 32 and path["top1"] == 1.0 and path["kl"] < 1e-6
     assert set(res["ratios"]) == set(res["optimized"])
     assert res["ratios"]["model_mb"] == pytest.approx(1.0)
     assert res["machine"]["bandwidth_gbs"] > 0
@@ -82,6 +84,7 @@ def test_run_bench_lossless_recipe_is_exact_and_reports_ratios(tok, tmp_path):
     assert "generate" not in m.__dict__
     text = format_table(res)
     assert "decode tokens/s" in text and "greedy outputs identical to baseline: yes" in text
+    assert "decode path vs original's (32 greedy tokens, one step each): KL" in text
     json.loads(json.dumps(res))
     png = plot(res, tmp_path / "r.png")
     assert png.stat().st_size > 1000
@@ -100,6 +103,7 @@ def test_run_bench_lossy_recipe_measures_quality(tok):
     assert set(res["baseline_modes"]) == {"sequential", "padded"}
     assert res["lossless_claimed"] is False
     assert res["quality"]["kl"] > 0
+    assert 0 < res["quality"]["decode_path"]["kl"] < 1 and res["quality"]["decode_path"]["tokens"] == 32
     assert res["ratios"]["model_mb"] < 1.0
 
 
