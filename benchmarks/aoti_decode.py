@@ -7,8 +7,9 @@ token. AOTInductor compiles the same forward into one shared library whose wrapp
 default model's one-token forward (after ``cpu-fast``'s quantize step: int4 g32 weights with int8 activations, the
 int8 head) with the static cache's key/value tensors as inputs that the step mutates in place (``torch.export``,
 non-strict; transformers' ``TorchExportableModuleWithStaticCache`` exports only in strict mode and keeps the cache
-inside the package, and a cache object as an input is refused), compiles it with ``torch._inductor.aoti_compile_and_package`` and the same graph pass that fuses q/k/v and
-gate/up (:class:`infopt.compile.passes.FuseSharedInputLinears`), and then, alternating in one process:
+inside the package, and a cache object as an input is refused), compiles it with
+``torch._inductor.aoti_compile_and_package`` and the same graph pass that fuses q/k/v and gate/up
+(:class:`infopt.compile.passes.FuseSharedInputLinears`), and then, alternating in one process:
 
 - times ``--tokens`` greedy tokens through the AOTInductor step (a Python loop: argmax, next call) against
   ``cpu-fast``'s ``generate`` (its prompt time subtracted);

@@ -135,17 +135,9 @@ class PagedAttentionMetadata:
         each sequence with several new tokens (a prefill chunk) attends alone over exactly its keys, so no
         query is padded to the longest chunk of the step.
         """
-        if self._split is None:
-            new = self.new_lens.tolist()
-            kv = self.kv_lens.tolist()
-            first = self.gather[:, 0].tolist()  # offset of each sequence's first new token
-            dec = [i for i, n in enumerate(new) if n == 1]
-            dev = self.kv_lens.device
-            dec_rows = torch.tensor(dec, dtype=torch.long, device=dev)
-            dec_tokens = torch.tensor([first[i] for i in dec], dtype=torch.long, device=dev)
-            dec_blocks = -(-max((kv[i] for i in dec), default=0) // self.block_size)
-            prefills = [(i, first[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
-            self._split = (dec_rows, dec_tokens, dec_blocks, prefills)
+        if self._split is None:  # gather[:, 0]: the offset of each sequence's first new token
+            self._split = _split(self.new_lens.tolist(), self.kv_lens.tolist(), self.gather[:, 0].tolist(),
+                                 self.block_size, self.kv_lens.device)
         return self._split
 
     def flash_args(self):
@@ -158,6 +150,16 @@ class PagedAttentionMetadata:
             self._flash = (cu_q, cu_k, int(self.new_lens.max()), int(self.kv_lens.max()),
                            self.block_table.to(torch.int32))
         return self._flash
+
+
+def _split(new: list[int], kv: list[int], first: list[int], block_size: int, device: torch.device):
+    """:meth:`PagedAttentionMetadata.packed_split` from each sequence's new-token count, kv length and first token."""
+    dec = [i for i, n in enumerate(new) if n == 1]
+    dec_rows = torch.tensor(dec, dtype=torch.long, device=device)
+    dec_tokens = torch.tensor([first[i] for i in dec], dtype=torch.long, device=device)
+    dec_blocks = -(-max((kv[i] for i in dec), default=0) // block_size)
+    prefills = [(i, first[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
+    return dec_rows, dec_tokens, dec_blocks, prefills
 
 
 class _Binding(threading.local):
@@ -251,16 +253,10 @@ def _paged_attention_sdpa(query: torch.Tensor, key_pool: torch.Tensor, value_poo
     where neither C++ kernel nor flash-attn applies (CUDA without flash-attn, C++ kernel off): the reference's
     per-step split is data-dependent Python, which a graph with dynamic shapes cannot trace. It reads the step's
     layout back to the host once per layer call."""
-    starts, kv = query_start.tolist(), kv_lens.tolist()
+    starts = query_start.tolist()
     new = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    dec = [i for i, n in enumerate(new) if n == 1]
-    dev = query.device
-    dec_rows = torch.tensor(dec, dtype=torch.long, device=dev)
-    dec_tokens = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
-    dec_blocks = -(-max((kv[i] for i in dec), default=0) // key_pool.shape[1])
-    prefills = [(i, starts[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
-    return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, dec_rows, dec_tokens, dec_blocks,
-                        prefills, scale, window or None)
+    split = _split(new, kv_lens.tolist(), starts, key_pool.shape[1], query.device)
+    return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, *split, scale, window or None)
 
 
 @_paged_attention_sdpa.register_fake
@@ -269,19 +265,8 @@ def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, win
 
 
 def _reference_op(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
-    # the compiled form of `_reference`: the same flattening as `_cpu`, attention in one opaque operator
-    b, h, q, d = query.shape
-    flat = query.transpose(1, 2).reshape(b * q, h, d)
-    if meta.token_index is not None:
-        flat = flat[meta.token_index]
-    scale = scaling if scaling is not None else d ** -0.5
-    out = torch.ops.infopt.paged_attention_sdpa(flat, key_pool, value_pool, meta.block_table, meta.query_start(),
-                                                meta.kv_lens, float(scale), int(window or 0))
-    if meta.token_index is not None:
-        full = out.new_zeros(b * q, h, out.shape[-1])
-        full[meta.token_index] = out
-        out = full
-    return out.view(b, q, h, out.shape[-1])
+    # the compiled form of `_reference`: attention in one opaque operator
+    return _flat_op(torch.ops.infopt.paged_attention_sdpa, query, key_pool, value_pool, meta, scaling, window)
 
 
 def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
@@ -349,13 +334,18 @@ def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMet
 
 
 def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
+    return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window)
+
+
+def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
+    # an operator taking the step's real tokens [n, H, D] grouped by sequence (the C++ kernel's contract)
     b, h, q, d = query.shape
     flat = query.transpose(1, 2).reshape(b * q, h, d)  # a view for packed steps ([1, H, N, D] from a transpose)
     if meta.token_index is not None:
         flat = flat[meta.token_index]
     scale = scaling if scaling is not None else d ** -0.5
-    out = torch.ops.infopt.paged_attention(flat, key_pool, value_pool, meta.block_table, meta.query_start(),
-                                           meta.kv_lens, float(scale), int(window or 0))  # [n, H, Dv]
+    out = op(flat, key_pool, value_pool, meta.block_table, meta.query_start(), meta.kv_lens, float(scale),
+             int(window or 0))  # [n, H, Dv]
     if meta.token_index is not None:
         full = out.new_zeros(b * q, h, out.shape[-1])
         full[meta.token_index] = out
