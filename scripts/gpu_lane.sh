@@ -8,7 +8,8 @@
 #   scripts/gpu_lane.sh gpu:150 bench:120 suite:300   # each stage (each benchmark of bench) stopped after N s
 #
 # Stages: setup; gpu (the GPU-marked tests); suite (every test); suite-cpu (the tests not marked gpu: run it as a
-# second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too);
+# second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too;
+# decode-8b, an 8B-parameter Llama with random weights where weight-only quantization shows its speed, only by name);
 # identity (benchmarks/gpu_identity.py: which component of gpu-fast leaves plain bf16 generate's tokens).
 # Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
@@ -22,7 +23,7 @@
 # Environment: PYTHON (default python3, the one holding torch), GPU_LANE_RESULTS (default
 # benchmarks/results/gpu), GPU_LANE_WORKERS (pytest-xdist workers for the suite, default 8; 0 = none),
 # GPU_LANE_BENCH (which benchmarks: default "decode-default decode-1b batch"), GPU_LANE_DEFAULT_RECIPES and
-# GPU_LANE_1B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model), GPU_LANE_PYTEST_ARGS (more
+# GPU_LANE_1B_RECIPES, GPU_LANE_8B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model), GPU_LANE_PYTEST_ARGS (more
 # pytest arguments for the gpu and suite stages, e.g. "--timeout 120"). Tests run verbose (one line per test), so a
 # stage stopped by its time limit still shows which tests ran and failed. GPU_LANE_DECODE_ARGS: more arguments
 # for benchmarks/gpu_decode.py (e.g. "--profile": where each token's time goes, host against GPU).
@@ -137,6 +138,9 @@ bench() {
     decode-1b) run_stage bench-decode-1b "$PY" benchmarks/gpu_decode.py --model llama-1b \
                  --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast-unfused,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
                  --json "$RESULTS/decode-llama-1b.json" "${decode_extra[@]}" ;;
+    decode-8b) run_stage bench-decode-8b "$PY" benchmarks/gpu_decode.py --model llama-8b \
+                 --recipes "${GPU_LANE_8B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8}" \
+                 --json "$RESULTS/decode-llama-8b.json" "${decode_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
              --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \
              --json "$RESULTS/batch-throughput.json" ;;
@@ -159,8 +163,8 @@ for spec in $STAGES; do
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
     suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
-    decode-default|decode-1b|batch|identity) bench "$stage" ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, batch, identity)" >&2; exit 2 ;;
+    decode-default|decode-1b|decode-8b|batch|identity) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, batch, identity)" >&2; exit 2 ;;
   esac
 done
 
