@@ -1,0 +1,349 @@
+"""Triton kernels for weight-only linears at one to a few rows on CUDA (decode): a matrix-vector product per row that
+reads each weight once, in its stored format, and converts it in registers.
+
+Two formats:
+
+- :func:`w8_gemv`: 8-bit weights ``[N, K]`` (int8 or float8_e4m3fn) with one scale per output channel:
+  ``y = x @ (w * scale[:, None]).T``. Unlike :mod:`infopt.quantize.fp8`'s ``torch._scaled_mm`` path the activations
+  stay in their dtype (weight-only FP8), and unlike :mod:`infopt.quantize.triton_int8` no 16-row ``tl.dot`` tile is
+  padded around a single row.
+- :func:`w4_gemv`: 4-bit codes packed two per byte ``[N, K // 2]`` (column ``2j`` in the low nibble, as
+  :func:`infopt.quantize.primitives.pack_int4` packs them) with a bf16 ``(scale, offset)`` pair per group of
+  ``group_size`` input channels ``[N, K // group_size, 2]``: a weight is ``(code - 8) * scale + offset``, the
+  values torch's CUDA int4 kernel (tinygemm) takes, so both compute with the same weights.
+
+Why: on an H200, batch-1 decode of an 8B-parameter Llama (``benchmarks/gpu_decode.py --model llama-8b``) read
+its int4 weights through tinygemm at 887 GB/s, a quarter of the measured copy bandwidth, so int4 decoded only 1.09x
+faster than bf16 (the fourth GPU lane run, ``benchmarks/results/gpu/2026-11-26-h200-fourth-run.json``); FP8 through
+``_scaled_mm`` at one row was slower than bf16 (128x128 tiles). A matrix-vector product has no reuse to exploit:
+what counts is keeping enough weight bytes in flight, so each program streams ``BLOCK_N`` contiguous weight rows in
+``BLOCK_K``-wide chunks, multiplies them with the activation row in fp32 and reduces along K; int4 chunks hold whole
+groups, so each group's scale multiplies a partial sum (``s * sum(c * x) + (offset - 8 s) * sum(x)``), not every
+weight.
+
+**Not yet measured on a GPU.** The kernels are checked here in Triton's CPU interpreter (numerics against the
+references) and compiled for sm_80 and sm_90 without a device; their speed, and the tile table below, are for the
+next GPU lane (``benchmarks/gpu_gemv.py`` sweeps the tiles against cuBLAS bf16, tinygemm and ``_scaled_mm``). Until
+then they are opt-in: nothing in infopt calls them by default.
+
+Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces each as one call and
+CUDA graphs capture its launch. Without Triton, on a CPU (unless ``TRITON_INTERPRET=1``), or for an activation dtype
+the kernel does not take, they compute their reference (dequantize, then ``F.linear``), warning once on CUDA.
+"""
+
+# no `from __future__ import annotations`: torch.library.custom_op reads the op's schema from real annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .triton_int8 import MM_DTYPES, triton_available
+
+__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "gemv_tiles", "GEMV_MAX_ROWS",
+           "kernel_calls", "W8_DTYPES"]
+
+GEMV_MAX_ROWS = 8
+"""Rows up to which the kernels are meant to run (each row re-reads the weight, from L2 when programs of one weight
+block run together); more rows are a matrix product's job."""
+
+W8_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
+"""Weight dtypes :func:`w8_gemv` takes."""
+
+triton = tl = None  # bound to the modules by _kernels(), on the first launch
+_CALLS = {"triton": 0, "reference": 0}
+_WARNED = False
+
+
+def kernel_calls() -> dict[str, int]:
+    """Eager calls of :func:`w8_gemv` and :func:`w4_gemv` since import, per path (``triton``: the kernels,
+    ``reference``: dequantize-then-matmul); CUDA graph replays run no Python and are not counted.
+
+    Example:
+        >>> sorted(kernel_calls())
+        ['reference', 'triton']
+    """
+    return dict(_CALLS)
+
+
+def w8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T`` with the weight dequantized in fp32, the result in ``x.dtype``.
+
+    Example:
+        >>> w = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
+        >>> w8_gemv_reference(torch.ones(1, 2), w, torch.tensor([0.5, 1.0])).tolist()
+        [[-0.5, 7.0]]
+    """
+    w = weight.float() * scale.float()[:, None]
+    return F.linear(x.float(), w).to(x.dtype)
+
+
+def w4_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int
+                      ) -> torch.Tensor:
+    """``x @ W.T`` with ``W = (code - 8) * scale + offset`` per group, dequantized in fp32, the result in ``x.dtype``.
+
+    Example:
+        >>> q = torch.tensor([[0x98]], dtype=torch.uint8)  # codes 8 (column 0) and 9 (column 1)
+        >>> so = torch.tensor([[[1.0, 0.5]]], dtype=torch.bfloat16)  # one group of 2: scale 1, offset 0.5
+        >>> w4_gemv_reference(torch.tensor([[1.0, 2.0]]), q, so, 2).tolist()
+        [[3.5]]
+    """
+    from .primitives import unpack_int4
+
+    codes = unpack_int4(qweight).float()  # [N, K]
+    so = scale_offset.float()
+    scale = so[..., 0].repeat_interleave(group_size, dim=1)
+    offset = so[..., 1].repeat_interleave(group_size, dim=1)
+    return F.linear(x.float(), (codes - 8.0) * scale + offset).to(x.dtype)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+
+
+def _use_triton(x: torch.Tensor, what: str) -> bool:
+    global _WARNED
+    if not (x.is_cuda or _interpreting()) or x.dtype not in MM_DTYPES:
+        return False
+    if not triton_available():
+        if not _WARNED:
+            _WARNED = True
+            warnings.warn(f"infopt {what}: Triton is not installed, so the weight is dequantized on every call "
+                          "(more memory traffic than the kernel); pip install triton", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    """Import Triton and build both kernels, once (module-level names, where Triton looks ``tl`` up)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def w8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (m, nb): y[m, nb * BLOCK_N : (nb + 1) * BLOCK_N]; m varies fastest, so the programs of several rows
+        # on one weight block run together and share it through L2
+        pid_m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K], rows contiguous
+        x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once, after the loop
+        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            if K % BLOCK_K == 0:
+                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = offs_k < K - kb * BLOCK_K
+                w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y = tl.sum(acc, axis=1) * scale
+        tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+    @triton.jit
+    def w4_gemv_kernel(x_ptr, q_ptr, so_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr, GS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # BLOCK_K (a multiple of GS) weights per row and step: BLOCK_K // 2 bytes, BLOCK_K // GS groups
+        HALF: tl.constexpr = BLOCK_K // 2
+        NG: tl.constexpr = BLOCK_K // GS
+        G: tl.constexpr = K // GS
+        pid_m = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = tl.arange(0, HALF)
+        offs_g = tl.arange(0, NG)
+        mask_n = offs_n < N
+        q_ptrs = q_ptr + offs_n[:, None] * (K // 2) + offs_j[None, :]  # [BLOCK_N, HALF] bytes, rows contiguous
+        x_ptrs = x_ptr + pid_m * stride_xm + 2 * offs_j  # even columns; odd ones at + 1
+        so_ptrs = so_ptr + offs_n[:, None] * (G * 2) + offs_g[None, :] * 2  # [BLOCK_N, NG] scales; offsets at + 1
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            if K % BLOCK_K == 0:
+                b = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
+                xe = tl.load(x_ptrs).to(tl.float32)
+                xo = tl.load(x_ptrs + 1).to(tl.float32)
+                s = tl.load(so_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float32)
+                o = tl.load(so_ptrs + 1, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            else:  # the last chunk runs past K by whole groups: they read as zeros
+                j_ok = offs_j < (K - kb * BLOCK_K) // 2
+                g_ok = offs_g < (K - kb * BLOCK_K) // GS
+                b = tl.load(q_ptrs, mask=mask_n[:, None] & j_ok[None, :], other=0)
+                xe = tl.load(x_ptrs, mask=j_ok, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptrs + 1, mask=j_ok, other=0.0).to(tl.float32)
+                s = tl.load(so_ptrs, mask=mask_n[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
+                o = tl.load(so_ptrs + 1, mask=mask_n[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
+            lo = (b & 0xF).to(tl.float32)  # code of column 2j
+            hi = (b >> 4).to(tl.float32)  # code of column 2j + 1
+            part = tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BLOCK_N, NG, GS // 2)), axis=2)
+            xsum = tl.sum(tl.reshape(xe + xo, (NG, GS // 2)), axis=1)  # [NG]: each group's sum of x
+            # sum_k ((c - 8) s + o) x_k = s * sum(c x) + (o - 8 s) * sum(x), per group
+            acc += tl.sum(s * part + (o - 8.0 * s) * xsum[None, :], axis=1)
+            q_ptrs += HALF
+            x_ptrs += BLOCK_K
+            so_ptrs += NG * 2
+        tl.store(y_ptr + pid_m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+    return w8_gemv_kernel, w4_gemv_kernel
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[N, K]`` weight of ``bits`` (8 or 4) bits.
+
+    A first table, not yet tuned on a GPU: 16 weight rows per program where that leaves at least 128 programs
+    per activation row (else 8, then 4); chunks of 256 bytes per weight row (``BLOCK_K`` 256 for 8-bit weights, 512
+    for 4-bit ones: a multiple of ``group_size``, whole groups per chunk), fewer for narrower layers; as many warps
+    (at most 4) as leave each thread 16 bytes of weight per load; 3 stages.
+
+    Example:
+        >>> gemv_tiles(4096, 4096, 8), gemv_tiles(4096, 4096, 4, 128), gemv_tiles(576, 576, 4, 64)
+        ((16, 256, 4, 3), (16, 512, 4, 3), (4, 512, 2, 3))
+    """
+    if bits == 4 and (group_size is None or group_size <= 1 or group_size & (group_size - 1) or k % group_size):
+        raise ValueError(f"gemv_tiles: 4-bit weights need a power-of-two group_size dividing K={k}, got {group_size}")
+    block_n = next((b for b in (16, 8) if -(-n // b) >= 128), 4)
+    if bits == 8:
+        block_k = min(256, max(16, 1 << (max(1, k) - 1).bit_length()))
+    else:  # at least one group, at most 512 weights unless a group is longer, no more than K needs
+        block_k = max(group_size, min(512, 1 << (k - 1).bit_length()))
+    row_bytes = block_k * bits // 8
+    warps = max(1, min(4, block_n * row_bytes // (32 * 16)))
+    return block_n, block_k, warps, 3
+
+
+def _check_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x {tuple(x.shape)} does not end in the weight's K={k}")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(kernel, grid_n: int, x2: torch.Tensor, args: tuple, meta: dict) -> None:
+    grid = (x2.shape[0], grid_n)
+    if x2.is_cuda:
+        with torch.cuda.device(x2.device):  # Triton launches on the current device
+            kernel[grid](*args, **meta)
+    else:  # TRITON_INTERPRET=1 on CPU tensors
+        kernel[grid](*args, **meta)
+
+
+def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Run the 8-bit kernel on checked operands (``x2 [M, K]`` with unit column stride): what :func:`w8_gemv` calls,
+    and ``benchmarks/gpu_gemv.py`` with its own ``tiles`` (``(BLOCK_N, BLOCK_K, num_warps, num_stages)``)."""
+    n, k = weight.shape
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    if y.numel():
+        bn, bk, warps, stages = tiles or gemv_tiles(n, k, 8)
+        _launch(_kernels()[0], -(-n // bn), x2, (x2, weight, scale, y, n, x2.stride(0), y.stride(0)),
+                {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+    return y
+
+
+def launch_w4(x2: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int,
+              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The 4-bit kernel's counterpart of :func:`launch_w8` (``BLOCK_K`` a multiple of ``group_size`` dividing K)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    if y.numel():
+        bn, bk, warps, stages = tiles or gemv_tiles(n, k, 4, group_size)
+        _launch(_kernels()[1], -(-n // bn), x2, (x2, qweight, scale_offset, y, n, x2.stride(0), y.stride(0)),
+                {"K": k, "GS": group_size, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+    return y
+
+
+@torch.library.custom_op("infopt::w8_gemv", mutates_args=())
+def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scale[:, None]).T`` reading the 8-bit weight once (the Triton kernel on CUDA).
+
+    Args:
+        x: ``[..., K]`` activations, bfloat16, float16 or float32 (meant for up to :data:`GEMV_MAX_ROWS` rows).
+        weight: ``[N, K]`` int8 or float8_e4m3fn, contiguous.
+        scale: ``[N]`` float, one per output channel.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``, accumulated in fp32.
+
+    Raises:
+        ValueError: mismatched shapes, a weight dtype outside :data:`W8_DTYPES`.
+
+    Example:
+        >>> w = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
+        >>> w8_gemv(torch.ones(1, 2), w, torch.tensor([0.5, 1.0])).tolist()
+        [[-0.5, 7.0]]
+    """
+    if weight.dtype not in W8_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"w8_gemv: weight {tuple(weight.shape)} {weight.dtype}; allowed: a contiguous [N, K] of "
+                         f"{', '.join(map(str, W8_DTYPES))}")
+    n, k = weight.shape
+    if scale.shape != (n,) or not scale.dtype.is_floating_point:
+        raise ValueError(f"w8_gemv: scale {tuple(scale.shape)} {scale.dtype}; allowed: a floating-point [{n}]")
+    x2 = _check_rows(x, k, "w8_gemv")
+    if not _use_triton(x2, "w8_gemv"):
+        _CALLS["reference"] += 1
+        return w8_gemv_reference(x2, weight, scale).reshape(*x.shape[:-1], n)
+    _CALLS["triton"] += 1
+    return launch_w8(x2, weight, scale).reshape(*x.shape[:-1], n)
+
+
+@w8_gemv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("infopt::w4_gemv", mutates_args=())
+def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W = (code - 8) * scale + offset`` per group, reading the packed 4-bit codes once (the Triton
+    kernel on CUDA).
+
+    Args:
+        x: ``[..., K]`` activations, bfloat16, float16 or float32 (meant for up to :data:`GEMV_MAX_ROWS` rows).
+        qweight: uint8 ``[N, K // 2]``, contiguous: column ``2j`` in the low nibble, ``2j + 1`` in the high one.
+        scale_offset: ``[N, K // group_size, 2]`` (bf16 in the CUDA layout; any float dtype is read as it is).
+        group_size: input channels per group, a power of two dividing ``K``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``, accumulated in fp32.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, a group size that is not a power of two dividing ``K``.
+
+    Example:
+        >>> q = torch.tensor([[0x98]], dtype=torch.uint8)
+        >>> so = torch.tensor([[[1.0, 0.5]]], dtype=torch.bfloat16)
+        >>> w4_gemv(torch.tensor([[1.0, 2.0]]), q, so, 2).tolist()
+        [[3.5]]
+    """
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or not qweight.is_contiguous():
+        raise ValueError(f"w4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype}; allowed: a contiguous uint8 "
+                         "[N, K // 2]")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if group_size <= 0 or group_size & (group_size - 1) or k % group_size:
+        raise ValueError(f"w4_gemv: group_size {group_size}; allowed: a power of two dividing K={k}")
+    if (scale_offset.shape != (n, k // group_size, 2) or not scale_offset.dtype.is_floating_point
+            or not scale_offset.is_contiguous()):
+        raise ValueError(f"w4_gemv: scale_offset {tuple(scale_offset.shape)} {scale_offset.dtype}; allowed: a "
+                         f"contiguous floating-point [{n}, {k // group_size}, 2]")
+    x2 = _check_rows(x, k, "w4_gemv")
+    if not _use_triton(x2, "w4_gemv") or group_size < 2:  # a group of one has no byte of its own
+        _CALLS["reference"] += 1
+        return w4_gemv_reference(x2, qweight, scale_offset, group_size).reshape(*x.shape[:-1], n)
+    _CALLS["triton"] += 1
+    return launch_w4(x2, qweight, scale_offset, group_size).reshape(*x.shape[:-1], n)
+
+
+@w4_gemv.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))

@@ -1,0 +1,240 @@
+"""The weight-only GEMV Triton kernels (8-bit int8/fp8 per channel, 4-bit grouped): the custom ops (operand checks,
+schema, fake, compile), the tile table, numerics in Triton's CPU interpreter, 16-byte weight loads in the code
+compiled for sm_80 and sm_90 (when Triton is installed), and on CUDA: numerics, the same weights as tinygemm, CUDA
+graph capture."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import infopt.quantize.triton_gemv as tg
+from infopt.quantize.int4 import quantize_int4_grouped
+from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.primitives import pack_int4
+from infopt.quantize.triton_gemv import gemv_tiles, w4_gemv, w4_gemv_reference, w8_gemv, w8_gemv_reference
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+# SQNR floors (dB) against the exact product in fp32: the output's rounding dominates (interpreter, measured:
+# bf16 48-53, fp16 71-78, fp32 126-139)
+FLOORS = {torch.bfloat16: 40.0, torch.float16: 60.0, torch.float32: 100.0}
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.detach().float(), x.detach().float()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - x).pow(2).mean()))
+
+
+def w4_operands(n: int, k: int, gs: int, seed: int = 0, device="cpu"):
+    """Codes packed as the op takes them and the bf16 (scale, offset) pairs of the CUDA int4 layout."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    codes, scales, zeros = quantize_int4_grouped(w, gs, zero_point="float")
+    s16 = scales.to(torch.bfloat16).float()
+    so = torch.stack([s16, (8.0 - zeros) * s16], dim=-1).to(torch.bfloat16).contiguous()
+    return pack_int4(codes).to(device), so.to(device), codes, scales, zeros
+
+
+def test_ops_on_cpu_are_their_references_and_check_operands():
+    q, s = quantize_int8_per_channel(torch.randn(24, 64))
+    x = torch.randn(2, 3, 64)
+    before = tg.kernel_calls()["reference"]
+    y = w8_gemv(x, q, s)
+    assert y.shape == (2, 3, 24) and torch.equal(y, w8_gemv_reference(x.reshape(6, 64), q, s).reshape(2, 3, 24))
+    qw, so, codes, scales, zeros = w4_operands(32, 128, 32)
+    y4 = w4_gemv(x[..., :32].repeat(1, 1, 4), qw, so, 32)
+    assert y4.shape == (2, 3, 32)
+    assert tg.kernel_calls()["reference"] == before + 2
+    with pytest.raises(ValueError, match="weight"):
+        w8_gemv(x, q.float(), s)
+    with pytest.raises(ValueError, match="scale"):
+        w8_gemv(x, q, s[:3])
+    with pytest.raises(ValueError, match="K=64"):
+        w8_gemv(torch.randn(1, 63), q, s)
+    with pytest.raises(ValueError, match="group_size"):
+        w4_gemv(torch.randn(1, 128), qw, so, 48)
+    with pytest.raises(ValueError, match="scale_offset"):
+        w4_gemv(torch.randn(1, 128), qw, so[:, :2].contiguous(), 32)
+    with pytest.raises(ValueError, match="qweight"):
+        w4_gemv(torch.randn(1, 128), qw.to(torch.int8), so, 32)
+
+
+def test_w4_reference_is_the_int4_layers_weight():
+    """(code - 8) * scale + offset with the bf16 pairs is the weight Int4Linear's CUDA layout computes with: within the
+    bf16 rounding of scale and offset (relative 2^-9 each, times |code - 8| + |8 - zero| <= 16) of (code - zero) *
+    scale; a swapped nibble or group would be off by whole scales."""
+    qw, so, codes, scales, zeros = w4_operands(16, 64, 32, seed=1)
+    eye = torch.eye(64)
+    w_op = w4_gemv_reference(eye, qw, so, 32).t()  # [N, K]
+    w_exact = (codes.float() - zeros.repeat_interleave(32, 1)) * scales.repeat_interleave(32, 1)
+    assert (w_op - w_exact).abs().max() <= 16 * 2**-9 * scales.max()
+
+
+def test_ops_schema_fake_and_compile():
+    q, s = quantize_int8_per_channel(torch.randn(16, 32))
+    qw, so, *_ = w4_operands(16, 64, 32)
+    torch.library.opcheck(tg.w8_gemv, (torch.randn(2, 32), q, s))
+    torch.library.opcheck(tg.w4_gemv, (torch.randn(2, 64), qw, so, 32))
+    fn = torch.compile(lambda x: w8_gemv(x, q, s) + w4_gemv(x.repeat(1, 2), qw, so, 32), fullgraph=True)
+    x = torch.randn(3, 32)
+    assert torch.allclose(fn(x), w8_gemv(x, q, s) + w4_gemv(x.repeat(1, 2), qw, so, 32))
+
+
+@pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (1024, 4096, 64), (14336, 4096, 32), (4096, 14336, 128),
+                                    (576, 576, 64), (1536, 576, 32), (192, 960, 32), (64, 256, 256)])
+def test_tile_table(n, k, gs):
+    for bits in (8, 4):
+        bn, bk, warps, stages = gemv_tiles(n, k, bits, gs)
+        for block in (bn, bk):
+            assert block & (block - 1) == 0  # tl.arange takes powers of two
+        assert -(-n // bn) >= 128 or bn == 4  # enough programs per row, unless the rows are too few
+        assert bk * bits // 8 <= max(256, gs // 2)  # bytes of each weight row per step
+        assert bk // 2 <= max(16, k, gs)  # no more than the next power of two of K
+        assert warps * 32 * 16 <= max(32 * 16, bn * bk * bits // 8)  # 16 bytes per thread where the tile has them
+        if bits == 4:
+            assert bk % gs == 0  # whole groups per chunk
+    with pytest.raises(ValueError, match="group_size"):
+        gemv_tiles(64, 96, 4, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        gemv_tiles(64, 96, 4, 1)
+
+
+INTERPRETER_SCRIPT = r"""
+import json, torch
+from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.triton_gemv import kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
+from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
+
+g = torch.Generator().manual_seed(0)
+rows = []
+for m, n, k in [(1, 48, 80), (3, 64, 256), (2, 40, 512), (1, 32, 1000)]:
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_int8_per_channel(w)
+    s8 = w.abs().amax(1) / 448
+    f8 = (w / s8[:, None]).to(torch.float8_e4m3fn)
+    for dt in ("float32", "float16", "bfloat16"):
+        x = torch.randn(m, k, generator=g).to(getattr(torch, dt))
+        for wq, sc in ((q, s), (f8, s8)):
+            y = w8_gemv(x, wq, sc)
+            exact = x.float() @ (wq.float() * sc[:, None]).T
+            rows.append(["w8", str(wq.dtype), m, n, k, dt, str(y.dtype), list(y.shape), sqnr_db(exact, y)])
+for m, n, k, gs in [(1, 48, 128, 32), (2, 64, 576, 64), (3, 32, 1024, 128), (1, 16, 512, 256), (1, 24, 96, 32)]:
+    qw, so, *_ = w4_operands(n, k, gs, seed=m + n)
+    for dt in ("float32", "bfloat16"):
+        x = torch.randn(m, k, generator=g).to(getattr(torch, dt))
+        y = w4_gemv(x, qw, so, gs)
+        rows.append(["w4", gs, m, n, k, dt, str(y.dtype), list(y.shape), sqnr_db(w4_gemv_reference(x.float(), qw, so, gs), y)])
+x = torch.randn(6, 160, generator=g)[:, ::2]  # a column stride of 2: the op makes it contiguous
+q, s = quantize_int8_per_channel(torch.randn(24, 80, generator=g))
+rows.append(["w8", "strided", 6, 24, 80, "float32", str(w8_gemv(x, q, s).dtype), [6, 24],
+             sqnr_db(x @ (q.float() * s[:, None]).T, w8_gemv(x, q, s))])
+print(json.dumps({"rows": rows, "calls": kernel_calls()}))
+"""
+
+
+def test_kernels_numerics_in_tritons_cpu_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["calls"] == {"triton": 36, "reference": 0}  # every call ran a kernel, interpreted
+    for kind, _w, m, n, k, dt, out_dtype, shape, db in doc["rows"]:
+        dtype = getattr(torch, dt)
+        assert out_dtype == str(dtype) and shape == [m, n], (kind, m, n, k, dt)
+        assert db > FLOORS[dtype], (kind, _w, m, n, k, dt, db)
+
+
+def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
+    """Triton compiles both kernels to cubin with its bundled ptxas and no device (fp8 weights for sm_90 only), and,
+    given 16-byte aligned pointers (what Triton specializes a launch on for torch's allocations), reads the weights
+    in 16-byte vector loads: a matrix-vector product lives on its weight loads."""
+    pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
+    compiler = pytest.importorskip("triton.compiler")
+    backends = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(compiler, "ASTSource") or not hasattr(backends, "GPUTarget") or tg._interpreting():
+        pytest.skip("this Triton has no ASTSource / GPUTarget ahead-of-time API, or it is interpreting")
+    import triton
+
+    w8, w4 = tg._kernels()
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # x, weight, scales, y
+    ints = dict.fromkeys(("N", "stride_xm", "stride_ym"), "i32")
+    for arch in (80, 90):
+        for x in ("bf16", "fp16", "fp32"):
+            cases = [(w8, {"x_ptr": f"*{x}", "w_ptr": f"*{wd}", "s_ptr": "*fp32", "y_ptr": f"*{x}"}, n, k, None)
+                     for wd in ("i8", "fp8e4nv")[: 2 if arch >= 89 else 1] for n, k in ((4096, 4096), (1024, 14336))]
+            cases += [(w4, {"x_ptr": f"*{x}", "q_ptr": "*u8", "so_ptr": "*bf16", "y_ptr": f"*{x}"}, n, k, gs)
+                      for n, k, gs in ((4096, 4096, 128), (14336, 4096, 32), (1536, 576, 64))]
+            for kernel, ptrs, n, k, gs in cases:
+                bn, bk, warps, stages = gemv_tiles(n, k, 8 if gs is None else 4, gs)
+                const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, **({} if gs is None else {"GS": gs})}
+                sig = {**ptrs, **ints, **dict.fromkeys(const, "constexpr")}
+                sig = {arg: sig[arg] for arg in kernel.arg_names}
+                out = triton.compile(compiler.ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=aligned),
+                                     target=backends.GPUTarget("cuda", arch, 32),
+                                     options={"num_warps": warps, "num_stages": stages})
+                assert out.asm["cubin"], (arch, x, n, k, gs)
+                loads = re.findall(r"ld\.global(?:\.\w+)*", out.asm["ptx"])
+                assert any(".v4" in ld for ld in loads), (arch, x, n, k, gs, loads)
+                assert not any(ld.endswith(".b8") or ld.endswith(".u8") for ld in loads), (arch, x, n, k, gs, loads)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(FLOORS), ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 1024, 4096), (2, 14336, 4096), (4, 4096, 14336),
+                                   (8, 1536, 576), (3, 130, 200)], ids=lambda v: str(v))
+def test_w8_kernel_matches_the_exact_product_on_cuda(dtype, m, n, k):
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda")
+    q, s = quantize_int8_per_channel(w)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    before = tg.kernel_calls()["triton"]
+    y = w8_gemv(x, q, s)
+    assert tg.kernel_calls()["triton"] == before + 1
+    assert y.dtype == dtype and sqnr_db(x.float() @ (q.float() * s[:, None]).T, y) > FLOORS[dtype]
+    if FP8 is not None and torch.cuda.get_device_capability() >= (8, 9):
+        s8 = w.abs().amax(1) / 448
+        f8 = (w / s8[:, None]).to(FP8)
+        y8 = w8_gemv(x, f8, s8)
+        assert sqnr_db(x.float() @ (f8.float() * s8[:, None]).T, y8) > FLOORS[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,gs", [(1, 4096, 4096, 128), (1, 14336, 4096, 32), (2, 4096, 14336, 64),
+                                      (8, 1536, 576, 64), (1, 576, 576, 32)], ids=lambda v: str(v))
+def test_w4_kernel_matches_tinygemm_on_the_same_weights(m, n, k, gs):
+    from infopt.quantize.int4 import Int4Linear
+
+    qw, so, codes, scales, zeros = w4_operands(n, k, gs, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = w4_gemv(x, qw, so, gs)
+    ref = w4_gemv_reference(x.float(), qw, so, gs)
+    assert sqnr_db(ref, y) > FLOORS[torch.bfloat16]
+    layer = Int4Linear.from_codes(codes.cuda(), scales.cuda(), zeros.cuda(), group_size=gs, dtype=torch.bfloat16)
+    if layer.layout == "cuda_tinygemm":  # the same bf16 (scale, offset) pairs: the same weights
+        assert torch.equal(layer.scale_offset.transpose(0, 1).contiguous(), so)
+        assert sqnr_db(layer(x).float(), y) > FLOORS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_kernels_replay_in_a_cuda_graph():
+    q, s = quantize_int8_per_channel(torch.randn(512, 1024, device="cuda"))
+    qw, so, *_ = w4_operands(512, 1024, 64, device="cuda")
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    w8_gemv(x, q, s), w4_gemv(x, qw, so, 64)  # compile the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y8, y4 = w8_gemv(x, q, s), w4_gemv(x, qw, so, 64)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y8, w8_gemv(x, q, s)) and torch.equal(y4, w4_gemv(x, qw, so, 64))
