@@ -9,7 +9,8 @@
 #
 # Stages: setup; gpu (the GPU-marked tests); suite (every test); suite-cpu (the tests not marked gpu: run it as a
 # second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too;
-# decode-8b, an 8B-parameter Llama with random weights where weight-only quantization shows its speed, only by name);
+# decode-8b, an 8B-parameter Llama with random weights where weight-only quantization shows its speed, and gemv,
+# benchmarks/gpu_gemv.py: the weight-only kernels at one to eight rows, only by name);
 # identity (benchmarks/gpu_identity.py: which component of gpu-fast leaves plain bf16 generate's tokens).
 # Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
@@ -26,7 +27,8 @@
 # GPU_LANE_1B_RECIPES, GPU_LANE_8B_RECIPES (the recipes benchmarks/gpu_decode.py runs on each model), GPU_LANE_PYTEST_ARGS (more
 # pytest arguments for the gpu and suite stages, e.g. "--timeout 120"). Tests run verbose (one line per test), so a
 # stage stopped by its time limit still shows which tests ran and failed. GPU_LANE_DECODE_ARGS: more arguments
-# for benchmarks/gpu_decode.py (e.g. "--profile": where each token's time goes, host against GPU).
+# for benchmarks/gpu_decode.py (e.g. "--profile": where each token's time goes, host against GPU); GPU_LANE_GEMV_ARGS:
+# for benchmarks/gpu_gemv.py (e.g. "--sweep --rows 1": the GEMV kernels' tiles).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -141,6 +143,7 @@ bench() {
     decode-8b) run_stage bench-decode-8b "$PY" benchmarks/gpu_decode.py --model llama-8b \
                  --recipes "${GPU_LANE_8B_RECIPES:-none,gpu-fast,gpu-fast+int4,gpu-fast+fp8}" \
                  --json "$RESULTS/decode-llama-8b.json" "${decode_extra[@]}" ;;
+    gemv) run_stage bench-gemv "$PY" benchmarks/gpu_gemv.py --json "$RESULTS/gemv.json" "${gemv_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
              --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \
              --json "$RESULTS/batch-throughput.json" ;;
@@ -150,6 +153,7 @@ bench() {
 }
 read -r -a pytest_extra <<<"${GPU_LANE_PYTEST_ARGS:-}"
 read -r -a decode_extra <<<"${GPU_LANE_DECODE_ARGS:-}"
+read -r -a gemv_extra <<<"${GPU_LANE_GEMV_ARGS:-}"
 xdist=(); [ "${GPU_LANE_WORKERS:-8}" != 0 ] && xdist=(-n "${GPU_LANE_WORKERS:-8}" --dist loadfile)
 
 setup
@@ -163,8 +167,8 @@ for spec in $STAGES; do
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
     suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
-    decode-default|decode-1b|decode-8b|batch|identity) bench "$stage" ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, batch, identity)" >&2; exit 2 ;;
+    decode-default|decode-1b|decode-8b|gemv|batch|identity) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, gemv, batch, identity)" >&2; exit 2 ;;
   esac
 done
 
