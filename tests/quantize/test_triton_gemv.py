@@ -238,3 +238,117 @@ def test_kernels_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y8, w8_gemv(x, q, s)) and torch.equal(y4, w4_gemv(x, qw, so, 64))
+
+
+# -- the layers that call the kernels ------------------------------------------------------------------
+
+def test_int4_gemv_layout_computes_the_kernel_layouts_weights_and_saves_portably():
+    """Int4WeightOnly(cuda_kernel="gemv") keeps the portable codes and tinygemm's bf16 (scale, offset) pairs: its
+    layers compute what the default layout computes (to bf16 rounding of the offsets), through the op at up to
+    eight rows and a dequantized matmul above, and save the same portable tensors."""
+    import copy
+
+    from infopt.models import tiny_model
+    from infopt.quantize import Int4WeightOnly, quantize_
+    from infopt.quantize.int4 import Int4Linear
+
+    base = tiny_model("llama")
+    gemv = quantize_(copy.deepcopy(base), Int4WeightOnly(group_size=32, cuda_kernel="gemv"))
+    kern = quantize_(copy.deepcopy(base), Int4WeightOnly(group_size=32))
+    layers = [m for m in gemv.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.layout == "gemv" for m in layers)
+    a, b = gemv.model.layers[0].mlp.up_proj, kern.model.layers[0].mlp.up_proj
+    assert b.layout != "gemv"
+    for rows in (1, 8, 12):
+        x = torch.randn(rows, a.in_features)
+        before = dict(tg.kernel_calls())
+        ya, yb = a(x), b(x)
+        ops = sum(tg.kernel_calls().values()) - sum(before.values())
+        assert ops == (1 if rows <= tg.GEMV_MAX_ROWS else 0), (rows, ops)
+        assert (ya - yb).abs().max() <= 0.01 * yb.abs().max(), rows
+    sa, sb = gemv.state_dict(), kern.state_dict()
+    for name in ("qweight", "scales", "zeros"):
+        key = f"model.layers.0.mlp.up_proj.{name}"
+        assert torch.equal(sa[key], sb[key]), name
+    again = quantize_(copy.deepcopy(base), Int4WeightOnly(group_size=32, cuda_kernel="gemv"))
+    again.load_state_dict(sb)  # the kernel layout's save loads into the gemv layout, exactly
+    assert torch.equal(again.model.layers[0].mlp.up_proj.scale_offset, a.scale_offset)
+    ids = torch.randint(0, 100, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, gemv(ids).logits)
+
+
+def test_int4_gemv_layout_compiles_without_graph_breaks():
+    from infopt.quantize.int4 import Int4Linear
+
+    lin = torch.nn.Linear(128, 64)
+    layer = Int4Linear.from_float(lin, group_size=32, layout="gemv")
+    fn = torch.compile(layer, fullgraph=True, dynamic=False)
+    for rows in (1, 12):
+        x = torch.randn(rows, 128)
+        assert torch.allclose(fn(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_weight_only_layer_takes_the_gemv_op_for_decode_rows():
+    from torch import nn
+
+    from infopt.core.errors import RecipeError
+    from infopt.quantize.fp8 import FP8, FP8Linear
+
+    lin = nn.Linear(64, 32)
+    for granularity in ("row", "tensor"):
+        q = FP8Linear.from_float(lin, granularity=granularity, activations="none")
+        with torch.no_grad():
+            for rows, kernel in ((1, "gemv"), (8, "gemv"), (9, "dequantized")):
+                x = torch.randn(rows, 64)
+                y = q(x)
+                assert q.last_kernel == kernel
+                assert torch.allclose(y, q.reference_forward(x), atol=1e-5, rtol=1e-5), (granularity, rows)
+                # weight-only: only the weight's rounding, well within the dynamic-activation path's error
+                assert (y - lin(x)).abs().max() <= 0.1 * lin(x).abs().max()
+    assert FP8(activations="none").to_dict()["quantize"]["activations"] == "none"
+    with pytest.raises(RecipeError, match="activations"):
+        FP8(activations="static")
+    with pytest.raises(ValueError, match="activations"):
+        FP8Linear(16, 16, bias=False, activations="int8")
+
+
+@pytest.mark.gpu
+def test_gpu_fast_with_gemv_int4_weights_runs_the_kernel_and_matches_eager_greedy():
+    """fp32 on CUDA: gpu-fast (compiled step, CUDA graphs) over gemv-layout int4 layers decodes the same greedy
+    tokens as the same layers run eagerly, and the Triton kernel ran (in the eager warm-up before capture)."""
+    import copy
+
+    import infopt
+    from infopt.models import tiny_model
+    from infopt.quantize import Int4WeightOnly, quantize_
+
+    base = tiny_model("llama").cuda()
+    eager = quantize_(copy.deepcopy(base), Int4WeightOnly(group_size=32, cuda_kernel="gemv"))
+    fast = copy.deepcopy(base)
+    before = tg.kernel_calls()["triton"]
+    infopt.optimize(fast, {"steps": [{"quantize": {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"}},
+                                     {"kvcache": {"kind": "static"}}, {"compile": {"mode": "reduce-overhead"}}]})
+    ids = torch.randint(3, 100, (1, 9), device="cuda")
+    want = eager.generate(ids, max_new_tokens=12, do_sample=False)
+    got = fast.generate(ids, max_new_tokens=12, do_sample=False)
+    assert tg.kernel_calls()["triton"] > before
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_fp8_weight_only_layer_runs_the_kernel_on_cuda():
+    from torch import nn
+
+    from infopt.quantize.fp8 import FP8Linear, fp8_supported
+
+    if not fp8_supported("cuda")[0]:
+        pytest.skip("fp8 weights need compute capability 8.9+")
+    lin = nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    q = FP8Linear.from_float(lin, activations="none")
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    before = tg.kernel_calls()["triton"]
+    with torch.no_grad():
+        y = q(x)
+    assert q.last_kernel == "gemv" and tg.kernel_calls()["triton"] == before + 1
+    assert sqnr_db(q.reference_forward(x), y) > FLOORS[torch.bfloat16]

@@ -1,4 +1,5 @@
-"""FP8 (float8_e4m3fn) weights and dynamic fp8 activations multiplied by ``torch._scaled_mm`` on Ada/Hopper GPUs.
+"""FP8 (float8_e4m3fn) weights and dynamic fp8 activations multiplied by ``torch._scaled_mm`` on Ada/Hopper GPUs, or
+FP8 weights alone (``activations="none"``: infopt's Triton matrix-vector kernel at up to eight rows).
 
 The fp8 formulas here (:func:`quantize_fp8`, :func:`dequantize_fp8`) are also what the fp8 KV cache
 (:class:`infopt.kvcache.Quantized` with ``dtype="fp8"``) stores its keys and values with.
@@ -17,6 +18,7 @@ from ..core.errors import IncompatibleModelError
 from ..core.step import StepConfig, bad_field, register_step
 from .api import quantize_targets, register_quantizer
 from .primitives import choose_qparams, dequantize, quantize
+from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 
 __all__ = ["FP8", "FP8Linear", "fp8_supported", "fp8_dtype", "quantize_fp8", "dequantize_fp8", "FP8_MAX",
            "GRANULARITIES", "KERNELS"]
@@ -27,7 +29,8 @@ FP8_MAX = 448.0
 GRANULARITIES: tuple[str, ...] = ("row", "tensor")
 """Values of :attr:`FP8.granularity`: one scale per output row / input row, or one per tensor."""
 
-ACTIVATIONS: tuple[str, ...] = ("dynamic",)
+ACTIVATIONS: tuple[str, ...] = ("dynamic", "none")
+"""Values of :attr:`FP8.activations`: fp8 activations scaled per call, or activations left in the model's dtype."""
 
 KERNELS: tuple[str, ...] = ("auto", "scaled_mm", "reference")
 """Values of :attr:`FP8Linear.kernel`: ``auto`` takes ``scaled_mm`` where :func:`fp8_supported` says so."""
@@ -134,7 +137,11 @@ class FP8(StepConfig):
             ``"tensor"``: one scale for the whole weight and one for each call's activations (coarser,
             any output dtype on every torch).
         activations: ``"dynamic"``: the activation scale is computed from each call's input (absmax),
-            nothing calibrated or stored.
+            nothing calibrated or stored. ``"none"``: weight-only FP8: the activations stay in the model's dtype;
+            up to eight rows (decode) are multiplied by infopt's Triton kernel reading the fp8 weight once
+            (:func:`infopt.quantize.triton_gemv.w8_gemv`), more rows by the weight dequantized for the call. More
+            accurate than ``"dynamic"`` (only the weights are rounded); ``torch._scaled_mm`` at one row was slower
+            than bf16 on an H200, while this kernel is **not yet measured on a GPU**.
         include_lm_head: also quantize the output head. When it is tied to the input embedding, the head
             gets its own fp8 copy and the embedding keeps its weight.
 
@@ -167,7 +174,8 @@ class FP8(StepConfig):
             raise bad_field(self, "granularity", self.granularity, ", ".join(GRANULARITIES))
         if self.activations not in ACTIVATIONS:
             raise bad_field(self, "activations", self.activations,
-                            "dynamic (per-call activation scales; static calibrated scales are not implemented)")
+                            "dynamic (per-call activation scales) or none (weight-only; static calibrated scales are "
+                            "not implemented)")
         if not isinstance(self.include_lm_head, bool):
             raise bad_field(self, "include_lm_head", self.include_lm_head, "true or false")
 
@@ -217,6 +225,9 @@ class FP8Linear(nn.Module):
         dtype: the dtype of the bias (the model's dtype).
         granularity: ``"row"`` or ``"tensor"``, for weights and activations alike (``torch._scaled_mm``
             takes row x row or tensor x tensor scales).
+        activations: ``"dynamic"`` (fp8 activations, ``torch._scaled_mm``) or ``"none"`` (weight-only: the Triton
+            GEMV kernel at up to :data:`~infopt.quantize.triton_gemv.GEMV_MAX_ROWS` rows, ``last_kernel``
+            ``"gemv"``; the dequantized weight above, ``"dequantized"``).
         device: where to allocate.
 
     Example:
@@ -228,10 +239,13 @@ class FP8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype = torch.float32,
-                 granularity: str = "row", device=None):
+                 granularity: str = "row", activations: str = "dynamic", device=None):
         super().__init__()
         if granularity not in GRANULARITIES:
             raise ValueError(f"FP8Linear granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"FP8Linear activations={activations!r}; allowed: {', '.join(ACTIVATIONS)}")
+        self.activations = activations
         if fp8_dtype() is None:
             raise RuntimeError(f"FP8Linear needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
         self.in_features = in_features
@@ -246,13 +260,15 @@ class FP8Linear(nn.Module):
         self._auto: dict[torch.device, str] = {}
 
     @classmethod
-    def from_float(cls, module: nn.Module, *, granularity: str = "row", conv1d: bool = False) -> FP8Linear:
+    def from_float(cls, module: nn.Module, *, granularity: str = "row", conv1d: bool = False,
+                   activations: str = "dynamic") -> FP8Linear:
         """Build from an ``nn.Linear`` (or a transformers ``Conv1D`` with ``conv1d=True``).
 
         Args:
             module: the float layer.
             granularity: ``"row"`` or ``"tensor"``.
             conv1d: the layer stores its weight ``[in, out]``.
+            activations: ``"dynamic"`` or ``"none"`` (weight-only).
 
         Returns:
             The quantized layer, on the weight's device.
@@ -262,7 +278,8 @@ class FP8Linear(nn.Module):
             w = w.t()
         out_f, in_f = w.shape
         bias = getattr(module, "bias", None)
-        new = cls(in_f, out_f, bias=bias is not None, dtype=w.dtype, granularity=granularity, device=w.device)
+        new = cls(in_f, out_f, bias=bias is not None, dtype=w.dtype, granularity=granularity, activations=activations,
+                  device=w.device)
         codes, scale = quantize_fp8(w, granularity)  # [out, in], [out, 1] or [1]
         new.weight_fp8.copy_(codes)
         new.weight_scale.copy_(scale.reshape(new.weight_scale.shape))
@@ -319,6 +336,8 @@ class FP8Linear(nn.Module):
             ``[..., out]`` in ``x``'s dtype.
         """
         x2 = x.reshape(-1, self.in_features)
+        if self.activations == "none":
+            return self._finish(F.linear(x2.float(), self.dequantize()), x)
         return self._finish(self._matmul_reference(x2), x)
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -330,7 +349,12 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features)
-        if self._use_scaled_mm(x2.device):
+        if self.activations == "none" and x2.shape[0] <= GEMV_MAX_ROWS and self.kernel != "reference":
+            scale = self.weight_scale.expand(self.out_features)  # one per output row (a tensor scale repeated)
+            y, kernel = w8_gemv(x2, self.weight_fp8, scale.contiguous()), "gemv"
+        elif self.activations == "none":
+            y, kernel = F.linear(x2, self.dequantize().to(x2.dtype)), "dequantized"
+        elif self._use_scaled_mm(x2.device):
             y, kernel = self._matmul_scaled_mm(x2), "scaled_mm"
         else:
             y, kernel = self._matmul_reference(x2), "reference"
@@ -340,9 +364,9 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"granularity={self.granularity}, kernel={self.kernel}")
+                f"granularity={self.granularity}, activations={self.activations}, kernel={self.kernel}")
 
 
 @register_quantizer(FP8)
 def _make(module: nn.Module, config: FP8, conv1d: bool) -> FP8Linear:
-    return FP8Linear.from_float(module, granularity=config.granularity, conv1d=conv1d)
+    return FP8Linear.from_float(module, granularity=config.granularity, conv1d=conv1d, activations=config.activations)

@@ -5,6 +5,11 @@ converts to and from one portable layout when saved or loaded:
 
 - ``cpu_int4pack``: ``torch._weight_int4pack_mm_for_cpu`` (bf16 activations), CPU.
 - ``cuda_tinygemm``: ``torch._weight_int4pack_mm`` (bf16 activations), CUDA.
+- ``gemv``: the portable codes with bf16 ``(scale, offset)`` pairs ``[out, in // group_size, 2]`` (tinygemm's
+  values, row-major), multiplied by infopt's Triton kernel at up to eight rows
+  (:func:`infopt.quantize.triton_gemv.w4_gemv`) and dequantized to the activation dtype above that (prompts);
+  chosen with ``Int4WeightOnly(cuda_kernel="gemv")``. Not yet measured on a GPU; elsewhere it computes the kernel's
+  reference.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
   weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
@@ -31,11 +36,16 @@ from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
+from .triton_gemv import GEMV_MAX_ROWS, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
-           "cuda_inner_k_tiles", "layout_for"]
+           "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS"]
 # pack_int4 / unpack_int4 are infopt.quantize.primitives' (the portable layout is their default), named here too
 
+
+
+CUDA_KERNELS = ("tinygemm", "gemv")
+"""Values of :attr:`Int4WeightOnly.cuda_kernel`."""
 
 
 @register_step
@@ -74,6 +84,11 @@ class Int4WeightOnly(StepConfig):
         share_embedding: with an int8 head (``include_lm_head``, ``lm_head_bits=8``) tied to the input
             embedding, the embedding reads its rows from the head's codes instead of keeping its float weight
             (see :class:`infopt.quantize.int8.SharedInt8Embedding`).
+        cuda_kernel: ``"tinygemm"`` (default): layers on a CUDA device take torch's int4 kernel and its packed layout;
+            ``"gemv"``: infopt's Triton matrix-vector kernel at one to eight rows, reading the packed codes once
+            (the ``gemv`` layout, on any device: elsewhere than CUDA it computes the kernel's reference, slowly).
+            tinygemm read an 8B model's int4 weights at a quarter of an H200's copy bandwidth at one row; the GEMV
+            kernel is **not yet measured on a GPU** (``benchmarks/gpu_gemv.py``), so it is not the default.
         experts: on a mixture-of-experts model, also quantize the experts (default True; they hold most of the
             weights): each expert's ``gate_up`` and ``down`` become :class:`Int4Linear` layers with their own
             scales (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in
@@ -102,8 +117,11 @@ class Int4WeightOnly(StepConfig):
     activations: str = "float"
     share_embedding: bool = False
     experts: bool = True
+    cuda_kernel: str = "tinygemm"
 
     def __post_init__(self):
+        if self.cuda_kernel not in CUDA_KERNELS:
+            raise bad_field(self, "cuda_kernel", self.cuda_kernel, ", ".join(CUDA_KERNELS))
         if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
             raise bad_field(self, "group_size", self.group_size, ", ".join(map(str, KERNEL_GROUP_SIZES)))
         if self.lm_head_bits not in (4, 8) or isinstance(self.lm_head_bits, bool):
@@ -331,6 +349,11 @@ class Int4Linear(nn.Module):
                                                               dtype=torch.uint8, device=device))
             self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,
                                                           dtype=torch.bfloat16, device=device))
+        elif self.layout == "gemv":  # see infopt.quantize.triton_gemv.w4_gemv
+            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
+                                                        device=device))
+            self.register_buffer("scale_offset", torch.zeros(self.out_features, n_groups, 2, dtype=torch.bfloat16,
+                                                             device=device))
         elif self.layout == "plain":
             self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
                                                         device=device))
@@ -344,7 +367,7 @@ class Int4Linear(nn.Module):
                                                              device=device))
 
     def _storage_device(self) -> torch.device:
-        name = {"plain": "qweight", "a8": "scale_min"}.get(self.layout, "scale_offset")
+        name = {"plain": "qweight", "gemv": "qweight", "a8": "scale_min"}.get(self.layout, "scale_offset")
         return self._buffers[name].device
 
     def _set_portable(self, qweight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, *,
@@ -365,6 +388,14 @@ class Int4Linear(nn.Module):
             codes = unpack_int4(qweight) if codes is None else codes
             self.weight_packed, self.scale_min = a8.pack_int4(codes, scales, zeros)
             return
+        # the kernel layouts take bf16 (scale, offset) with w = (code - 8) * scale + offset; the offset is derived from
+        # the bf16 scale, so that a save (which recovers z from both) and reload gives the very same values
+        s16 = scales.to(torch.bfloat16).float()
+        offset = (8.0 - zeros.float()) * s16
+        if self.layout == "gemv":
+            self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
+            self.scale_offset = torch.stack([s16, offset], dim=-1).to(torch.bfloat16).contiguous()
+            return
         codes = (unpack_int4(qweight) if codes is None else codes).to(torch.int32)  # [out, in]
         if self.layout == "cpu_int4pack":
             packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
@@ -374,10 +405,6 @@ class Int4Linear(nn.Module):
                 raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of 32, which the "
                                  "CUDA int4 kernel needs; build the layer with layout='plain'")
             packed = torch._convert_weight_to_int4pack(pack_int4(codes, order="high_first"), tiles)
-        # (c - z) * s == (c - 8) * s + (8 - z) * s; the kernel takes bf16, so derive the offset from the bf16
-        # scale: then a save (which recovers z from both) and reload repacks the very same values
-        s16 = scales.to(torch.bfloat16).float()
-        offset = (8.0 - zeros.float()) * s16
         self.weight_packed = packed
         self.scale_offset = torch.stack([s16.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
 
@@ -404,6 +431,9 @@ class Int4Linear(nn.Module):
         if self.layout == "a8":
             codes, scales, zeros = a8.unpack_int4(self.weight_packed, self.scale_min)
             return pack_int4(codes), scales, zeros
+        if self.layout == "gemv":
+            scales = self.scale_offset[..., 0].float()
+            return self.qweight, scales, 8.0 - self.scale_offset[..., 1].float() / scales
         # run the kernel on the identity with scale 1, offset 0: it returns (code - 8), exactly, as [in, out]
         ones = torch.zeros_like(self.scale_offset)
         ones[..., 0] = 1.0
@@ -500,6 +530,13 @@ class Int4Linear(nn.Module):
             y = torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
         elif self.layout == "a8":
             y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
+        elif self.layout == "gemv" and rows <= GEMV_MAX_ROWS:
+            y = w4_gemv(x, self.qweight, self.scale_offset, self.group_size)
+        elif self.layout == "gemv":  # prompts: the weight dequantized for the call, one matmul
+            so = self.scale_offset.to(x.dtype)
+            codes = unpack_int4(self.qweight).to(x.dtype) - 8
+            w = (codes.view(self.out_features, -1, self.group_size) * so[..., :1] + so[..., 1:]).view_as(codes)
+            y = F.linear(x, w)
         elif self.layout == "plain":
             w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
             y = F.linear(x, w)
@@ -518,9 +555,11 @@ class Int4Linear(nn.Module):
 
 @register_quantizer(Int4WeightOnly)
 def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear:
+    layout = "a8" if a8.resolve(config.activations, module.weight.device) == "int8" else None
+    if layout is None and config.cuda_kernel == "gemv":
+        layout = "gemv"
     layer = Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
-                                  zero_point=config.zero_point,
-                                  layout="a8" if a8.resolve(config.activations, module.weight.device) == "int8" else None)
+                                  zero_point=config.zero_point, layout=layout)
     if config.dense_prefill:
         layer.enable_dense()
     return layer
