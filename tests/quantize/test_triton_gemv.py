@@ -352,3 +352,38 @@ def test_fp8_weight_only_layer_runs_the_kernel_on_cuda():
         y = q(x)
     assert q.last_kernel == "gemv" and tg.kernel_calls()["triton"] == before + 1
     assert sqnr_db(q.reference_forward(x), y) > FLOORS[torch.bfloat16]
+
+
+def test_int8_cuda_kernel_field_reaches_the_layers_and_the_int4_head():
+    from infopt.core.errors import RecipeError
+    from infopt.models import tiny_model
+    from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
+    from infopt.quantize.int8 import Int8Linear
+
+    m = quantize_(tiny_model("llama"), Int8WeightOnly(cuda_kernel="gemv"))
+    layers = [x for x in m.modules() if isinstance(x, Int8Linear)]
+    assert layers and all(x.cuda_kernel == "gemv" for x in layers)
+    assert Int4WeightOnly(include_lm_head=True, cuda_kernel="gemv").head_config().cuda_kernel == "gemv"
+    assert Int4WeightOnly(include_lm_head=True).head_config().cuda_kernel == "tl_dot"
+    with pytest.raises(RecipeError, match="cuda_kernel"):
+        Int8WeightOnly(cuda_kernel="gemm")
+
+
+@pytest.mark.gpu
+def test_int8_gemv_kernel_serves_decode_rows_on_cuda():
+    from torch import nn
+
+    from infopt.quantize.int8 import Int8Linear
+    from infopt.quantize.triton_int8 import kernel_calls as tl_dot_calls
+
+    lin = nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    ref = lin.weight.detach().float().clone()
+    layer = Int8Linear.from_float(lin)
+    layer.cuda_kernel = "gemv"  # what Int8WeightOnly(cuda_kernel="gemv") sets (tested on CPU above)
+    for rows, gemv in ((1, 1), (8, 1), (9, 0)):
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        g0, t0 = tg.kernel_calls()["triton"], tl_dot_calls()["triton"]
+        with torch.no_grad():
+            y = layer(x)
+        assert (tg.kernel_calls()["triton"] - g0, tl_dot_calls()["triton"] - t0) == (gemv, 1 - gemv), rows
+        assert sqnr_db(x.float() @ ref.T, y) > 30  # int8 weights: ~40 dB against the float layer

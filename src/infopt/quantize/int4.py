@@ -86,7 +86,8 @@ class Int4WeightOnly(StepConfig):
             (see :class:`infopt.quantize.int8.SharedInt8Embedding`).
         cuda_kernel: ``"tinygemm"`` (default): layers on a CUDA device take torch's int4 kernel and its packed layout;
             ``"gemv"``: infopt's Triton matrix-vector kernel at one to eight rows, reading the packed codes once
-            (the ``gemv`` layout, on any device: elsewhere than CUDA it computes the kernel's reference, slowly).
+            (the ``gemv`` layout, on any device: elsewhere than CUDA it computes the kernel's reference, slowly);
+            an int8 head takes the 8-bit one (``Int8WeightOnly(cuda_kernel="gemv")``).
             tinygemm read an 8B model's int4 weights at a quarter of an H200's copy bandwidth at one row; the GEMV
             kernel is **not yet measured on a GPU** (``benchmarks/gpu_gemv.py``), so it is not the default.
         experts: on a mixture-of-experts model, also quantize the experts (default True; they hold most of the
@@ -148,7 +149,8 @@ class Int4WeightOnly(StepConfig):
             from .int8 import Int8WeightOnly
 
             return Int8WeightOnly(activations=self.activations, include_lm_head=self.include_lm_head,
-                                  share_embedding=self.share_embedding)
+                                  share_embedding=self.share_embedding,
+                                  cuda_kernel="gemv" if self.cuda_kernel == "gemv" else "tl_dot")
         return None
 
 

@@ -17,11 +17,16 @@ from . import a8
 from .api import register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import choose_qparams, dequantize, group_block, quantize
+from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel"]
 
 _COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
+
+
+CUDA_KERNELS = ("tl_dot", "gemv")
+"""Values of :attr:`Int8WeightOnly.cuda_kernel`."""
 
 
 @register_step
@@ -62,6 +67,10 @@ class Int8WeightOnly(StepConfig):
         experts: on a mixture-of-experts model, also quantize the experts (default True): each expert's
             ``gate_up`` and ``down`` become :class:`Int8Linear` layers with their own per-channel scales
             (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in float.
+        cuda_kernel: for per-channel layers on CUDA: ``"tl_dot"`` (default), the Triton kernel above at every row
+            count; ``"gemv"``: up to eight rows (decode) through infopt's Triton matrix-vector kernel
+            (:func:`infopt.quantize.triton_gemv.w8_gemv`), which does not pad one row to a 16-row tile, and
+            ``tl_dot`` above. The GEMV kernel is **not yet measured on a GPU**, so it is not the default.
 
     Raises:
         RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
@@ -83,8 +92,11 @@ class Int8WeightOnly(StepConfig):
     activations: str = "float"
     share_embedding: bool = False
     experts: bool = True
+    cuda_kernel: str = "tl_dot"
 
     def __post_init__(self):
+        if self.cuda_kernel not in CUDA_KERNELS:
+            raise bad_field(self, "cuda_kernel", self.cuda_kernel, ", ".join(CUDA_KERNELS))
         if self.group_size is not None and (
             not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size <= 0
         ):
@@ -237,6 +249,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
+        self.cuda_kernel = "tl_dot"  # or "gemv": see Int8WeightOnly.cuda_kernel
         self._scale_cache: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
@@ -376,7 +389,10 @@ class Int8Linear(nn.Module):
             # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
-            y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
+            if self.cuda_kernel == "gemv" and x.numel() <= GEMV_MAX_ROWS * self.in_features:
+                y = w8_gemv(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
+            else:
+                y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
             if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
@@ -475,8 +491,10 @@ def _make(module: nn.Module, config: Int8WeightOnly, conv1d: bool) -> Int8Linear
         out_f, in_f = (module.weight.shape[::-1] if conv1d else module.weight.shape)
         if config.group_size is not None or out_f % a8.ROWS or in_f % 4:
             activations = "float"
-    return Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d, group_size=config.group_size,
-                                 activations=activations)
+    layer = Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d,
+                                  group_size=config.group_size, activations=activations)
+    layer.cuda_kernel = config.cuda_kernel
+    return layer
 
 
 @register_experts_quantizer(Int8WeightOnly)
