@@ -41,10 +41,11 @@ QUANT = {
     "int8": {"method": "int8"},
     "int4": {"method": "int4", "group_size": 64},
     "fp8": {"method": "fp8"},
-    # infopt's Triton GEMV kernels at decode rows (infopt.quantize.triton_gemv): int4 on tinygemm's values, and FP8
-    # weights with activations left in bf16
+    # infopt's Triton GEMV kernels at decode rows (infopt.quantize.triton_gemv): int4 on tinygemm's values, FP8
+    # weights with activations left in bf16, int8 per channel
     "int4-gemv": {"method": "int4", "group_size": 64, "cuda_kernel": "gemv"},
     "fp8-wo": {"method": "fp8", "activations": "none"},
+    "int8-gemv": {"method": "int8", "cuda_kernel": "gemv"},
 }
 FAST = [{"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}}, {"compile": {"mode": "reduce-overhead"}}]
 
