@@ -34,13 +34,12 @@ the kernel does not take, they compute their reference (dequantize, then ``F.lin
 # no `from __future__ import annotations`: torch.library.custom_op reads the op's schema from real annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from .triton_int8 import MM_DTYPES, triton_available
+from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
 __all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "gemv_tiles", "GEMV_MAX_ROWS",
            "kernel_calls", "W8_DTYPES"]
@@ -58,13 +57,8 @@ _WARNED = False
 
 
 def kernel_calls() -> dict[str, int]:
-    """Eager calls of :func:`w8_gemv` and :func:`w4_gemv` since import, per path (``triton``: the kernels,
-    ``reference``: dequantize-then-matmul); CUDA graph replays run no Python and are not counted.
-
-    Example:
-        >>> sorted(kernel_calls())
-        ['reference', 'triton']
-    """
+    """Eager calls of :func:`w8_gemv` and :func:`w4_gemv` per path since import, as
+    :func:`infopt.quantize.triton_int8.kernel_calls` counts its op's (graph replays uncounted)."""
     return dict(_CALLS)
 
 
@@ -99,14 +93,12 @@ def w4_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torc
     return F.linear(x.float(), (codes - 8.0) * scale + offset).to(x.dtype)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-
-
 def _use_triton(x: torch.Tensor, what: str) -> bool:
     global _WARNED
     if not (x.is_cuda or _interpreting()) or x.dtype not in MM_DTYPES:
         return False
+    if x.is_cuda and x.dtype == torch.bfloat16 and not _bf16_dot_ok(x.device.index or 0):
+        return False  # Triton's bf16 needs Ampere or newer
     if not triton_available():
         if not _WARNED:
             _WARNED = True
