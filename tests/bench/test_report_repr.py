@@ -36,6 +36,16 @@ def test_bench_result_is_the_dict_and_renders_as_a_table():
     assert "- greedy outputs identical to baseline: no" in md
 
 
+def test_a_lossless_recipe_parting_in_16_bit_floats_is_explained():
+    r = {**_result(), "lossless_claimed": True}
+    assert "no (recipe claims lossless)" in format_table(r)  # float32: a real difference, stated as such
+    r["workload"] = {**r["workload"], "dtype": "torch.bfloat16"}
+    text = format_table(r)
+    assert "recipe claims lossless: in bfloat16" in text and "--dtype float32" in text
+    r["exact_greedy"] = True
+    assert format_table(r).endswith("identical to baseline: yes (recipe claims lossless)")
+
+
 def test_plot_keeps_the_matplotlib_backend(tmp_path):
     mpl = pytest.importorskip("matplotlib")
     before = mpl.get_backend()

@@ -125,6 +125,12 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
                      f"{c.get('compiles_in_timed_run', '?')} compiled during the timed run")
     if result.get("exact_greedy") is not None:
         claim = " (recipe claims lossless)" if result.get("lossless_claimed") else ""
+        dtype = str(result.get("workload", {}).get("dtype", "")).replace("torch.", "")
+        if result.get("lossless_claimed") and not result["exact_greedy"] and dtype in ("bfloat16", "float16"):
+            # lossless means the same arithmetic up to the order of sums; in 16-bit floats a batched or fused kernel
+            # rounds differently from a single-row one, and a greedy token near a tie flips
+            claim = (f" (recipe claims lossless: in {dtype}, kernels that batch or fuse differently round differently "
+                     "and flip near-tied tokens; compare in float32: --dtype float32)")
         lines.append(f"greedy outputs identical to baseline: {'yes' if result['exact_greedy'] else 'no'}{claim}")
     return lines
 
