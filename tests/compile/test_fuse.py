@@ -76,10 +76,13 @@ def test_undo_gives_each_layer_its_own_storage_and_forward():
     assert all(torch.equal(sd[k], want[k]) for k in want)
 
 
-def test_quantized_and_patched_layers_are_left_alone():
+def test_quantized_layers_without_a_fused_form_and_patched_layers_are_left_alone():
     m = tiny_model()
-    infopt.optimize(m, [{"quantize": {"method": "int8"}}])
+    infopt.optimize(m, [{"quantize": {"method": "int4", "group_size": 32}}])  # the CPU kernel's packed layout
     assert fuse_projections_(m) == []
+    m1 = tiny_model()
+    infopt.optimize(m1, [{"quantize": {"method": "int8", "group_size": 16}}])  # group scales: not per channel
+    assert fuse_projections_(m1) == []
     m2 = tiny_model()
     m2.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: None)
     groups = fuse_projections_(m2)
@@ -189,3 +192,49 @@ def test_gradients_reach_each_fused_and_packed_weight():
     assert groups[0].calls == calls + 1
     packed.unpack_linears_(layers)
     unfuse_projections_(groups)
+
+
+@pytest.mark.parametrize("quant", [{"method": "int8"}, {"method": "int8", "compute_dtype": "bfloat16"},
+                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"}],
+                         ids=["int8-f32", "int8-bf16", "int4-gemv"])
+def test_quantized_projections_fuse_into_one_layer_of_their_class(quant):
+    """Per-channel int8 layers and int4 layers in the gemv layout: codes and scales move into shared buffers (the
+    layers' become views), one hidden layer of the class computes the group; outputs, state_dict and undo as
+    before; a load into the layers is seen (in place) or refused and fused again (new tensors)."""
+    from infopt.compile.fuse import QuantizedFusedGroup
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(ref, [{"quantize": quant}])
+    infopt.optimize(m, [{"quantize": quant}])
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        want = ref(IDS).logits
+        groups = fuse_projections_(m)
+        assert len(groups) == 2 * m.config.num_hidden_layers
+        assert all(isinstance(g, QuantizedFusedGroup) for g in groups)
+        q = m.model.layers[0].self_attn.q_proj
+        assert q.__dict__["_infopt_fused"].intact()
+        assert torch.equal(m(IDS).logits, want) and groups[0].calls == 1
+        saved = m.state_dict()
+        assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+        name = groups[0].tensors[0]
+        assert all(saved[f"model.layers.0.self_attn.{p}.{name}"].untyped_storage().data_ptr()
+                   != groups[0].fused[name].untyped_storage().data_ptr() for p in ("q_proj", "k_proj", "v_proj"))
+        m.load_state_dict(ref.state_dict())
+        assert torch.equal(m(IDS).logits, want)
+        m.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *a: None)  # k alone: its own forward
+        unfuse_projections_(groups)
+        assert "forward" not in q.__dict__ and torch.equal(m(IDS).logits, want)
+
+
+def test_compile_step_fuses_int8_projections_token_identical():
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(ref, [{"quantize": {"method": "int8"}}])
+    infopt.optimize(m, [{"quantize": {"method": "int8"}}, {"kvcache": {"kind": "static"}},
+                        {"compile": {"mode": "default"}}])
+    group = m.model.layers[0].mlp.gate_proj._infopt_fused
+    kw = dict(max_new_tokens=20, do_sample=False)
+    assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert group.calls > 0 and compile_stats(m).compiles_after_warmup == 0
+    infopt.undo(m)
+    assert "_infopt_fused" not in m.model.layers[0].mlp.gate_proj.__dict__

@@ -23,6 +23,12 @@ How it stays invisible to everything else:
   input: a new buffer is a new input (a recompile or a new CUDA graph), never a stale one. Decoding always runs the
   prompt eagerly first, so the check runs once per ``generate`` call.
 
+Quantized layers fuse the same way where one layer of their class can compute the group (:class:`QuantizedFusedGroup`:
+per-channel ``Int8Linear`` with float activations, ``Int4Linear`` in the ``gemv`` layout): their code and scale
+buffers move into shared buffers, and a hidden layer of the class over those buffers runs whichever kernel the class
+picks for the call. Int4 layers in the CPU and tinygemm kernels' packed layouts (whose rows do not concatenate) and
+int8-activation layers (fused by :mod:`infopt.compile.passes` in the compiled graph) stay as they are.
+
 Outputs are the same sums over the same inputs; a BLAS library may block a wider GEMM differently, so results can
 differ from the separate calls in the last bits (fp32 greedy output stays token-identical in the tests).
 """
@@ -38,7 +44,7 @@ from torch import nn
 from .packed import usable as packed_usable
 from .packed import wants_grad
 
-__all__ = ["FusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
+__all__ = ["FusedGroup", "QuantizedFusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling linears that read one input, in the order a transformers decoder layer calls them."""
@@ -115,18 +121,22 @@ class FusedGroup:
                 # packed copy of it checks the buffer's version)
                 from torch.autograd.graph import increment_version
 
-                increment_version(self.weight)
-                if self.bias is not None:
-                    increment_version(self.bias)
+                for t in self._fused_tensors():
+                    increment_version(t)
                 self._versions = self._member_versions()
-        if self.packed is not None and packed_usable(x, self.weight):
-            out = torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
-        else:
-            out = nn.functional.linear(x, self.weight, self.bias)
+        out = self._compute(x)
         if not torch.compiler.is_compiling():
             self.calls += 1
         self._x, self._out, self._left = x, out, len(self.layers) - 1
         return out
+
+    def _fused_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and packed_usable(x, self.weight):
+            return torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def take(self, x: torch.Tensor) -> torch.Tensor | None:
         """The stored fused output when ``x`` is the tensor it was computed for, else None."""
@@ -148,11 +158,107 @@ class FusedGroup:
         self.weight = self.bias = self._x = self._out = None
 
 
+class QuantizedFusedGroup(FusedGroup):
+    """One group of sibling quantized layers of one class (per-channel ``Int8Linear`` with float activations, or
+    ``Int4Linear`` in the ``gemv`` layout): each of their code and scale buffers moves into one buffer, back to back
+    (theirs become views), and one hidden layer of the same class over those buffers computes the group's output, so
+    every kernel path of that class serves the fused call. ``weight`` stays None (nothing here is packed)."""
+
+    def __init__(self, layers: list[nn.Module], names: tuple[str, ...], tensors: tuple[str, ...]):
+        self.tensors = tensors
+        self.fused: dict[str, torch.Tensor] = {}
+        self.layer: nn.Module | None = None
+        super().__init__(layers, names)
+
+    @torch.no_grad()
+    def _fuse(self) -> None:
+        layers = self.modules()
+        self.fused = {n: torch.cat([getattr(m, n).detach() for m in layers]) for n in self.tensors}
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat([m.bias.detach() if m.bias is not None else
+                              torch.zeros(m.out_features, dtype=m.out_dtype, device=self.fused[self.tensors[0]].device)
+                              for m in layers])
+        for m, off, n in zip(layers, self.offsets, self.sizes, strict=True):
+            for name, t in self.fused.items():
+                setattr(m, name, t[off:off + n])
+            if m.bias is not None:
+                m.bias.data = bias[off:off + n]
+            getattr(m, "_scale_cache", {}).clear()
+        self.layer = _like(layers[0], sum(self.sizes), self.fused, bias)
+        self.bias = bias
+        self._versions = self._member_versions()
+
+    def _member_versions(self) -> tuple[int, ...]:
+        return tuple(t._version for m in self.modules() for t in (*(getattr(m, n) for n in self.tensors), m.bias)
+                     if t is not None)
+
+    def _fused_tensors(self) -> list[torch.Tensor]:
+        return [*self.fused.values(), *([self.bias] if self.bias is not None else [])]
+
+    def intact(self) -> bool:
+        for m, off in zip(self.modules(), self.offsets, strict=True):
+            for name, f in self.fused.items():
+                if getattr(m, name).data_ptr() != f.data_ptr() + off * f.stride(0) * f.element_size():
+                    return False
+            b = self.bias
+            if m.bias is not None and (b is None or m.bias.data_ptr() != b.data_ptr() + off * b.element_size()):
+                return False
+        return True
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    @torch.no_grad()
+    def unfuse(self) -> None:
+        for m in self.modules():
+            for name in self.tensors:
+                setattr(m, name, getattr(m, name).clone())
+            if m.bias is not None:
+                m.bias.data = m.bias.data.clone()
+            getattr(m, "_scale_cache", {}).clear()
+        self.fused, self.layer = {}, None
+        self.bias = self._x = self._out = None
+
+
+def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
+    """The code and scale buffers of a quantized layer that :class:`QuantizedFusedGroup` fuses, or None for a layer
+    it does not take."""
+    from ..quantize.int4 import Int4Linear
+    from ..quantize.int8 import Int8Linear
+
+    if type(m) is Int8Linear and m.activations == "float" and m.group_size is None:
+        return ("weight_int8", "weight_scale")
+    if type(m) is Int4Linear and m.layout == "gemv" and m.in_perm is None and m.weight_dense is None:
+        return ("qweight", "scale_offset")
+    return None
+
+
+def _like(first: nn.Module, out_features: int, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None
+          ) -> nn.Module:
+    """A layer of ``first``'s class and settings with ``out_features`` outputs whose buffers are ``tensors``."""
+    from ..quantize.int4 import Int4Linear
+    from ..quantize.int8 import Int8Linear
+
+    if isinstance(first, Int8Linear):
+        new = Int8Linear(first.in_features, out_features, bias=bias is not None, dtype=first.out_dtype,
+                         compute_dtype=first.compute_dtype, device="meta")
+        new.cuda_kernel = first.cuda_kernel
+    else:
+        new = Int4Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
+                         dtype=first.out_dtype, device="meta", layout=first.layout)
+    for name, t in tensors.items():
+        setattr(new, name, t)
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    return new
+
+
 def _first_forward(group: FusedGroup, index: int):
     off, n = group.offsets[index], group.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if wants_grad(x, self.weight):
+        if isinstance(self, nn.Linear) and wants_grad(x, self.weight):
             # training: each layer its own linear (the fused buffer is no parameter, so gradients would not reach
             # the layers' weights); the members compute theirs too, finding no fused output for this input
             group._x = group._out = None
@@ -167,8 +273,8 @@ def _member_forward(group: FusedGroup, index: int):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = group.take(x)
-        if out is None:  # called on another input than the first projection was: its own linear
-            return nn.functional.linear(x, self.weight, self.bias)
+        if out is None:  # called on another input than the first projection was: its own layer's forward
+            return type(self).forward(self, x)
         return out.narrow(-1, off, n)
 
     return forward
@@ -178,15 +284,34 @@ def _own_storage(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     """state_dict hook of a fused layer: its weight and bias as tensors of their own (safetensors, and so
     ``save_pretrained``, refuses tensors that share a storage they do not cover). Parameters asked for as such
     (``keep_vars=True``) stay the parameters."""
-    for name in ("weight", "bias"):
-        t = state_dict.get(prefix + name)
-        if t is not None and not isinstance(t, nn.Parameter):
-            state_dict[prefix + name] = t.clone()
+    for key, t in list(state_dict.items()):
+        if (key.startswith(prefix) and "." not in key[len(prefix):] and isinstance(t, torch.Tensor)
+                and not isinstance(t, nn.Parameter)):
+            state_dict[key] = t.clone()
+
+
+def _eligible_quantized(layers: list) -> tuple[str, ...] | None:
+    """The buffers to fuse when ``layers`` are quantized layers of one class that :class:`QuantizedFusedGroup`
+    takes, with the same settings, device and input size; else None."""
+    tensors = _quantized_tensors(layers[0]) if layers[0] is not None else None
+    if tensors is None or any(type(m) is not type(layers[0]) or _quantized_tensors(m) != tensors for m in layers):
+        return None
+    first = layers[0]
+    keys = ("in_features", "out_dtype", "compute_dtype", "cuda_kernel", "group_size", "layout")
+    if any(getattr(m, k, None) != getattr(first, k, None) for m in layers for k in keys):
+        return None
+    device = getattr(first, tensors[0]).device
+    if device.type == "meta" or any(getattr(m, n).device != device or not getattr(m, n).is_contiguous()
+                                    for m in layers for n in tensors):
+        return None
+    if any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in layers):
+        return None
+    return tensors if len({id(m) for m in layers}) == len(layers) else None
 
 
 def _eligible(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
     layers = [getattr(parent, n, None) for n in names]
-    if not all(type(m) is nn.Linear for m in layers):  # exactly nn.Linear: quantized and wrapped layers stay
+    if not all(type(m) is nn.Linear for m in layers):  # exactly nn.Linear (quantized layers: _eligible_quantized)
         return None
     first = layers[0]
     if any("forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks for m in layers):
@@ -203,9 +328,9 @@ def _eligible(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | No
 def fuse_projections_(model: nn.Module) -> list[FusedGroup]:
     """Fuse every decoder layer's q/k/v projections and gated MLP's gate/up projections of ``model``, in place.
 
-    Only groups of plain ``nn.Linear`` layers (same input size, dtype and device, forwards not already patched)
-    are fused; quantized layers, GPT-2's and Phi-3's already fused projections and anything else stay as they
-    are.
+    Groups of plain ``nn.Linear`` layers (same input size, dtype and device, forwards not already patched) are
+    fused, and groups of quantized layers one layer of their class can compute (:class:`QuantizedFusedGroup`);
+    other quantized layers, GPT-2's and Phi-3's already fused projections and anything else stay as they are.
 
     Returns:
         The groups fused; :func:`unfuse_projections_` of them undoes it.
@@ -226,9 +351,13 @@ def fuse_projections_(model: nn.Module) -> list[FusedGroup]:
     for parent in model.modules():
         for names in GROUPS:
             layers = _eligible(parent, names)
+            quantized = None
             if layers is None:
-                continue
-            group = FusedGroup(layers, names)
+                layers = [getattr(parent, n, None) for n in names]
+                quantized = _eligible_quantized(layers)
+                if quantized is None:
+                    continue
+            group = FusedGroup(layers, names) if quantized is None else QuantizedFusedGroup(layers, names, quantized)
             for i, m in enumerate(layers):
                 make = _first_forward if i == 0 else _member_forward
                 m.forward = types.MethodType(make(group, i), m)
