@@ -143,9 +143,13 @@ def test_a_fused_model_saves_and_loads_in_plain_transformers(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens():
+@pytest.mark.parametrize("quant", [None, {"method": "int8"}, {"method": "int8", "cuda_kernel": "gemv"},
+                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"}],
+                         ids=["float", "int8", "int8-gemv", "int4-gemv"])
+def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens(quant):
     """On CUDA the point of fusing is the kernel count: per decode token the fused step launches fewer kernels
-    (two matmuls per layer where there were five), with the same greedy tokens (fp32, TF32 off)."""
+    (two matmuls per layer where there were five), with the same greedy tokens (fp32, TF32 off); for float and for
+    quantized layers (QuantizedFusedGroup)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(model, ids, kw):
@@ -163,7 +167,7 @@ def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens():
         counts, outs = {}, {}
         for fuse in (False, True):
             m = tiny_model(num_layers=4).cuda()
-            infopt.optimize(m, [{"kvcache": {"kind": "static"}},
+            infopt.optimize(m, [*([{"quantize": quant}] if quant else []), {"kvcache": {"kind": "static"}},
                                 {"compile": {"mode": "reduce-overhead", "fuse_projections": fuse}}])
             counts[fuse], outs[fuse] = kernels(m, ids, kw)
         assert torch.equal(outs[True], outs[False])
