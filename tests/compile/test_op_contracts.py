@@ -100,6 +100,31 @@ def test_paged_attention_sdpa_op_matches_its_fake_and_a_dense_softmax(news, wind
             torch.testing.assert_close(out[starts[s] + i], torch.einsum("hl,lhd->hd", w, vals[lo:pos + 1]))
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_sdpa_op_decodes_without_reading_the_layout_back(monkeypatch, window):
+    """A step of one token per sequence (sequences of different lengths, a table padded past the shorter ones)
+    attends with no value read back to the host (on CUDA, a sync per layer), as the general split computes it."""
+    g = torch.Generator().manual_seed(1)
+    block, h, h_kv, d = 16, 6, 2, 32
+    kv_lens = torch.tensor([3, 40, 17, 64])
+    table = torch.tensor([[1, 0, 0, 0], [2, 3, 4, 0], [5, 6, 0, 0], [7, 8, 9, 10]], dtype=torch.int32)
+    k = torch.randn(11, block, h_kv, d, generator=g)
+    v = torch.randn_like(k)
+    q = torch.randn(4, h, d, generator=g)
+    starts = torch.arange(5)
+    split = paged._split([1, 1, 1, 1], kv_lens.tolist(), starts.tolist(), block, q.device)
+    want = paged._packed_sdpa(q, k, v, table, kv_lens, *split, 0.2, window or None)
+
+    def refuse(self):
+        raise AssertionError("read back to the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    got = torch.ops.infopt.paged_attention_sdpa(q, k, v, table, starts, kv_lens, 0.2, window)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.skipif(not packed.can_pack(), reason="this torch build has no oneDNN prepacked linear")
 @pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64)])
 def test_packed_linear_matches_its_fake(shape):

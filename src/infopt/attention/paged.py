@@ -251,8 +251,14 @@ def _paged_attention_sdpa(query: torch.Tensor, key_pool: torch.Tensor, value_poo
     """The reference kernel as one operator with the C++ kernel's contract (``query [n, H, D]``: the step's real
     tokens grouped by sequence, ``query_start [S + 1]``; returns ``[n, H, Dv]``). A compiled forward calls it
     where neither C++ kernel nor flash-attn applies (CUDA without flash-attn, C++ kernel off): the reference's
-    per-step split is data-dependent Python, which a graph with dynamic shapes cannot trace. It reads the step's
-    layout back to the host once per layer call."""
+    per-step split is data-dependent Python, which a graph with dynamic shapes cannot trace. A step of one new token
+    per sequence (``n == S``: every scheduled sequence has at least one) attends in one batched call over the whole
+    block table with no value read back to the host; other steps read their layout back once per layer call."""
+    n, s = query.shape[0], block_table.shape[0]
+    if n == s:  # decoding only: token i is sequence i's
+        rows = torch.arange(s, device=query.device)
+        return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, rows, rows, block_table.shape[1], [],
+                            scale, window or None)
     starts = query_start.tolist()
     new = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
     split = _split(new, kv_lens.tolist(), starts, key_pool.shape[1], query.device)
