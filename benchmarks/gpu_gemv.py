@@ -134,8 +134,8 @@ def measure(sets: list[dict], rows: list[int], gs: int, only=None, tiles8=None, 
 
 SWEEP_LAYERS = "llama-8b:o,llama-8b:gate_up"
 SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "stages": (1, 3)}
-"""The tiles ``--sweep`` tries per layer and kernel (36 each: about 45 s a layer for both kernels on an H200, most of
-it Triton compiling)."""
+"""The tiles ``--sweep`` tries per layer and kernel (36 each, each compiled by Triton once: sized for a lane stage
+of a few minutes, not yet run)."""
 
 
 def main() -> None:
