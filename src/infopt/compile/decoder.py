@@ -59,6 +59,9 @@ class CompileStats:
         eager_calls: decode steps run eagerly for those shapes.
         loaded: shapes whose compiled step was loaded from a saved model's folder instead of compiled
             (:mod:`infopt.compile.saved`).
+        aot: shapes that run as AOTInductor packages (``Compile(aot=...)``, :mod:`infopt.compile.aot`).
+        aot_cached: of those, packages loaded from the disk cache instead of compiled.
+        aot_failed: shapes whose package could not be built, with the reason (they run ``torch.compile``'s graph).
     """
 
     compiles: int = 0
@@ -70,12 +73,16 @@ class CompileStats:
     eager_shapes: dict[str, str] = field(default_factory=dict)
     eager_calls: int = 0
     loaded: int = 0
+    aot: int = 0
+    aot_cached: int = 0
+    aot_failed: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"compiles": self.compiles, "seconds": round(self.seconds, 2), "shapes": list(self.shapes),
                 "calls": self.calls, "warmed_up": self.warmed_up, "compiles_after_warmup": self.compiles_after_warmup,
                 "eager_shapes": dict(self.eager_shapes), "eager_calls": self.eager_calls,
-                "loaded": self.loaded}
+                "loaded": self.loaded, "aot": self.aot, "aot_cached": self.aot_cached,
+                "aot_failed": dict(self.aot_failed)}
 
 
 def compile_stats(model: nn.Module) -> CompileStats | None:
@@ -266,12 +273,7 @@ class CompiledForward(Forward):
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
-        if self.stats.warmed_up and not self.owner._told_cold:
-            self.owner._told_cold = True
-            log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
-                        "the compile once; list the batch sizes and lengths your calls use in Compile("
-                        "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
-                        _shape_name(key))
+        self._note_cold(key)
         t0 = time.perf_counter()
         cfg = self.config
         if cfg.backend == "inductor":
@@ -296,6 +298,47 @@ class CompiledForward(Forward):
         return (cfg.backend == "inductor" and cfg.fullgraph and cfg.module_guards == "per_call"
                 and self._device.type == "cpu"
                 and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"))  # (guard_filter_fn's torch)
+
+    def _wants_aot(self) -> bool:
+        """Whether guard-free shapes are built as AOTInductor packages (``Compile(aot=True|"auto")`` on a torch that
+        can; :mod:`infopt.compile.aot`)."""
+        if getattr(self.config, "aot", False) is False:
+            return False
+        from .aot import aot_available
+
+        return aot_available()
+
+    def _build_aot(self, key: tuple, args: tuple):
+        """The shape ``key`` as an AOTInductor package for the call ``args`` (exported, compiled or loaded from the
+        disk cache), or None where that failed (recorded in the stats; the caller compiles the shape instead)."""
+        from .aot import AotStep, export_step
+        from .saved import fingerprint
+
+        self._note_cold(key)
+        try:
+            runner, constants, seconds, cached = export_step(self, key, args, step_options(self.config, self._device),
+                                                             fingerprint(self.model))
+        except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
+            reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            self.stats.aot_failed[_shape_name(key)] = reason
+            log.warning("infopt compile: the decode step for %s could not be built with AOTInductor (%s); it runs "
+                        "torch.compile's graph instead", _shape_name(key), reason)
+            return None
+        self.stats.compiles += 1
+        self.stats.seconds += seconds
+        self.stats.aot += 1
+        self.stats.aot_cached += int(cached)
+        if self.stats.warmed_up:
+            self.stats.compiles_after_warmup += 1
+        return AotStep(runner, bool(key[3]), constants, args[4])
+
+    def _note_cold(self, key: tuple) -> None:
+        if self.stats.warmed_up and not self.owner._told_cold:
+            self.owner._told_cold = True
+            log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
+                        "the compile once; list the batch sizes and lengths your calls use in Compile("
+                        "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
+                        _shape_name(key))
 
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
@@ -471,6 +514,7 @@ class GuardFreeStep:
     def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
         self.fwd, self.key, self._args_sig = fwd, key, args_sig
         self.loaded = fn is not None
+        self.aot = False  # built as an AOTInductor package (fn is then an infopt.compile.aot.AotStep)
         # called with the step's arguments: the in-process compile (made on the first call), or a loaded function
         # with the forward bound as its first argument
         self.fn = functools.partial(fn, fwd) if fn is not None else None
@@ -487,6 +531,11 @@ class GuardFreeStep:
                 or torch.is_autocast_enabled(p.device.type)
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
             return self._to_guarded(*args)
+        if self.fn is None and fwd._wants_aot():
+            fn = fwd._build_aot(self.key, args)
+            if fn is not None:
+                self.fn, self._args_sig, self.aot = fn, sig, True
+                return fn(*args)
         if self.fn is None:
             b, k, length, padded = self.key
             # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)

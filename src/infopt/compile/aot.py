@@ -1,0 +1,197 @@
+"""A decode shape compiled ahead of time by AOTInductor: the step's wrapper is C++, not Python.
+
+``torch.compile``'s graphs on CPU run a generated Python wrapper that calls, per decoder layer, several infopt
+operators and generated kernels; with the gathering of the step's inputs that is Python work every token (about
+1 ms of a 5-6 ms ``cpu-fast`` token on two cores). AOTInductor compiles the same forward, exported with
+``torch.export``, into one shared library whose wrapper is C++.
+
+What is exported is :meth:`CompiledForward._forward <infopt.compile.decoder.CompiledForward._forward>` at one decode
+shape, with the static cache's tensors (each layer's keys, values and fill counter) as inputs it updates in place, so
+one package serves every cache allocation of that shape. The model's weights are not copied into the package: the
+package is built without its constants, and the loaded runner reads the model's own parameters and buffers
+(``load_constants(..., user_managed=True)``), so memory stays what it was. A change to the model the per-call module
+check sees (:func:`infopt.compile.decoder.module_signature`) drops the package, as it drops compiled graphs.
+
+Packages are cached on disk (``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``) under a hash of the exported
+graph's code, the weights' metadata, the Inductor options and the versions that built it, so a second process that
+exports the same step loads its package instead of compiling it again (export takes a few seconds, an AOTInductor
+compile half a minute or more on two cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("infopt.compile")
+
+__all__ = ["AotStep", "aot_available", "aot_cache_dir", "export_step"]
+
+
+def aot_available() -> bool:
+    """Whether this torch can build and run a package without its weights: ``torch.export``,
+    ``aoti_compile_and_package`` and a runner whose constants the caller supplies."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+    except ImportError:
+        return False
+    return (hasattr(torch, "export") and hasattr(torch._inductor, "aoti_compile_and_package")
+            and hasattr(AOTICompiledModel, "load_constants"))
+
+
+def aot_cache_dir() -> Path:
+    """Where packages are cached: ``$INFOPT_CACHE_DIR/aoti`` or ``~/.cache/infopt/aoti``."""
+    root = os.environ.get("INFOPT_CACHE_DIR")
+    return Path(root).expanduser() / "aoti" if root else Path.home() / ".cache" / "infopt" / "aoti"
+
+
+def cache_slots(cache) -> list[tuple[Any, str]]:
+    """Every tensor attribute of the cache's layers, ``(layer, name)``, in a fixed order: what a step reads and
+    writes."""
+    return [(layer, name) for layer in getattr(cache, "layers", ())
+            for name, v in vars(layer).items() if isinstance(v, torch.Tensor)]
+
+
+class _StepModule(nn.Module):
+    """The decode step as a module ``torch.export`` can trace: the model (a submodule, so its parameters are the
+    program's weights) and the cache's tensors as inputs, swapped into the cache object for the trace."""
+
+    def __init__(self, fwd, cache, padded: bool):
+        super().__init__()
+        self.model = fwd.model
+        self._fwd, self._cache, self._padded = [fwd], [cache], padded  # (lists: not submodules)
+
+    def forward(self, input_ids, position_ids, cache_position, *rest):
+        mask, tensors = (rest[0], rest[1:]) if self._padded else (None, rest)
+        slots = cache_slots(self._cache[0])
+        old = [getattr(obj, name) for obj, name in slots]
+        try:
+            for (obj, name), t in zip(slots, tensors, strict=True):
+                setattr(obj, name, t)
+            return self._fwd[0]._forward(input_ids, position_ids, cache_position, mask, self._cache[0])
+        finally:
+            for (obj, name), t in zip(slots, old, strict=True):
+                setattr(obj, name, t)
+
+
+def _flat_args(args: tuple, padded: bool, tensors: list) -> tuple:
+    head = args[:4] if padded else args[:3]
+    return (*head, *tensors)
+
+
+def _constants_as_buffers(ep) -> None:
+    """Turn the program's lifted tensor constants (tensors the forward reaches outside any module's parameters and
+    buffers, such as a fused projection group's weight) into non-persistent buffers, in place: AOTInductor keeps a
+    buffer's name, so the package asks for it by that name and gets the model's tensor, where a constant would be
+    renamed ``_tensor_constantN`` and have to be packaged."""
+    from torch.export.graph_signature import InputKind, InputSpec
+
+    specs = ep.graph_signature.input_specs
+    for i, spec in enumerate(specs):
+        if spec.kind == InputKind.CONSTANT_TENSOR:
+            specs[i] = InputSpec(kind=InputKind.BUFFER, arg=spec.arg, target=spec.target, persistent=False)
+
+
+def _package_key(ep, options: dict[str, Any], fingerprint: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(ep.graph_module.print_readable(print_output=False, include_stride=True, include_device=True).encode())
+    h.update(str(ep.graph_signature).encode())
+    for name, t in sorted({**ep.state_dict, **ep.constants}.items()):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()}".encode())
+    # a custom graph pass names its version by uuid() (its repr holds an address)
+    h.update(json.dumps({k: v.uuid().hex() if hasattr(v, "uuid") else repr(v)
+                         for k, v in sorted(options.items())}).encode())
+    h.update(json.dumps(fingerprint, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint: dict[str, Any]
+                ) -> tuple[Any, dict[str, torch.Tensor], float, bool]:
+    """Export ``fwd``'s decode step at shape ``key`` for the call ``args`` and compile it with AOTInductor (or load
+    the package from the disk cache).
+
+    Returns:
+        ``(runner, constants, seconds, cached)``: the loaded package, the tensors it was given as its weights, the
+        export + compile time, and whether the package came from the cache.
+    """
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    t0 = time.perf_counter()
+    padded = bool(key[3])
+    cache = args[4]
+    tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
+    module = _StepModule(fwd, cache, padded)
+    with torch.no_grad():
+        ep = torch.export.export(module, _flat_args(args, padded, tensors), strict=False)
+    _constants_as_buffers(ep)
+    opts = {**options, "aot_inductor.package_constants_in_so": False}
+    name = _package_key(ep, opts, fingerprint)
+    folder = aot_cache_dir()
+    path = folder / f"{name}.pt2"
+    cached = path.is_file()
+    if not cached:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            out = Path(tmp) / "step.pt2"
+            aoti_compile_and_package(ep, package_path=str(out), inductor_configs=opts)
+            os.replace(out, path)  # atomic: another process never loads a half-written package
+    runner = aoti_load_package(str(path))
+    # the model's own tensors (the program's weights are lifted from it: the same objects), given to the package
+    # without a copy
+    constants = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
+    wanted = set(runner.get_constant_fqns())
+    missing = wanted - set(constants)
+    if missing:
+        raise RuntimeError(f"the AOTInductor package wants constants the exported program does not hold: "
+                           f"{sorted(missing)[:5]}")
+    runner.load_constants({k: constants[k] for k in wanted}, check_full_update=True, user_managed=True)
+    return runner, {k: constants[k] for k in wanted}, time.perf_counter() - t0, cached
+
+
+class AotStep:
+    """Calls a decode shape's AOTInductor package with the cache's tensors as the trailing inputs.
+
+    The package was compiled for the cache tensors' dtypes, shapes and strides at export: a cache whose tensors differ
+    (another allocation is checked when the call brings it) is refused with an error, which the compiled forward
+    answers by running the step eagerly.
+
+    Args:
+        runner: the loaded package.
+        padded: whether the step takes an attention mask.
+        constants: the tensors the package reads as its weights (held as long as this step is).
+        cache: the cache the package was exported with.
+    """
+
+    def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache):
+        self.runner, self.padded, self.constants = runner, padded, constants
+        self._slots = cache_slots(cache)
+        self._tensors = [getattr(o, n) for o, n in self._slots]
+        self._sig = [_sig(t) for t in self._tensors]
+        self._cache_id = id(cache)
+
+    def __call__(self, *args):
+        cache = args[4]
+        tensors = self._tensors
+        if id(cache) != self._cache_id or any(getattr(o, n) is not t for (o, n), t in zip(self._slots, tensors)):
+            slots = cache_slots(cache)
+            now = [getattr(o, n) for o, n in slots]
+            if [_sig(t) for t in now] != self._sig:
+                raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
+                                   "for (dtype, shape or strides)")
+            self._slots, self._tensors, self._cache_id = slots, now, id(cache)
+            tensors = now
+        return self.runner(*_flat_args(args, self.padded, tensors))
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.device, tuple(t.shape), t.stride())

@@ -1,0 +1,146 @@
+"""Decode shapes built as AOTInductor packages (``Compile(aot=...)``, infopt.compile.aot)."""
+
+import pytest
+import torch
+
+import infopt
+from infopt.compile import Compile, compile_stats
+from infopt.compile.aot import AotStep, aot_available
+from infopt.core.errors import IncompatibleModelError, RecipeError
+from infopt.generate import decoder_for
+from infopt.kvcache import Static
+from infopt.models import tiny_model
+
+needs_aot = pytest.mark.skipif(not aot_available(), reason="torch without torch.export/AOTInductor constants API")
+
+
+@pytest.fixture
+def aot_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "aoti"
+
+
+def _recipe(**kw):
+    return [Static(max_length=256), Compile(warmup_lengths=(64,), pack_linears=False, aot=True, **kw)]
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 1000, (b, n), generator=g) for b, n in ((1, 5), (1, 13), (1, 30))]
+
+
+def test_aot_field_values():
+    assert Compile().aot is False and Compile(aot="auto").to_dict()["compile"]["aot"] == "auto"
+    with pytest.raises(RecipeError, match="aot"):
+        Compile(aot="always")
+
+
+def test_aot_true_is_refused_where_the_step_is_not_guard_free(llama):
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    with pytest.raises(IncompatibleModelError, match="module_guards is 'per_token'"):
+        infopt.optimize(llama, [Static(), Compile(aot=True, module_guards="per_token")])
+    with pytest.raises(IncompatibleModelError, match="backend is 'eager'"):
+        infopt.optimize(llama, [Static(), Compile(aot=True, backend="eager")])
+    assert decoder_for(llama) is None
+    assert all(torch.equal(v, before[k]) for k, v in llama.state_dict().items())
+
+
+@needs_aot
+def test_aot_step_is_token_identical_reads_the_models_weights_and_is_cached(aot_cache):
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, _recipe())
+    stats = compile_stats(m)
+    assert stats.aot == 1 and stats.aot_cached == 0 and not stats.aot_failed and stats.compiles == 1
+    fwd = decoder_for(m).forward_for(m)
+    (key, step), = fwd._fns.items()
+    assert isinstance(step.fn, AotStep) and step.aot
+    packages = list(aot_cache.glob("*.pt2"))
+    assert len(packages) == 1
+    # the package holds no weights: the runner reads the model's own tensors
+    weights = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert packages[0].stat().st_size < weights
+    assert any(t is p for t in step.fn.constants.values() for p in m.parameters())
+    for p in _prompts():
+        kw = dict(max_new_tokens=10, do_sample=False)
+        assert torch.equal(m.generate(p, **kw), ref.generate(p, **kw))
+    assert stats.compiles_after_warmup == 0 and stats.calls >= 27
+
+    # a weight changed in place is read by the package as it is (no copy was taken)
+    with torch.no_grad():
+        m.lm_head.weight[7] += 50.0
+        ref.lm_head.weight[7] += 50.0
+    ids = _prompts()[0]
+    out = m.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=6, do_sample=False)) and (out[0, 5:] == 7).all()
+
+    # a second model of the same shapes exports the same program and loads the cached package
+    again = tiny_model()
+    infopt.optimize(again, _recipe())
+    assert compile_stats(again).aot == 1 and compile_stats(again).aot_cached == 1
+    assert len(list(aot_cache.glob("*.pt2"))) == 1
+    assert torch.equal(again.generate(ids, max_new_tokens=6, do_sample=False),
+                       tiny_model().generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@needs_aot
+def test_aot_padded_batches_and_a_replaced_weight(aot_cache):
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(warmup_lengths=(64,), warmup_batch_sizes=(2,),
+                                                        pack_linears=False, aot=True)])
+    ids = torch.tensor([[0, 0, 5, 17, 400], [1, 17, 400, 23, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    assert compile_stats(m).aot == 2  # the unpadded warm-up shape and this padded one
+    # a parameter replaced by another tensor: the per-call module check drops the packages, the step is rebuilt
+    # for the new weights
+    before = m.generate(ids, **kw)
+    with torch.no_grad():
+        new = torch.randn(m.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+        m.lm_head.weight = torch.nn.Parameter(new.clone())
+        ref.lm_head.weight = torch.nn.Parameter(new.clone())  # (the tiny model's head is tied: both untie it)
+    out = m.generate(ids, **kw)
+    assert torch.equal(out, ref.generate(ids, **kw)) and not torch.equal(out, before)
+    assert compile_stats(m).aot == 3
+
+
+@needs_aot
+def test_an_export_failure_falls_back_to_torch_compile(aot_cache, monkeypatch, caplog):
+    from infopt.compile import aot
+
+    def refuse(*a, **k):
+        raise RuntimeError("export refused this model")
+
+    monkeypatch.setattr(aot, "export_step", refuse)
+    ref, m = tiny_model(), tiny_model()
+    with caplog.at_level("WARNING", logger="infopt.compile"):
+        infopt.optimize(m, _recipe())
+    stats = compile_stats(m)
+    assert stats.aot == 0 and list(stats.aot_failed.values()) == ["RuntimeError: export refused this model"]
+    assert "could not be built with AOTInductor" in caplog.text
+    fwd = decoder_for(m).forward_for(m)
+    (key, step), = fwd._fns.items()
+    assert step.fn is not None and not step.aot and stats.compiles == 1
+    ids = _prompts()[1]
+    assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False),
+                       ref.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@needs_aot
+def test_a_cache_of_other_layout_is_refused_by_the_package(aot_cache):
+    import copy
+
+    m = tiny_model()
+    infopt.optimize(m, _recipe())
+    dec = decoder_for(m)
+    fwd = dec.forward_for(m)
+    (key, step), = fwd._fns.items()
+    with torch.no_grad():
+        cache = dec.cache.cache_for(m, 1, key[2])
+        tok = torch.tensor([[5]])
+        fwd.prefill(tok, torch.zeros_like(tok), None, cache)
+        odd = copy.deepcopy(cache)
+        for layer in odd.layers:
+            layer.keys = layer.keys.transpose(1, 2).contiguous().transpose(1, 2)
+        with pytest.raises(RuntimeError, match="differ from those the AOTInductor package"):
+            step.fn(tok, tok, torch.tensor([1]), None, odd)
