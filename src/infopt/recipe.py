@@ -191,10 +191,11 @@ PRESETS: dict[str, Preset] = {
                ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}},
                 {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode within KL < 0.02: int4 weights (group 32, int8 head that a tied "
-               "embedding shares; int8 activations on AVX512-VNNI and AVX2 CPUs), static KV cache, compiled decode step",
+               "embedding shares; int8 activations on AVX512-VNNI and AVX2 CPUs), static KV cache, decode step compiled "
+               "(an AOTInductor package on CPU)",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                               "activations": "auto"}},
-                {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}})),
+                {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "aot": "auto"}})),
         Preset("memory-saver", "smallest weights + KV cache within KL < 0.02: int4 weights (group 32, int8 head) and "
                "an int4 KV cache",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
