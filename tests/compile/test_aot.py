@@ -1,5 +1,7 @@
 """Decode shapes built as AOTInductor packages (``Compile(aot=...)``, infopt.compile.aot)."""
 
+import json
+
 import pytest
 import torch
 
@@ -144,3 +146,48 @@ def test_a_cache_of_other_layout_is_refused_by_the_package(aot_cache):
             layer.keys = layer.keys.transpose(1, 2).contiguous().transpose(1, 2)
         with pytest.raises(RuntimeError, match="differ from those the AOTInductor package"):
             step.fn(tok, tok, torch.tensor([1]), None, odd)
+
+
+@needs_aot
+def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache, tmp_path, monkeypatch):
+    """save_optimized keeps each shape's package with the model-relative names of the weights it reads;
+    infopt.load installs it without exporting or compiling, and it gives the tokens of the model that was saved.
+    A package that reads a fused group's buffer (not a named tensor) has no saved form."""
+    from infopt.compile import aot
+    from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
+
+    if not can_save_steps():
+        pytest.skip(f"torch {torch.__version__} saves no compiled steps")
+    ids = torch.tensor([[3, 17, 9, 41, 5, 11, 2, 8]])
+    recipe = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64], "pack_linears": False,
+                                                            "fuse_projections": False, "aot": True}}]}
+    torch.manual_seed(0)
+    m = tiny_model("llama")
+    infopt.optimize(m, recipe)
+    want = m.generate(ids, max_new_tokens=12, do_sample=False)
+    folder = infopt.save_optimized(m, tmp_path / "saved")
+    manifest = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())
+    (name, form), = manifest["aot_packages"].items()
+    assert (folder / COMPILED_DIR / f"{name}.pt2").is_file() and "lm_head.weight" in form["constants"].values()
+
+    def refuse(*a, **k):
+        raise AssertionError("a saved package must load without an export")
+
+    monkeypatch.setattr(aot, "export_step", refuse)
+    loaded, _ = infopt.load(folder)
+    stats = compile_stats(loaded)
+    assert stats.loaded == 1 and stats.aot == 1 and stats.compiles == 0
+    fwd = decoder_for(loaded).forward_for(loaded)
+    (key, step), = fwd._fns.items()
+    assert isinstance(step.fn, AotStep) and step.aot
+    assert all(any(t is p for p in (*loaded.parameters(), *loaded.buffers())) for t in step.fn.constants.values())
+    assert torch.equal(loaded.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert stats.compiles == 0 and stats.calls >= 11
+
+    monkeypatch.undo()
+    fused = tiny_model("llama")
+    infopt.optimize(fused, {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64],
+                                                                          "pack_linears": False, "aot": True}}]})
+    assert compile_stats(fused).aot == 1
+    (key, step), = decoder_for(fused).forward_for(fused)._fns.items()
+    assert step.fn.saved_form(fused) is None  # so save_optimized keeps no package for it

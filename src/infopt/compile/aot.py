@@ -34,7 +34,7 @@ from torch import nn
 
 log = logging.getLogger("infopt.compile")
 
-__all__ = ["AotStep", "aot_available", "aot_cache_dir", "export_step"]
+__all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_slots", "export_step", "load_saved", "tensor_sig"]
 
 
 def aot_available() -> bool:
@@ -116,13 +116,13 @@ def _package_key(ep, options: dict[str, Any], fingerprint: dict[str, Any]) -> st
 
 
 def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint: dict[str, Any]
-                ) -> tuple[Any, dict[str, torch.Tensor], float, bool]:
+                ) -> tuple[Any, dict[str, torch.Tensor], float, bool, Path]:
     """Export ``fwd``'s decode step at shape ``key`` for the call ``args`` and compile it with AOTInductor (or load
     the package from the disk cache).
 
     Returns:
-        ``(runner, constants, seconds, cached)``: the loaded package, the tensors it was given as its weights, the
-        export + compile time, and whether the package came from the cache.
+        ``(runner, constants, seconds, cached, path)``: the loaded package, the tensors it was given as its weights,
+        the export + compile time, whether the package came from the cache, and its file.
     """
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
@@ -155,7 +155,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
         raise RuntimeError(f"the AOTInductor package wants constants the exported program does not hold: "
                            f"{sorted(missing)[:5]}")
     runner.load_constants({k: constants[k] for k in wanted}, check_full_update=True, user_managed=True)
-    return runner, {k: constants[k] for k in wanted}, time.perf_counter() - t0, cached
+    return runner, {k: constants[k] for k in wanted}, time.perf_counter() - t0, cached, path
 
 
 class AotStep:
@@ -169,29 +169,70 @@ class AotStep:
         runner: the loaded package.
         padded: whether the step takes an attention mask.
         constants: the tensors the package reads as its weights (held as long as this step is).
-        cache: the cache the package was exported with.
+        cache_sig: ``(dtype, device, shape, strides)`` of each cache tensor (:func:`cache_slots` order) it was
+            compiled for.
+        path: the package's file (kept with a saved model).
     """
 
-    def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache):
-        self.runner, self.padded, self.constants = runner, padded, constants
-        self._slots = cache_slots(cache)
-        self._tensors = [getattr(o, n) for o, n in self._slots]
-        self._sig = [_sig(t) for t in self._tensors]
-        self._cache_id = id(cache)
+    def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache_sig: list[tuple],
+                 path: Path | None = None):
+        self.runner, self.padded, self.constants, self.path = runner, padded, constants, path
+        self._sig = list(cache_sig)
+        self._slots: list = []
+        self._tensors: list = []
+        self._cache_id: int | None = None
 
     def __call__(self, *args):
         cache = args[4]
         tensors = self._tensors
-        if id(cache) != self._cache_id or any(getattr(o, n) is not t for (o, n), t in zip(self._slots, tensors)):
+        if id(cache) != self._cache_id or any(getattr(o, n) is not t for (o, n), t in zip(self._slots, tensors, strict=True)):
             slots = cache_slots(cache)
             now = [getattr(o, n) for o, n in slots]
-            if [_sig(t) for t in now] != self._sig:
+            if [tensor_sig(t) for t in now] != self._sig:
                 raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
                                    "for (dtype, shape or strides)")
             self._slots, self._tensors, self._cache_id = slots, now, id(cache)
             tensors = now
         return self.runner(*_flat_args(args, self.padded, tensors))
 
+    def saved_form(self, model: nn.Module) -> dict[str, Any] | None:
+        """What :func:`load_saved` needs besides the package file: the model-relative name of each constant and the
+        cache signature; None when a constant is not one of the model's parameters or buffers (a fused group's
+        weight: only an export finds it)."""
+        names = {id(t): n for n, t in (*model.named_parameters(remove_duplicate=False),
+                                       *model.named_buffers(remove_duplicate=False))}
+        constants = {}
+        for fqn, t in self.constants.items():
+            if id(t) not in names:
+                return None
+            constants[fqn] = names[id(t)]
+        return {"constants": constants, "padded": self.padded,
+                "cache": [[str(d).removeprefix("torch."), str(dev), list(shape), list(stride)]
+                          for d, dev, shape, stride in self._sig]}
 
-def _sig(t: torch.Tensor) -> tuple:
+
+def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
+    """An :class:`AotStep` from a package saved with a model and its :meth:`AotStep.saved_form`, reading ``model``'s
+    tensors (raises where the package does not load or a constant is missing)."""
+    from torch._inductor import aoti_load_package
+
+    runner = aoti_load_package(str(path))
+    constants = {fqn: model.get_parameter(n) if _is_param(model, n) else model.get_buffer(n)
+                 for fqn, n in form["constants"].items()}
+    wanted = set(runner.get_constant_fqns())
+    if wanted != set(constants):
+        raise RuntimeError(f"the saved package wants other constants than were saved with it "
+                           f"({sorted(wanted ^ set(constants))[:5]})")
+    runner.load_constants(constants, check_full_update=True, user_managed=True)
+    sig = [(getattr(torch, d), torch.device(dev), tuple(shape), tuple(stride))
+           for d, dev, shape, stride in form["cache"]]
+    return AotStep(runner, bool(form["padded"]), constants, sig, path)
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf in (model.get_submodule(owner) if owner else model)._parameters
+
+
+def tensor_sig(t: torch.Tensor) -> tuple:
     return (t.dtype, t.device, tuple(t.shape), t.stride())

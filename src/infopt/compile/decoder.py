@@ -316,8 +316,8 @@ class CompiledForward(Forward):
 
         self._note_cold(key)
         try:
-            runner, constants, seconds, cached = export_step(self, key, args, step_options(self.config, self._device),
-                                                             fingerprint(self.model))
+            runner, constants, seconds, cached, path = export_step(
+                self, key, args, step_options(self.config, self._device), fingerprint(self.model))
         except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             self.stats.aot_failed[_shape_name(key)] = reason
@@ -330,7 +330,10 @@ class CompiledForward(Forward):
         self.stats.aot_cached += int(cached)
         if self.stats.warmed_up:
             self.stats.compiles_after_warmup += 1
-        return AotStep(runner, bool(key[3]), constants, args[4])
+        from .aot import cache_slots, tensor_sig
+
+        return AotStep(runner, bool(key[3]), constants, [tensor_sig(getattr(o, n)) for o, n in cache_slots(args[4])],
+                       path)
 
     def _note_cold(self, key: tuple) -> None:
         if self.stats.warmed_up and not self.owner._told_cold:

@@ -23,6 +23,12 @@ hash of its source and of the compiler command (include paths, flags) or compile
 serves the exact build it came from: on a machine where Python or torch live elsewhere, the names differ and Inductor
 builds its kernels as before.
 
+A shape that runs an AOTInductor package (``Compile(aot=...)``, :mod:`infopt.compile.aot`) has its package saved too
+(``<step>.pt2``, with the model-relative names of the weights it reads): where the loading model asks for packages,
+:func:`load_steps` installs it over the model's own tensors, so the loaded model decodes through the same C++ wrapper
+without exporting or compiling anything. A package whose weights are not all the model's named parameters and
+buffers (a fused projection group's buffer) is not saved; the ``torch.compile`` step serves that shape.
+
 CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding, the batching
 engine or quantized MoE experts (they warm up on load as before).
 """
@@ -87,7 +93,8 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     # the saved bytecode is the compile step's own code and its graph passes: a change to them (within one version
     # number, during development) must not run a stale step
     here = Path(__file__).parent
-    source = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("decoder.py", "passes.py"))).hexdigest()[:16]
+    source = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("decoder.py", "passes.py", "aot.py"))
+                            ).hexdigest()[:16]
     return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
             "source": source,
             "python": list(sys.version_info[:2]), "machine": platform.machine(),
@@ -157,6 +164,7 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
     written: dict[str, list] = {}
+    packages: dict[str, dict] = {}
     for key in keys:
         b, k, length, padded = key
         name = _step_name(key)
@@ -173,16 +181,40 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
                 rollback(cache, 1)
             aot.save_compiled_function(str(out / f"{name}.bin"))
             written[name] = list(key)
+            package = _save_package(model, fwd._fns.get(key), out / f"{name}.pt2")
+            if package is not None:
+                packages[name] = package
         except Exception as e:  # noqa: BLE001 - any failure leaves the shape to be compiled at load
             warnings.warn(f"infopt: the decode step for {name} could not be saved compiled ({type(e).__name__}: "
                           f"{str(e)[:200]}); loading the model compiles it", RuntimeWarning, stacklevel=2)
     if not written:
         return []
-    (out / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint(model), "steps": written}, indent=1))
-    files = [f"{n}.bin" for n in written]
+    (out / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint(model), "steps": written,
+                                            "aot_packages": packages}, indent=1))
+    files = [f"{n}.bin" for n in written] + [f"{n}.pt2" for n in packages]
     if _bundle_kernels(out, list(written)):
         files.append(KERNELS)
     return files
+
+
+def _save_package(model: nn.Module, step, dest: Path) -> dict | None:
+    """Copy the AOTInductor package a shape runs (``Compile(aot=...)``) to ``dest``; returns what loading it needs
+    (:meth:`~infopt.compile.aot.AotStep.saved_form`), or None where the shape runs no package or its weights are not
+    all the model's named tensors."""
+    import shutil
+
+    from .aot import AotStep
+
+    fn = getattr(step, "fn", None)
+    if not getattr(step, "aot", False) or not isinstance(fn, AotStep) or fn.path is None or not fn.path.is_file():
+        return None
+    form = fn.saved_form(model)
+    if form is None:
+        log.info("infopt: the AOTInductor package of %s reads tensors that are not the model's parameters or buffers; "
+                 "it is not saved (the loaded model runs the saved torch.compile step)", dest.stem)
+        return None
+    shutil.copyfile(fn.path, dest)
+    return form
 
 
 _LOAD_CHILD = r"""
@@ -252,6 +284,28 @@ def _restore_kernels(folder: Path) -> int:
         return 0
 
 
+def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
+    """Install the saved AOTInductor package ``path`` as shape ``key``'s step; False, with a warning, where it does
+    not load (the saved ``torch.compile`` step serves the shape then)."""
+    from .aot import load_saved
+    from .decoder import GuardFreeStep, _shape_name, canonical_args
+
+    try:
+        aot = load_saved(fwd.model, path, form)
+    except Exception as e:  # noqa: BLE001 - a package that does not load leaves the saved compiled step in charge
+        warnings.warn(f"infopt: the saved AOTInductor package {path.name} did not load ({type(e).__name__}: "
+                      f"{str(e)[:200]}); the saved compiled step runs instead", RuntimeWarning, stacklevel=3)
+        return False
+    step = GuardFreeStep(fwd, key, lambda _fwd, *args: aot(*args), canonical_args(key, fwd._device))
+    step.fn, step.aot = aot, True  # (called with the step's arguments, as a package built in this process is)
+    fwd._fns[key] = step
+    fwd._graphs[key] = 1
+    fwd.stats.shapes.append(_shape_name(key))
+    fwd.stats.loaded += 1
+    fwd.stats.aot += 1
+    return True
+
+
 def steps_fit(model: nn.Module, directory: str | Path) -> bool:
     """True when ``directory`` holds saved steps made for this setup (:func:`fingerprint` of ``model``, which may
     still be the blank model being rebuilt); a folder made elsewhere is logged and compiles as usual."""
@@ -284,8 +338,12 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
     p = next(model.parameters())
     _restore_kernels(folder)
     loaded = 0
+    packages = meta.get("aot_packages", {}) if fwd._wants_aot() else {}
     for name, key in meta.get("steps", {}).items():
         key = tuple(key)
+        if name in packages and _load_package(fwd, key, folder / f"{name}.pt2", packages[name]):
+            loaded += 1
+            continue
         try:
             with open(folder / f"{name}.bin", "rb") as f:
                 fn = torch.compiler.load_compiled_function(f, f_globals=decoder_module.__dict__)
