@@ -7,7 +7,8 @@ processes that each import infopt, ``infopt.load`` the folder and generate one t
 process runs with an empty compile cache (``TORCHINDUCTOR_CACHE_DIR`` in a new temporary folder: a new machine, or
 a folder copied elsewhere), the later ones with the cache the first one filled (the same machine, a second
 process). Each process reports its own phases: import, load (build, re-apply the recipe, read the weights), first
-token; and the whole process's wall time. Run on a quiet machine.
+token; and the whole process's wall time; then the decode speed of the loaded step (64 tokens, the first-token time
+subtracted) and how its steps came (loaded, as AOTInductor packages, compiled). Run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ t2 = time.perf_counter()
 ids = tok("The capital of France is", return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=1, do_sample=False)
 t3 = time.perf_counter()
+from infopt.compile import compile_stats
+stats = compile_stats(model)
+t4 = time.perf_counter()
+model.generate(ids, max_new_tokens=65, min_new_tokens=65, do_sample=False)  # then 64 tokens: the loaded step's speed
+rate = 64 / (time.perf_counter() - t4 - (t3 - t2))
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_token_s": t3 - t2, "load_to_token_s": t3 - t1,
-                  "token": int(out[0, -1])}))
+                  "token": int(out[0, -1]), "decode_tokens_per_s_after": rate,
+                  "steps": {k: getattr(stats, k) for k in ("loaded", "aot", "compiles")} if stats else None}))
 """
 
 
@@ -56,7 +63,9 @@ def main() -> None:
     folder = infopt.save_optimized(model, work / "model", tokenizer=tok)
     size_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6
     del model
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+    # empty compile caches (Inductor's, and infopt's AOTInductor packages) for the first process: a new machine
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"),
+           "INFOPT_CACHE_DIR": str(work / "infopt-cache")}
     runs = []
     for i in range(args.runs):
         t = time.perf_counter()
@@ -69,7 +78,8 @@ def main() -> None:
         runs.append(r)
         print(f"{r['cache']:>5}: import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, first token "
               f"{r['first_token_s']:.1f} s; load to first token {r['load_to_token_s']:.1f} s "
-              f"(process {wall:.1f} s)", flush=True)
+              f"(process {wall:.1f} s); then {r['decode_tokens_per_s_after']:.0f} tokens/s; steps {r['steps']}",
+              flush=True)
     result = {"machine": machine_info(), "recipe": args.recipe, "optimize_s": optimize_s, "folder_mb": size_mb,
               "runs": runs}
     if args.json:
