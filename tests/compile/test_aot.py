@@ -191,3 +191,24 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     assert compile_stats(fused).aot == 1
     (key, step), = decoder_for(fused).forward_for(fused)._fns.items()
     assert step.fn.saved_form(fused) is None  # so save_optimized keeps no package for it
+
+
+def test_the_package_cache_drops_the_packages_used_longest_ago(tmp_path, monkeypatch):
+    import os
+
+    from infopt.compile.aot import cache_limit_bytes, prune_cache
+
+    for i, name in enumerate(("old", "mid", "new", "kept")):
+        f = tmp_path / f"{name}.pt2"
+        f.write_bytes(b"x" * 400_000)
+        os.utime(f, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "kept.pt2", (10, 10))  # the oldest, but the one just written
+    (tmp_path / "other.txt").write_bytes(b"x" * 10_000_000)  # not a package: never counted or deleted
+    monkeypatch.setenv("INFOPT_AOT_CACHE_MB", "1")
+    assert cache_limit_bytes() == 1_000_000
+    gone = prune_cache(tmp_path, keep=tmp_path / "kept.pt2")
+    assert sorted(p.name for p in gone) == ["mid.pt2", "old.pt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.pt2", "new.pt2", "other.txt"]
+    monkeypatch.setenv("INFOPT_AOT_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="INFOPT_AOT_CACHE_MB='lots'"):
+        cache_limit_bytes()

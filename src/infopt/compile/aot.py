@@ -15,11 +15,13 @@ check sees (:func:`infopt.compile.decoder.module_signature`) drops the package, 
 Packages are cached on disk (``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``) under a hash of the exported
 graph's code, the weights' metadata, the Inductor options and the versions that built it, so a second process that
 exports the same step loads its package instead of compiling it again (export takes a few seconds, an AOTInductor
-compile half a minute or more on two cores).
+compile half a minute or more on two cores). The folder is kept under ``$INFOPT_AOT_CACHE_MB`` megabytes (2048 by
+default) by deleting the packages used longest ago when a new one is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,7 +36,8 @@ from torch import nn
 
 log = logging.getLogger("infopt.compile")
 
-__all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_slots", "export_step", "load_saved", "tensor_sig"]
+__all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
+           "prune_cache", "tensor_sig"]
 
 
 def aot_available() -> bool:
@@ -52,6 +55,41 @@ def aot_cache_dir() -> Path:
     """Where packages are cached: ``$INFOPT_CACHE_DIR/aoti`` or ``~/.cache/infopt/aoti``."""
     root = os.environ.get("INFOPT_CACHE_DIR")
     return Path(root).expanduser() / "aoti" if root else Path.home() / ".cache" / "infopt" / "aoti"
+
+
+def cache_limit_bytes() -> int:
+    """How much the package cache may hold: ``$INFOPT_AOT_CACHE_MB`` megabytes, default 2048."""
+    raw = os.environ.get("INFOPT_AOT_CACHE_MB", "2048")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"INFOPT_AOT_CACHE_MB={raw!r} is not a number of megabytes (e.g. 2048)") from None
+    return int(mb * 1e6)
+
+
+def prune_cache(folder: Path, keep: Path | None = None) -> list[Path]:
+    """Delete the packages in ``folder`` used longest ago (by modification time, which a load refreshes) until the
+    rest fit in :func:`cache_limit_bytes`; ``keep`` is never deleted. Returns the files deleted."""
+    files = []
+    for f in folder.glob("*.pt2"):
+        try:
+            st = f.stat()
+        except OSError:  # deleted by another process meanwhile
+            continue
+        files.append((st.st_mtime, st.st_size, f))
+    total, limit, gone = sum(size for _, size, _ in files), cache_limit_bytes(), []
+    for _, size, f in sorted(files, key=lambda x: x[0]):
+        if total <= limit:
+            break
+        if keep is not None and f == keep:
+            continue
+        with contextlib.suppress(OSError):
+            f.unlink()
+            gone.append(f)
+        total -= size
+    if gone:
+        log.info("infopt: %d AOTInductor package(s) pruned from %s (over INFOPT_AOT_CACHE_MB)", len(gone), folder)
+    return gone
 
 
 def cache_slots(cache) -> list[tuple[Any, str]]:
@@ -145,6 +183,10 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
             out = Path(tmp) / "step.pt2"
             aoti_compile_and_package(ep, package_path=str(out), inductor_configs=opts)
             os.replace(out, path)  # atomic: another process never loads a half-written package
+        prune_cache(folder, keep=path)
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # the newest use: pruning drops the packages used longest ago first
     runner = aoti_load_package(str(path))
     # the model's own tensors (the program's weights are lifted from it: the same objects), given to the package
     # without a copy
