@@ -184,7 +184,15 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     assert torch.equal(loaded.generate(ids, max_new_tokens=12, do_sample=False), want)
     assert stats.compiles == 0 and stats.calls >= 11
 
+    # a replaced weight is seen by the per-call module check, which drops the loaded package for a new export
     monkeypatch.undo()
+    new = torch.randn(loaded.lm_head.weight.shape, generator=torch.Generator().manual_seed(2))
+    for model in (loaded, m):
+        model.lm_head.weight = torch.nn.Parameter(new.clone())
+    out = loaded.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, m.generate(ids, max_new_tokens=12, do_sample=False)) and not torch.equal(out, want)
+    assert stats.aot == 2
+
     fused = tiny_model("llama")
     infopt.optimize(fused, {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64],
                                                                           "pack_linears": False, "aot": True}}]})

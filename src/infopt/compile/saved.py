@@ -296,6 +296,12 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
         warnings.warn(f"infopt: the saved AOTInductor package {path.name} did not load ({type(e).__name__}: "
                       f"{str(e)[:200]}); the saved compiled step runs instead", RuntimeWarning, stacklevel=3)
         return False
+    if fwd._signature is None:
+        # the package reads these very tensors: the per-call module check must see one of them replaced (and drop
+        # the package for an export over the new ones), where a graph would simply read the new tensor
+        from .decoder import module_signature
+
+        fwd._signature = module_signature(fwd.model)
     step = GuardFreeStep(fwd, key, lambda _fwd, *args: aot(*args), canonical_args(key, fwd._device))
     step.fn, step.aot = aot, True  # (called with the step's arguments, as a package built in this process is)
     fwd._fns[key] = step
