@@ -28,6 +28,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,15 @@ def _package_key(ep, options: dict[str, Any], fingerprint: dict[str, Any]) -> st
     return h.hexdigest()[:32]
 
 
+@contextlib.contextmanager
+def _torch_internal_notices():
+    """Silence a deprecation notice torch's own export and packaging code raises from its internals (about pytree's
+    ``LeafSpec``): a user applying ``cpu-fast`` can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        yield
+
+
 def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint: dict[str, Any]
                 ) -> tuple[Any, dict[str, torch.Tensor], float, bool, Path]:
     """Export ``fwd``'s decode step at shape ``key`` for the call ``args`` and compile it with AOTInductor (or load
@@ -169,7 +179,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     cache = args[4]
     tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
     module = _StepModule(fwd, cache, padded)
-    with torch.no_grad():
+    with torch.no_grad(), _torch_internal_notices():
         ep = torch.export.export(module, _flat_args(args, padded, tensors), strict=False)
     _constants_as_buffers(ep)
     opts = {**options, "aot_inductor.package_constants_in_so": False}
@@ -181,7 +191,8 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / "step.pt2"
-            aoti_compile_and_package(ep, package_path=str(out), inductor_configs=opts)
+            with _torch_internal_notices():
+                aoti_compile_and_package(ep, package_path=str(out), inductor_configs=opts)
             os.replace(out, path)  # atomic: another process never loads a half-written package
         prune_cache(folder, keep=path)
     else:
