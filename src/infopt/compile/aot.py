@@ -164,13 +164,13 @@ def _torch_internal_notices():
 
 
 def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint: dict[str, Any]
-                ) -> tuple[Any, dict[str, torch.Tensor], float, bool, Path]:
+                ) -> tuple[AotStep, float, bool]:
     """Export ``fwd``'s decode step at shape ``key`` for the call ``args`` and compile it with AOTInductor (or load
     the package from the disk cache).
 
     Returns:
-        ``(runner, constants, seconds, cached, path)``: the loaded package, the tensors it was given as its weights,
-        the export + compile time, whether the package came from the cache, and its file.
+        ``(step, seconds, cached)``: the :class:`AotStep` calling the loaded package over the model's tensors, the
+        export + compile time, and whether the package came from the cache.
     """
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
@@ -207,8 +207,10 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     if missing:
         raise RuntimeError(f"the AOTInductor package wants constants the exported program does not hold: "
                            f"{sorted(missing)[:5]}")
-    runner.load_constants({k: constants[k] for k in wanted}, check_full_update=True, user_managed=True)
-    return runner, {k: constants[k] for k in wanted}, time.perf_counter() - t0, cached, path
+    weights = {k: constants[k] for k in wanted}
+    runner.load_constants(weights, check_full_update=True, user_managed=True)
+    step = AotStep(runner, padded, weights, [tensor_sig(t) for t in tensors], path)
+    return step, time.perf_counter() - t0, cached
 
 
 class AotStep:
@@ -287,5 +289,6 @@ def _is_param(model: nn.Module, name: str) -> bool:
     return leaf in (model.get_submodule(owner) if owner else model)._parameters
 
 
-def tensor_sig(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.device, tuple(t.shape), t.stride())
+def tensor_sig(t: torch.Tensor | None) -> tuple | None:
+    """What a compiled step assumes of a tensor argument: ``(dtype, device, shape, strides)``; None for None."""
+    return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())

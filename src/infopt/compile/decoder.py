@@ -26,6 +26,7 @@ from torch import nn
 
 from ..core.compat import CACHE_KWARG
 from ..generate import Forward, decoder_for, rollback, static_length
+from .aot import cache_slots, tensor_sig
 
 log = logging.getLogger("infopt.compile")
 
@@ -311,13 +312,13 @@ class CompiledForward(Forward):
     def _build_aot(self, key: tuple, args: tuple):
         """The shape ``key`` as an AOTInductor package for the call ``args`` (exported, compiled or loaded from the
         disk cache), or None where that failed (recorded in the stats; the caller compiles the shape instead)."""
-        from .aot import AotStep, export_step
+        from .aot import export_step
         from .saved import fingerprint
 
         self._note_cold(key)
         try:
-            runner, constants, seconds, cached, path = export_step(
-                self, key, args, step_options(self.config, self._device), fingerprint(self.model))
+            step, seconds, cached = export_step(self, key, args, step_options(self.config, self._device),
+                                                fingerprint(self.model))
         except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             self.stats.aot_failed[_shape_name(key)] = reason
@@ -330,10 +331,7 @@ class CompiledForward(Forward):
         self.stats.aot_cached += int(cached)
         if self.stats.warmed_up:
             self.stats.compiles_after_warmup += 1
-        from .aot import cache_slots, tensor_sig
-
-        return AotStep(runner, bool(key[3]), constants, [tensor_sig(getattr(o, n)) for o, n in cache_slots(args[4])],
-                       path)
+        return step
 
     def _note_cold(self, key: tuple) -> None:
         if self.stats.warmed_up and not self.owner._told_cold:
@@ -464,8 +462,6 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
-def _tensor_sig(t) -> tuple | None:
-    return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
 
 
 def _contiguous(shape: tuple) -> tuple:
@@ -474,13 +470,6 @@ def _contiguous(shape: tuple) -> tuple:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def _cache_tensors(cache):
-    for layer in getattr(cache, "layers", ()):
-        for v in vars(layer).values():
-            if isinstance(v, torch.Tensor):
-                yield v
 
 
 def canonical_args(key: tuple, device: torch.device) -> tuple:
@@ -529,7 +518,7 @@ class GuardFreeStep:
     def __call__(self, *args):
         fwd = self.fwd
         p = next(fwd.model.parameters())
-        sig = tuple(_tensor_sig(a) for a in args[:4])
+        sig = tuple(tensor_sig(a) for a in args[:4])
         if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
                 or torch.is_autocast_enabled(p.device.type)
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
@@ -553,7 +542,7 @@ class GuardFreeStep:
     def _cache_fits(self, cache) -> bool:
         if self._cache_ref is not None and self._cache_ref() is cache:
             return True
-        sig = tuple(_tensor_sig(t) for t in _cache_tensors(cache))
+        sig = tuple(tensor_sig(getattr(o, n)) for o, n in cache_slots(cache))
         if self._cache_sig is None:
             if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
                                            for t in sig):

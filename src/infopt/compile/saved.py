@@ -302,8 +302,9 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
         from .decoder import module_signature
 
         fwd._signature = module_signature(fwd.model)
-    step = GuardFreeStep(fwd, key, lambda _fwd, *args: aot(*args), canonical_args(key, fwd._device))
-    step.fn, step.aot = aot, True  # (called with the step's arguments, as a package built in this process is)
+    step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device))
+    # called with the step's arguments, as a package built in this process is; loaded: made for the saved cache
+    step.fn, step.loaded, step.aot = aot, True, True
     fwd._fns[key] = step
     fwd._graphs[key] = 1
     fwd.stats.shapes.append(_shape_name(key))
