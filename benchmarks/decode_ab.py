@@ -9,7 +9,8 @@ rounds share the moment. The time of the prompt (a one-token ``generate``, timed
 Usage:
     python benchmarks/decode_ab.py RECIPE [RECIPE ...] [--rounds 6] [--tokens 128] [--json out.json]
 
-RECIPE: a preset name or a recipe file. Also checks that each recipe's greedy tokens are those of the first round.
+RECIPE: a preset name or a recipe file. Also checks that each recipe's greedy tokens are those of its first round, and
+says whether they are those of plain transformers (what a lossless recipe must give).
 """
 
 import argparse
@@ -61,9 +62,12 @@ for name, rs in rates.items():
     ratios = [a / b for a, b in zip(rs, base, strict=True)]
     rows.append({"recipe": name, "tokens_per_s": statistics.median(rs), "runs": rs,
                  "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                 "same_tokens_every_round": stable[name]})
+                 "same_tokens_every_round": stable[name],
+                 "same_tokens_as_transformers": torch.equal(first[name], first["transformers fp32"])})
     print(f"{name:40} {statistics.median(rs):7.1f} tokens/s   x{statistics.median(ratios):.2f} "
-          f"(rounds {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+          f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+          f"{'' if rows[-1]['same_tokens_as_transformers'] else '   (greedy tokens differ from transformers)'}",
+          flush=True)
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"machine": machine_info(), "threads": torch.get_num_threads(), "new_tokens": n,

@@ -51,22 +51,25 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedGroup:
-    """One group of sibling linears sharing a fused weight.
+    """One group of sibling linears sharing fused tensors.
 
     Attributes:
         layers: the ``nn.Linear`` modules, in call order.
         names: their attribute names on the parent module.
-        weight: ``[sum(out_features), in_features]``, the layers' weights back to back (theirs are views of it).
+        tensors: the names of the per-layer tensors fused (``("weight",)`` for float linears).
+        fused: ``{name: [sum(out_features), ...]}``, the layers' tensors back to back (theirs are views of them).
+        weight: the fused weight (float groups; None for a :class:`QuantizedFusedGroup`).
         bias: the same for the biases, or None when no layer has one.
         calls: fused matmuls run (for tests and benchmarks: the first projection's forward, in eager mode).
     """
 
-    def __init__(self, layers: list[nn.Linear], names: tuple[str, ...]):
+    def __init__(self, layers: list[nn.Linear], names: tuple[str, ...], tensors: tuple[str, ...] = ("weight",)):
         self.layers = [weakref.ref(m) for m in layers]
         self.names = names
+        self.tensors = tensors
         self.sizes = [m.out_features for m in layers]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(layers))]
-        self.weight: torch.Tensor | None = None
+        self.fused: dict[str, torch.Tensor] = {}
         self.bias: torch.Tensor | None = None
         self._x: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -76,37 +79,58 @@ class FusedGroup:
         self.refuses = 0
         self._fuse()
 
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self.fused.get("weight")
+
     def modules(self) -> list[nn.Linear]:
         out = [r() for r in self.layers]
         return [m for m in out if m is not None]
 
+    @staticmethod
+    def _set(m: nn.Module, name: str, t: torch.Tensor) -> None:
+        # a parameter keeps its identity (optimizers, hooks and the module's own references see the same object)
+        old = getattr(m, name)
+        if isinstance(old, nn.Parameter):
+            old.data = t
+        else:
+            setattr(m, name, t)
+
     @torch.no_grad()
     def _fuse(self) -> None:
-        """Move the layers' current weights (and biases) into one new buffer; their parameters become views."""
+        """Move the layers' current tensors (and biases) into new buffers; theirs become views."""
         layers = self.modules()
-        weight = torch.cat([m.weight.detach() for m in layers])
+        self.fused = {n: torch.cat([getattr(m, n).detach() for m in layers]) for n in self.tensors}
         bias = None
         if any(m.bias is not None for m in layers):
-            bias = torch.cat([m.bias.detach() if m.bias is not None
-                              else m.weight.new_zeros(m.out_features) for m in layers])
+            ref = next(m.bias for m in layers if m.bias is not None)
+            bias = torch.cat([m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features)
+                              for m in layers])
         for m, off, n in zip(layers, self.offsets, self.sizes, strict=True):
-            m.weight.data = weight[off:off + n]
+            for name, t in self.fused.items():
+                self._set(m, name, t[off:off + n])
             if m.bias is not None:
                 m.bias.data = bias[off:off + n]
-        self.weight, self.bias = weight, bias
+        self.bias = bias
+        self._fused_now(layers)
         self._versions = self._member_versions()
 
+    def _fused_now(self, layers: list[nn.Module]) -> None:
+        """Called once the layers' tensors are views of the fused ones (a subclass builds what computes them)."""
+
     def _member_versions(self) -> tuple[int, ...]:
-        # a parameter whose .data is a view keeps a version counter of its own: an in-place write through it
-        # (load_state_dict, copy_) changes the fused buffer's values but not the buffer's version
-        return tuple(t._version for m in self.modules() for t in (m.weight, m.bias) if t is not None)
+        # a tensor that is a view keeps a version counter of its own: an in-place write through it (load_state_dict,
+        # copy_) changes the fused buffer's values but not the buffer's version
+        return tuple(t._version for m in self.modules() for t in (*(getattr(m, n) for n in self.tensors), m.bias)
+                     if t is not None)
 
     def intact(self) -> bool:
-        """True while every layer's weight (and bias) is still its view of the fused buffer."""
-        w, b = self.weight, self.bias
+        """True while every layer's tensors (and bias) are still their views of the fused buffers."""
+        b = self.bias
         for m, off in zip(self.modules(), self.offsets, strict=True):
-            if m.weight.data_ptr() != w.data_ptr() + off * w.stride(0) * w.element_size():
-                return False
+            for name, f in self.fused.items():
+                if getattr(m, name).data_ptr() != f.data_ptr() + off * f.stride(0) * f.element_size():
+                    return False
             if m.bias is not None and (b is None or m.bias.data_ptr() != b.data_ptr() + off * b.element_size()):
                 return False
         return True
@@ -131,7 +155,7 @@ class FusedGroup:
         return out
 
     def _fused_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.weight, self.bias) if t is not None]
+        return [*self.fused.values(), *([self.bias] if self.bias is not None else [])]
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and packed_usable(x, self.weight):
@@ -150,75 +174,40 @@ class FusedGroup:
 
     @torch.no_grad()
     def unfuse(self) -> None:
-        """Give each layer storage of its own again (the buffer is freed with the last view of it)."""
+        """Give each layer storage of its own again (the buffers are freed with the last views of them)."""
         for m in self.modules():
-            m.weight.data = m.weight.data.clone()
+            for name in self.tensors:
+                self._set(m, name, getattr(m, name).detach().clone())
             if m.bias is not None:
                 m.bias.data = m.bias.data.clone()
-        self.weight = self.bias = self._x = self._out = None
+        self.fused = {}
+        self.bias = self._x = self._out = None
 
 
 class QuantizedFusedGroup(FusedGroup):
     """One group of sibling quantized layers of one class (per-channel ``Int8Linear`` with float activations, or
     ``Int4Linear`` in the ``gemv`` layout): each of their code and scale buffers moves into one buffer, back to back
     (theirs become views), and one hidden layer of the same class over those buffers computes the group's output, so
-    every kernel path of that class serves the fused call. ``weight`` stays None (nothing here is packed)."""
+    every kernel path of that class serves the fused call. ``weight`` is None (nothing here is packed)."""
 
     def __init__(self, layers: list[nn.Module], names: tuple[str, ...], tensors: tuple[str, ...]):
-        self.tensors = tensors
-        self.fused: dict[str, torch.Tensor] = {}
         self.layer: nn.Module | None = None
-        super().__init__(layers, names)
+        super().__init__(layers, names, tensors)
 
-    @torch.no_grad()
-    def _fuse(self) -> None:
-        layers = self.modules()
-        self.fused = {n: torch.cat([getattr(m, n).detach() for m in layers]) for n in self.tensors}
-        bias = None
-        if any(m.bias is not None for m in layers):
-            bias = torch.cat([m.bias.detach() if m.bias is not None else
-                              torch.zeros(m.out_features, dtype=m.out_dtype, device=self.fused[self.tensors[0]].device)
-                              for m in layers])
-        for m, off, n in zip(layers, self.offsets, self.sizes, strict=True):
-            for name, t in self.fused.items():
-                setattr(m, name, t[off:off + n])
-            if m.bias is not None:
-                m.bias.data = bias[off:off + n]
+    def _fused_now(self, layers: list[nn.Module]) -> None:
+        for m in layers:
             getattr(m, "_scale_cache", {}).clear()
-        self.layer = _like(layers[0], sum(self.sizes), self.fused, bias)
-        self.bias = bias
-        self._versions = self._member_versions()
-
-    def _member_versions(self) -> tuple[int, ...]:
-        return tuple(t._version for m in self.modules() for t in (*(getattr(m, n) for n in self.tensors), m.bias)
-                     if t is not None)
-
-    def _fused_tensors(self) -> list[torch.Tensor]:
-        return [*self.fused.values(), *([self.bias] if self.bias is not None else [])]
-
-    def intact(self) -> bool:
-        for m, off in zip(self.modules(), self.offsets, strict=True):
-            for name, f in self.fused.items():
-                if getattr(m, name).data_ptr() != f.data_ptr() + off * f.stride(0) * f.element_size():
-                    return False
-            b = self.bias
-            if m.bias is not None and (b is None or m.bias.data_ptr() != b.data_ptr() + off * b.element_size()):
-                return False
-        return True
+        self.layer = _like(layers[0], sum(self.sizes), self.fused, self.bias)
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
 
     @torch.no_grad()
     def unfuse(self) -> None:
+        super().unfuse()
         for m in self.modules():
-            for name in self.tensors:
-                setattr(m, name, getattr(m, name).clone())
-            if m.bias is not None:
-                m.bias.data = m.bias.data.clone()
             getattr(m, "_scale_cache", {}).clear()
-        self.fused, self.layer = {}, None
-        self.bias = self._x = self._out = None
+        self.layer = None
 
 
 def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:

@@ -36,7 +36,7 @@ from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
-from .triton_gemv import GEMV_MAX_ROWS, w4_gemv
+from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
            "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS"]
@@ -535,10 +535,7 @@ class Int4Linear(nn.Module):
         elif self.layout == "gemv" and rows <= GEMV_MAX_ROWS:
             y = w4_gemv(x, self.qweight, self.scale_offset, self.group_size)
         elif self.layout == "gemv":  # prompts: the weight dequantized for the call, one matmul
-            so = self.scale_offset.to(x.dtype)
-            codes = unpack_int4(self.qweight).to(x.dtype) - 8
-            w = (codes.view(self.out_features, -1, self.group_size) * so[..., :1] + so[..., 1:]).view_as(codes)
-            y = F.linear(x, w)
+            y = F.linear(x, w4_dequantize(self.qweight, self.scale_offset, self.group_size, x.dtype))
         elif self.layout == "plain":
             w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
             y = F.linear(x, w)

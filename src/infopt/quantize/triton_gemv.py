@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
-__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "gemv_tiles", "GEMV_MAX_ROWS",
+__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "GEMV_MAX_ROWS",
            "kernel_calls", "W8_DTYPES"]
 
 GEMV_MAX_ROWS = 8
@@ -84,13 +84,25 @@ def w4_gemv_reference(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torc
         >>> w4_gemv_reference(torch.tensor([[1.0, 2.0]]), q, so, 2).tolist()
         [[3.5]]
     """
+    return F.linear(x.float(), w4_dequantize(qweight, scale_offset, group_size, torch.float32)).to(x.dtype)
+
+
+def w4_dequantize(qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """The ``[N, K]`` weight ``(code - 8) * scale + offset`` of :func:`w4_gemv`'s operands, computed in ``dtype``.
+
+    Example:
+        >>> q = torch.tensor([[0x98]], dtype=torch.uint8)
+        >>> so = torch.tensor([[[1.0, 0.5]]], dtype=torch.bfloat16)
+        >>> w4_dequantize(q, so, 2, torch.float32).tolist()
+        [[0.5, 1.5]]
+    """
     from .primitives import unpack_int4
 
-    codes = unpack_int4(qweight).float()  # [N, K]
-    so = scale_offset.float()
-    scale = so[..., 0].repeat_interleave(group_size, dim=1)
-    offset = so[..., 1].repeat_interleave(group_size, dim=1)
-    return F.linear(x.float(), (codes - 8.0) * scale + offset).to(x.dtype)
+    so = scale_offset.to(dtype)
+    codes = unpack_int4(qweight).to(dtype) - 8
+    n = codes.shape[0]
+    return (codes.view(n, -1, group_size) * so[..., :1] + so[..., 1:]).view_as(codes)
 
 
 def _use_triton(x: torch.Tensor, what: str) -> bool:
