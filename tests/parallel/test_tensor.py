@@ -3,11 +3,12 @@
 import pytest
 
 from infopt.parallel import launch
+from infopt.quantize import a8
 
 from . import workers
 
 TINY_CASES = ("llama", "qwen2", "gemma", "llama-bias", "llama-dtensor", "llama-bias-dtensor", "llama-bf16",
-              "llama-int8", "llama-int8-g32", "llama-int4")
+              "llama-int8", "llama-int8-g32", "llama-int4", *(("llama-int8-a8", "llama-int4-a8") if a8.available() else ()))
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def test_two_rank_tp_matches_one_process(tiny_results, case):
     r = tiny_results[case]
     # fp32 and int8 (fp32 compute): only the summation order changes. bf16, and int4's fused kernel (bf16 output),
     # round each rank's partial output to bf16 before the all-reduce: logits move by ~bf16 precision
-    assert r["rel_err"] < (1e-2 if case.endswith(("int4", "bf16")) else 1e-4)
+    assert r["rel_err"] < (1e-2 if case.endswith(("int4", "bf16", "a8")) else 1e-4)
     assert r["tokens_equal"] and r["n_tokens"] == workers.NEW_TOKENS
 
 
@@ -41,6 +42,13 @@ def test_layers_swapped_per_kind(tiny_results):
     assert (tiny_results["llama-dtensor"]["q_proj"], tiny_results["llama-dtensor"]["o_proj"]) == ("Linear", "Linear")
     assert (tiny_results["llama-int8"]["q_proj"], tiny_results["llama-int8"]["o_proj"]) == ("Int8Linear", "RowParallel")
     assert (tiny_results["llama-int4"]["q_proj"], tiny_results["llama-int4"]["o_proj"]) == ("Int4Linear", "RowParallel")
+
+
+@pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
+def test_shards_keep_int8_activations(tiny_results):
+    # a shard is built in its layer's kernel layout, not the device's automatic one (which dropped int8 activations)
+    assert tiny_results["llama-int4-a8"]["q_proj_kernel"] == tiny_results["llama-int4-a8"]["o_proj_kernel"] == "a8"
+    assert tiny_results["llama-int8-a8"]["q_proj_kernel"] == tiny_results["llama-int8-a8"]["o_proj_kernel"] == "int8"
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from infopt.quantize import a8
+
 PROMPT = [[1, 17, 400, 23, 9, 1200, 5]]
 NEW_TOKENS = 64
 
@@ -96,12 +98,19 @@ def tp_case(model, quant=None, ref=None, dtensor=False):
         "q_proj": type(model.model.layers[0].self_attn.q_proj).__name__,
         "o_proj": type(model.model.layers[0].self_attn.o_proj).__name__,
         "q_proj_dtensor": type(getattr(model.model.layers[0].self_attn.q_proj, "weight", None)).__name__ == "DTensor",
+        "q_proj_kernel": _kernel_of(model.model.layers[0].self_attn.q_proj),
+        "o_proj_kernel": _kernel_of(getattr(model.model.layers[0].self_attn.o_proj, "inner", None)),
     }
     infopt.undo(model)
     with torch.no_grad():
         out["undo_logits_equal"] = bool(torch.equal(model(ids).logits, float_logits))
     out["undo_state_equal"] = _same_state(model, snap)
     return out
+
+
+def _kernel_of(m) -> str | None:
+    """An int4 layer's layout, an int8 layer's activations (what a shard must keep from its layer)."""
+    return getattr(m, "layout", None) or getattr(m, "activations", None)
 
 
 def tp_tiny_families():
@@ -114,6 +123,9 @@ def tp_tiny_families():
     res["llama-int8"] = tp_case(tiny("llama"), Int8WeightOnly(compute_dtype="float32"))
     res["llama-int8-g32"] = tp_case(tiny("llama"), Int8WeightOnly(group_size=32, compute_dtype="float32"))
     res["llama-int4"] = tp_case(tiny("llama", hidden_size=128), Int4WeightOnly(group_size=32))
+    if a8.available():  # int8 activations: the shards keep the layers' kernels
+        res["llama-int8-a8"] = tp_case(tiny("llama"), Int8WeightOnly(activations="int8"))
+        res["llama-int4-a8"] = tp_case(tiny("llama", hidden_size=128), Int4WeightOnly(group_size=32, activations="int8"))
     return res
 
 

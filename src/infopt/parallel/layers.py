@@ -31,28 +31,57 @@ def _chunk(n: int, rank: int, world: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def _int8_from(module: Int8Linear, codes, scales, bias) -> Int8Linear:
-    new = Int8Linear.from_codes(codes.contiguous(), scales.contiguous(), bias=bias, dtype=module.out_dtype)
-    new.compute_dtype = module.compute_dtype  # the original's choice, not a fresh "auto"
+def _int8_from(module: Int8Linear, codes, scales, bias, fqn: str) -> Int8Linear:
+    """A shard of ``module``: the same activations, compute dtype and CUDA kernel (the original's choices, not a
+    fresh ``"auto"``)."""
+    try:
+        new = Int8Linear.from_codes(codes.contiguous(), scales.contiguous(), bias=bias, dtype=module.out_dtype,
+                                    activations=module.activations)
+    except ValueError as e:
+        raise IncompatibleModelError(
+            f"{fqn or 'Int8Linear'}: its shard ({codes.shape[1]} -> {codes.shape[0]} features) cannot keep the layer's "
+            f"int8 activations ({e}). Quantize with activations='float', or use a world size whose shards keep them"
+        ) from None
+    new.compute_dtype = module.compute_dtype
+    new.cuda_kernel = module.cuda_kernel
     return new
 
 
-def shard_rows(module: nn.Module, rank: int, world: int) -> nn.Module:
-    """This rank's output rows of an Int8Linear/Int4Linear, as a layer of the same type (no communication).
+def _int4_from(module: Int4Linear, codes, scales, zeros, bias, in_perm, group_size: int, fqn: str) -> Int4Linear:
+    """A shard of ``module`` in the same layout when it was chosen (int8 activations' ``a8``, ``gemv``), else the
+    fastest layout for its device (or ``plain`` when the shard's shape does not fit the kernel), with a dense copy
+    for prompts where the original kept one."""
+    layout = None if module._layout_auto else module.layout
+    try:
+        new = Int4Linear.from_codes(codes, scales, zeros, group_size=group_size, bias=bias, in_perm=in_perm,
+                                    dtype=module.out_dtype, layout=layout)
+    except ValueError as e:
+        raise IncompatibleModelError(
+            f"{fqn or 'Int4Linear'}: its shard ({codes.shape[1]} -> {codes.shape[0]} features) cannot keep the "
+            f"layer's {module.layout} layout ({e}). Quantize with activations='float', or use a world size whose "
+            "shards keep it"
+        ) from None
+    if module.weight_dense is not None:
+        new.enable_dense()
+    return new
+
+
+def shard_rows(module: nn.Module, rank: int, world: int, fqn: str = "") -> nn.Module:
+    """This rank's output rows of an Int8Linear/Int4Linear, as a layer of the same type and settings (no
+    communication).
 
     Raises:
-        IncompatibleModelError: the layer type is not one this function shards.
+        IncompatibleModelError: the layer type is not one this function shards, or the shard cannot keep the
+            layer's int8-activation kernel (its outputs not a multiple of 16).
     """
     rows = _chunk(module.out_features, rank, world)
     bias = module.bias.detach()[rows] if module.bias is not None else None
     if isinstance(module, Int8Linear):
-        return _int8_from(module, module.weight_int8[rows], module.weight_scale[rows], bias)
+        return _int8_from(module, module.codes()[rows], module.weight_scale[rows], bias, fqn)
     if isinstance(module, Int4Linear):
         q, s, z = module._portable()  # q: [out, in/2] packed, s/z: [out, G]
         codes = unpack_int4(q)[rows]
-        # layout=None: the fastest kernel layout, or "plain" when out/N is not a multiple of 16
-        return Int4Linear.from_codes(codes, s[rows], z[rows], group_size=module.group_size, bias=bias,
-                                     in_perm=module.in_perm, dtype=module.out_dtype)
+        return _int4_from(module, codes, s[rows], z[rows], bias, module.in_perm, module.group_size, fqn)
     raise IncompatibleModelError(f"cannot shard {type(module).__name__} by rows; supported: Int8Linear, Int4Linear")
 
 
@@ -61,7 +90,8 @@ def shard_cols(module: nn.Module, rank: int, world: int, fqn: str = "") -> nn.Mo
 
     Raises:
         IncompatibleModelError: a group that would straddle two ranks, an Int4Linear with an input
-            permutation (GPTQ ``act_order``), or an unsupported layer type.
+            permutation (GPTQ ``act_order``), a shard that cannot keep the layer's int8-activation kernel, or an
+            unsupported layer type.
     """
     in_f = module.in_features
     cols = _chunk(in_f, rank, world)
@@ -75,7 +105,7 @@ def shard_cols(module: nn.Module, rank: int, world: int, fqn: str = "") -> nn.Mo
     groups = slice(cols.start // group, cols.stop // group) if group is not None else None
     if isinstance(module, Int8Linear):
         scales = module.weight_scale if group is None else module.weight_scale[:, groups]
-        return _int8_from(module, module.weight_int8[:, cols], scales, None)
+        return _int8_from(module, module.codes()[:, cols], scales, None, fqn)
     if isinstance(module, Int4Linear):
         if module.in_perm is not None:
             raise IncompatibleModelError(
@@ -84,7 +114,7 @@ def shard_cols(module: nn.Module, rank: int, world: int, fqn: str = "") -> nn.Mo
             )
         q, s, z = module._portable()
         codes = unpack_int4(q)[:, cols]
-        return Int4Linear.from_codes(codes, s[:, groups], z[:, groups], group_size=group, dtype=module.out_dtype)
+        return _int4_from(module, codes, s[:, groups], z[:, groups], None, None, group, fqn)
     raise IncompatibleModelError(f"cannot shard {type(module).__name__} by columns; supported: Int8Linear, Int4Linear")
 
 

@@ -219,12 +219,12 @@ def _shard(module: nn.Module, style: str, mesh, fqn: str, dtensor: bool) -> nn.M
         cols = slice(rank * w.shape[1] // world, (rank + 1) * w.shape[1] // world)
         return RowParallel(_local_linear(w[:, cols], None), b, mesh.get_group())
     if style == "colwise":
-        return shard_rows(module, rank, world)
+        return shard_rows(module, rank, world, fqn)
     bias = module.bias.detach() if module.bias is not None else None
     return RowParallel(shard_cols(module, rank, world, fqn), bias, mesh.get_group())
 
 
-def _head_shard(head: nn.Module, mesh) -> nn.Module:
+def _head_shard(head: nn.Module, mesh, fqn: str) -> nn.Module:
     rank, world = mesh.get_local_rank(), mesh.size()
     if type(head) is nn.Linear:
         rows = slice(rank * head.out_features // world, (rank + 1) * head.out_features // world)
@@ -233,7 +233,7 @@ def _head_shard(head: nn.Module, mesh) -> nn.Module:
         if head.bias is not None:
             inner.bias = nn.Parameter(head.bias.detach()[rows].clone(), requires_grad=False)
     else:
-        inner = shard_rows(head, rank, world)
+        inner = shard_rows(head, rank, world, fqn)
     return GatherOutput(inner, mesh.get_group(), world)
 
 
@@ -302,7 +302,7 @@ def tensor_parallel_(model: nn.Module, mesh=None, plan: Any = "auto", *, vocab_p
                 inner.weight = shard  # the tie survives: one shard serves lookups and logits
                 new[info.lm_head_fqn] = GatherOutput(inner, mesh.get_group(), world)
             else:
-                new[info.lm_head_fqn] = _head_shard(head, mesh)
+                new[info.lm_head_fqn] = _head_shard(head, mesh, info.lm_head_fqn)
     for fqn, mod in new.items():
         swap_module(model, fqn, mod, step=key, keep_original=keep_original)
     for lf in info.layer_fqns:  # families that keep head counts on the attention module (Llama reshapes with -1)
