@@ -42,12 +42,14 @@ LAYOUTS = {
     "int8-fp32compute": ("qwen2", torch.float32, [Int8WeightOnly(compute_dtype="float32")]),
     "int8-g32": ("llama", torch.float32, [Int8WeightOnly(group_size=32)]),
     "int8-bf16": ("llama", torch.bfloat16, [Int8WeightOnly()]),
+    "int8-cuda-gemv": ("llama", torch.float32, [Int8WeightOnly(cuda_kernel="gemv")]),  # the kernel choice is kept
     "int8-gpt2-conv1d": ("gpt2", torch.float32, [Int8WeightOnly()]),
     "int4-g32": ("llama", torch.float32, [Int4WeightOnly(group_size=32)]),
     "int4-g32-tied-head8": ("llama", torch.float32, [Int4WeightOnly(group_size=32, include_lm_head=True)]),
     "int4-g32-tied-head4": ("qwen2", torch.float32,
                             [Int4WeightOnly(group_size=32, include_lm_head=True, lm_head_bits=4)]),
     "int4-g32-dense": ("llama", torch.float32, [Int4WeightOnly(group_size=32, dense_prefill=True)]),
+    "int4-g32-gemv": ("llama", torch.float32, [Int4WeightOnly(group_size=32, cuda_kernel="gemv")]),
     "gptq-4bit-actorder": ("llama", torch.float32, [GPTQ(group_size=32, samples=4, seq_len=32)]),
     "gptq-8bit": ("qwen2", torch.float32, [GPTQ(bits=8, group_size=-1, samples=4, seq_len=32)]),
     "awq-4bit": ("llama", torch.float32, [AWQ(group_size=32, samples=4, seq_len=32, grid=4)]),
@@ -81,9 +83,13 @@ def test_save_pretrained_then_plain_from_pretrained_gives_equal_logits(layout, t
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert infopt_layers(loaded) == infopt_layers(m)
+    originals = dict(m.named_modules())
     for name, layer in loaded.named_modules():
         if type(layer) in KINDS.values():
             assert layer_spec(layer) == {k: v for k, v in qc["modules"][name].items() if k != "tied"}, name
+            # the settings a spec carries are the original layer's (a kernel choice is not reset to its default)
+            assert layer_spec(layer) == layer_spec(originals[name]), name
+            assert getattr(layer, "cuda_kernel", None) == getattr(originals[name], "cuda_kernel", None), name
     assert loaded.dtype == m.dtype
     with torch.no_grad():
         assert torch.equal(loaded(prompt).logits, ref)

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..core.errors import CheckpointError
 from .int4 import Int4Linear
+from .int8 import CUDA_KERNELS as INT8_CUDA_KERNELS
 from .int8 import Int8Linear, SharedInt8Embedding
 from .w8a8 import W8A8Linear
 
@@ -83,7 +84,7 @@ def layer_spec(module: nn.Module) -> dict[str, Any] | None:
                             "bias": module.bias is not None}
     if kind == "int8":
         spec.update(group_size=module.group_size, compute_dtype=_dtype_name(module.compute_dtype),
-                    activations=module.activations)
+                    activations=module.activations, cuda_kernel=module.cuda_kernel)
     elif kind == "int4":
         spec.update(group_size=module.group_size, in_perm=module.in_perm is not None,
                     layout="auto" if module._layout_auto else module.layout, dense=module.weight_dense is not None)
@@ -193,8 +194,13 @@ def build_layer(fqn: str, spec: dict[str, Any], original: nn.Module, *, device: 
     try:
         if kind == "int8":
             cd = spec["compute_dtype"]
-            return Int8Linear(in_f, out_f, bias=bias, dtype=dtype, device=device, group_size=spec["group_size"],
-                              compute_dtype=None if cd is None else getattr(torch, cd))
+            kernel = spec.get("cuda_kernel", "tl_dot")  # (saves before the field: the default)
+            if kernel not in INT8_CUDA_KERNELS:
+                raise ValueError(f"cuda_kernel {kernel!r} is not one of {', '.join(INT8_CUDA_KERNELS)}")
+            layer = Int8Linear(in_f, out_f, bias=bias, dtype=dtype, device=device, group_size=spec["group_size"],
+                               compute_dtype=None if cd is None else getattr(torch, cd))
+            layer.cuda_kernel = kernel
+            return layer
         if kind == "int4":
             return Int4Linear(in_f, out_f, spec["group_size"], bias=bias, dtype=dtype, device=device, layout="plain",
                               has_perm=bool(spec["in_perm"]))
@@ -223,6 +229,7 @@ def finish_layer(spec: dict[str, Any], layer: nn.Module) -> nn.Module:
         final = Int8Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=layer.out_dtype,
                            compute_dtype=layer.compute_dtype, device=layer.weight_int8.device, activations="int8")
         final.load_state_dict(layer.state_dict())
+        final.cuda_kernel = layer.cuda_kernel
         return final
     if spec["kind"] != "int4":
         return layer
