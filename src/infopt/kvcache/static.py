@@ -141,8 +141,10 @@ class StaticCaches(CachePart):
     def _get(self, model: nn.Module, batch: int, needed: int):
         # transformers' static layers take their dtype from the first keys written: a call under torch.autocast
         # writes other dtypes than one without, so each autocast state gets its own allocation (as a fresh cache per
-        # call would), instead of a failing index_copy_ into the other call's tensors
-        key = (batch, bucket_length(min(needed, self.max_length), self.max_length), _autocast_state(model))
+        # call would), instead of a failing index_copy_ into the other call's tensors; so does a model moved or cast
+        # since (model.to(torch.bfloat16), .cuda())
+        key = (batch, bucket_length(min(needed, self.max_length), self.max_length), _autocast_state(model),
+               getattr(model, "dtype", None), getattr(model, "device", None))
         held = self._held.get(model)
         if held is not None and held[0] == key:
             held[1].reset()

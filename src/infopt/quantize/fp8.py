@@ -17,7 +17,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.step import StepConfig, bad_field, register_step
 from .api import quantize_targets, register_quantizer
-from .primitives import choose_qparams, dequantize, quantize
+from .primitives import KeepsFormat, choose_qparams, dequantize, quantize
 from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 
 __all__ = ["FP8", "FP8Linear", "fp8_supported", "fp8_dtype", "quantize_fp8", "dequantize_fp8", "FP8_MAX",
@@ -205,7 +205,7 @@ def _out_dtype(x_dtype: torch.dtype, granularity: str) -> torch.dtype:
     return torch.bfloat16
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(KeepsFormat):
     """A linear layer with float8_e4m3fn weights, multiplied with fp8-quantized activations.
 
     Each call quantizes the input with :func:`quantize_fp8` at the layer's granularity and runs

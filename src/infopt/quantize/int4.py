@@ -35,7 +35,7 @@ from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
-from .primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
+from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
@@ -270,7 +270,7 @@ def fast_bf16_gemm() -> bool:
 _FAST_BF16 = [fast_bf16_gemm()]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(KeepsFormat):
     """A linear layer with grouped 4-bit weights (see the module docstring for the layouts).
 
     Build with :meth:`from_float` (round-to-nearest) or :meth:`from_codes` (codes computed

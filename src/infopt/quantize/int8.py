@@ -16,7 +16,7 @@ from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
-from .primitives import choose_qparams, dequantize, group_block, quantize
+from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
 from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
@@ -210,7 +210,7 @@ def act_group(in_features: int) -> int:
     return next(g for g in (16, 8, 4, in_features) if in_features % g == 0)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(KeepsFormat):
     """A linear layer with int8 weights ``[out, in]`` and per-channel scales.
 
     Saved (``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]`` (or
@@ -418,7 +418,7 @@ class Int8Linear(nn.Module):
                 f"compute_dtype={self.compute_dtype}{g}{act}")
 
 
-class SharedInt8Embedding(nn.Module):
+class SharedInt8Embedding(KeepsFormat):
     """An input embedding that reads its rows from the int8 output head it is tied to, so one int8 copy serves both
     (``share_embedding``): a lookup is ``codes[id] * scale[id]`` in fp32, cast to the model's dtype, times the
     embedding's own ``embed_scale`` where it has one (Gemma's scaled embeddings).

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["ZERO_DOMAINS", "NIBBLE_ORDERS", "group_block", "choose_qparams", "quantize", "dequantize",
-           "pack_int4", "unpack_int4", "scale_dtype_for"]
+           "pack_int4", "unpack_int4", "scale_dtype_for", "KeepsFormat"]
 
 ZERO_DOMAINS: tuple[str, ...] = ("int", "float", "value")
 """Where a zero point lives. ``"int"``: an integer code (the range widened to include 0, so 0.0 is
@@ -347,3 +347,36 @@ def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "low_first") -
     lo, hi = packed & 0x0F, packed >> 4
     pair = (lo, hi) if order == "low_first" else (hi, lo)
     return torch.stack(pair, dim=dim + 1).flatten(dim, dim + 1)
+
+
+class KeepsFormat(torch.nn.Module):
+    """Base of infopt's quantized layers: a dtype cast of the model (``model.half()``, ``model.to(torch.bfloat16)``)
+    reaches the layer's parameters (the bias) and the dtype it computes its outputs in (``out_dtype``), but not its
+    buffers: codes, scales, zero points and FP8 weights are the quantized format, and rounding an fp32 scale to bf16
+    (or an FP8 weight to bf16) would change the model the user measured, or break its kernel. Device moves reach
+    every tensor as usual.
+
+    Example:
+        >>> from infopt.quantize import Int8Linear
+        >>> layer = Int8Linear.from_float(torch.nn.Linear(64, 32)).to(torch.bfloat16)
+        >>> layer.weight_scale.dtype, layer.bias.dtype, layer.out_dtype
+        (torch.float32, torch.bfloat16, torch.bfloat16)
+    """
+
+    def _apply(self, fn, recurse=True):
+        out_dtype = getattr(self, "out_dtype", None)
+        if isinstance(out_dtype, torch.dtype):
+            self.out_dtype = fn(torch.empty(0, dtype=out_dtype)).dtype
+        buffers = {id(b) for b in self._buffers.values() if b is not None}
+
+        def device_only(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in buffers:
+                return fn(t)
+            probe = fn(t.new_empty(0))
+            if probe.dtype == t.dtype:  # a device move, to_empty, share_memory_: as for any module
+                return fn(t)
+            if t.device.type == "meta":
+                return fn(t).to(t.dtype)  # no values to round
+            return t if t.device == probe.device else t.to(probe.device)
+
+        return super()._apply(device_only, recurse)

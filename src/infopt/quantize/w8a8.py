@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import a8
-from .primitives import dequantize
+from .primitives import KeepsFormat, dequantize
 
 __all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "fused_applies", "w8a8_steps", "KERNELS"]
 
@@ -108,7 +108,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(KeepsFormat):
     """A linear layer computing int8 x int8 -> int32, rescaled by activation scale x weight scale.
 
     Weights are quantized once, symmetric per output channel. Activations are quantized on every
