@@ -114,3 +114,22 @@ def test_calls_with_and_without_autocast_share_a_model():
     again = m.generate(p, max_new_tokens=6, do_sample=False)
     assert torch.equal(mixed, want_mixed)
     assert torch.equal(plain, ref.generate(p, max_new_tokens=6, do_sample=False)) and torch.equal(again, plain)
+
+
+def test_num_return_sequences_gets_a_cache_for_every_returned_row():
+    """generate expands each prompt num_return_sequences times: the static cache is sized for the expanded rows
+    (before: sized for the prompts, so transformers' loop failed in index_copy_ on the first write)."""
+    import infopt
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    p = torch.tensor([[1, 17, 400, 23, 9], [4, 4, 8, 15, 16]])
+    kw = dict(max_new_tokens=6, do_sample=True, top_k=5, num_return_sequences=3)
+    torch.manual_seed(0)
+    out = m.generate(p, **kw)
+    torch.manual_seed(0)
+    want = ref.generate(p, **kw, cache_implementation="static")
+    assert out.shape == (6, 11) and torch.equal(out, want)
+    # the next plain call (2 rows) gets its own allocation again and the same tokens as without infopt
+    assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False),
+                       ref.generate(p, max_new_tokens=6, do_sample=False))

@@ -139,7 +139,9 @@ class GenerateCall:
 
     @property
     def batch(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Rows the decode runs: the prompts times ``num_return_sequences`` (``generate`` expands each prompt)."""
+        n = getattr(self.generation_config, "num_return_sequences", 1) or 1
+        return int(self.input_ids.shape[0]) * int(n)
 
     @property
     def prompt_length(self) -> int:
