@@ -1,6 +1,7 @@
 """Decode shapes built as AOTInductor packages (``Compile(aot=...)``, infopt.compile.aot)."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -146,6 +147,30 @@ def test_a_cache_of_other_layout_is_refused_by_the_package(aot_cache):
             layer.keys = layer.keys.transpose(1, 2).contiguous().transpose(1, 2)
         with pytest.raises(RuntimeError, match="differ from those the AOTInductor package"):
             step.fn(tok, tok, torch.tensor([1]), None, odd)
+
+
+@needs_aot
+def test_an_unwritable_cache_folder_keeps_the_packages_in_a_folder_of_the_process(tmp_path, monkeypatch, caplog):
+    from infopt.compile import aot
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(blocker))  # <file>/aoti cannot be created (as a read-only home)
+    monkeypatch.setattr(aot, "_SCRATCH", [])
+    ref, m = tiny_model(), tiny_model()
+    with caplog.at_level(logging.WARNING, logger="infopt.compile"):
+        infopt.optimize(m, _recipe())
+    stats = compile_stats(m)
+    assert stats.aot == 1 and not stats.aot_failed  # before: the step fell back to torch.compile
+    assert "cannot be written" in caplog.text and "INFOPT_CACHE_DIR" in caplog.text
+    scratch = aot._SCRATCH[0]
+    assert len(list(scratch.glob("*.pt2"))) == 1 and not (blocker.parent / "aoti").exists()
+    ids = _prompts()[1]
+    assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False),
+                       ref.generate(ids, max_new_tokens=6, do_sample=False))
+    again = tiny_model()  # the same process finds the package it built
+    infopt.optimize(again, _recipe())
+    assert compile_stats(again).aot_cached == 1
 
 
 @needs_aot

@@ -58,6 +58,31 @@ def aot_cache_dir() -> Path:
     return Path(root).expanduser() / "aoti" if root else Path.home() / ".cache" / "infopt" / "aoti"
 
 
+_SCRATCH: list[Path] = []  # a folder of this process's own, where the cache folder cannot be written
+
+
+def _writable(folder: Path) -> Path:
+    """``folder`` (created) where packages can be written to it; else a temporary folder kept until the process
+    exits, said once in a warning (a read-only home, a container): the step still runs on its package."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-")
+        probe.close()
+        return folder
+    except OSError as e:
+        reason = f"{type(e).__name__}: {e}"
+    if not _SCRATCH:
+        import atexit
+        import shutil
+
+        _SCRATCH.append(Path(tempfile.mkdtemp(prefix="infopt-aoti-")))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+        log.warning("infopt compile: the AOTInductor package cache %s cannot be written (%s); this process keeps its "
+                    "packages in %s until it exits. Set INFOPT_CACHE_DIR to a writable folder to keep them across "
+                    "runs", folder, reason, _SCRATCH[0])
+    return _SCRATCH[0]
+
+
 def cache_limit_bytes() -> int:
     """How much the package cache may hold: ``$INFOPT_AOT_CACHE_MB`` megabytes, default 2048."""
     raw = os.environ.get("INFOPT_AOT_CACHE_MB", "2048")
@@ -186,9 +211,12 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     name = _package_key(ep, opts, fingerprint)
     folder = aot_cache_dir()
     path = folder / f"{name}.pt2"
+    if not path.is_file() and _SCRATCH and (_SCRATCH[0] / path.name).is_file():
+        path = _SCRATCH[0] / path.name  # built earlier in this process, the cache folder being unwritable
     cached = path.is_file()
     if not cached:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = _writable(folder)
+        path = folder / path.name
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / "step.pt2"
             with _torch_internal_notices():
