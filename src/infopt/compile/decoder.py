@@ -462,8 +462,6 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
-
-
 def _contiguous(shape: tuple) -> tuple:
     strides, step = [], 1
     for n in reversed(shape):
