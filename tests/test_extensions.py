@@ -11,8 +11,8 @@ from infopt.core import extensions
 @pytest.fixture
 def fresh_state(monkeypatch, tmp_path):
     monkeypatch.setattr(extensions, "_STATE", {})
-    monkeypatch.setenv("INFOPT_EXTENSIONS_DIR", str(tmp_path))
-    return tmp_path
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "extensions"
 
 
 def test_no_compiler_is_a_logged_reason_and_false(fresh_state, monkeypatch, caplog):

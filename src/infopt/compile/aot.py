@@ -15,7 +15,7 @@ check sees (:func:`infopt.compile.decoder.module_signature`) drops the package, 
 Packages are cached on disk (``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``) under a hash of the exported
 graph's code, the weights' metadata, the Inductor options and the versions that built it, so a second process that
 exports the same step loads its package instead of compiling it again (export takes a few seconds, an AOTInductor
-compile half a minute or more on two cores). The folder is kept under ``$INFOPT_AOT_CACHE_MB`` megabytes (2048 by
+compile half a minute or more on two cores). The folder is kept under ``$INFOPT_CACHE_AOTI_MB`` megabytes (2048 by
 default) by deleting the packages used longest ago when a new one is written.
 """
 
@@ -53,9 +53,11 @@ def aot_available() -> bool:
 
 
 def aot_cache_dir() -> Path:
-    """Where packages are cached: ``$INFOPT_CACHE_DIR/aoti`` or ``~/.cache/infopt/aoti``."""
-    root = os.environ.get("INFOPT_CACHE_DIR")
-    return Path(root).expanduser() / "aoti" if root else Path.home() / ".cache" / "infopt" / "aoti"
+    """Where packages are cached: ``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``
+    (:mod:`infopt.core.caches`)."""
+    from ..core.caches import cache_dir
+
+    return cache_dir("aoti")
 
 
 _SCRATCH: list[Path] = []  # a folder of this process's own, where the cache folder cannot be written
@@ -84,38 +86,18 @@ def _writable(folder: Path) -> Path:
 
 
 def cache_limit_bytes() -> int:
-    """How much the package cache may hold: ``$INFOPT_AOT_CACHE_MB`` megabytes, default 2048."""
-    raw = os.environ.get("INFOPT_AOT_CACHE_MB", "2048")
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"INFOPT_AOT_CACHE_MB={raw!r} is not a number of megabytes (e.g. 2048)") from None
-    return int(mb * 1e6)
+    """How much the package cache may hold: ``$INFOPT_CACHE_AOTI_MB`` megabytes, default 2048."""
+    from ..core.caches import limit_bytes
+
+    return limit_bytes("aoti")
 
 
 def prune_cache(folder: Path, keep: Path | None = None) -> list[Path]:
     """Delete the packages in ``folder`` used longest ago (by modification time, which a load refreshes) until the
     rest fit in :func:`cache_limit_bytes`; ``keep`` is never deleted. Returns the files deleted."""
-    files = []
-    for f in folder.glob("*.pt2"):
-        try:
-            st = f.stat()
-        except OSError:  # deleted by another process meanwhile
-            continue
-        files.append((st.st_mtime, st.st_size, f))
-    total, limit, gone = sum(size for _, size, _ in files), cache_limit_bytes(), []
-    for _, size, f in sorted(files, key=lambda x: x[0]):
-        if total <= limit:
-            break
-        if keep is not None and f == keep:
-            continue
-        with contextlib.suppress(OSError):
-            f.unlink()
-            gone.append(f)
-        total -= size
-    if gone:
-        log.info("infopt: %d AOTInductor package(s) pruned from %s (over INFOPT_AOT_CACHE_MB)", len(gone), folder)
-    return gone
+    from ..core.caches import prune
+
+    return prune(folder, "aoti", keep=() if keep is None else (keep,))
 
 
 def cache_slots(cache) -> list[tuple[Any, str]]:

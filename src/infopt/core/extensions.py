@@ -2,8 +2,8 @@
 
 Each kernel is one C++ file registering operators under ``torch.ops.infopt`` through ``torch.library``. It is
 compiled against the installed torch's headers and libraries (no ninja, no Python headers: a few seconds) for
-this machine's CPU (``-march=native``) and cached under ``$INFOPT_EXTENSIONS_DIR`` (default
-``~/.cache/infopt/extensions``), keyed by the source, the torch version, the compiler and its flags and the CPU's
+this machine's CPU (``-march=native``) and cached under ``$INFOPT_CACHE_DIR/extensions`` (default
+``~/.cache/infopt/extensions``; :mod:`infopt.core.caches`), keyed by the source, the torch version, the compiler and its flags and the CPU's
 flags, so another torch or machine builds its own copy. ``make setup`` builds them once.
 
 Before a built library is first loaded, a child process checks that an error raised in it (a ``TORCH_CHECK`` on
@@ -48,9 +48,11 @@ _STATE: dict[str, bool | str] = {}  # name -> True (loaded) or the reason it is 
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: ``$INFOPT_EXTENSIONS_DIR`` or ``~/.cache/infopt/extensions``."""
-    env = os.environ.get("INFOPT_EXTENSIONS_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "infopt" / "extensions"
+    """Where built kernels are kept: ``$INFOPT_CACHE_DIR/extensions``, else ``~/.cache/infopt/extensions``
+    (:mod:`infopt.core.caches`)."""
+    from .caches import cache_dir as kind_dir
+
+    return kind_dir("extensions")
 
 
 def _compiler() -> str | None:

@@ -17,10 +17,12 @@ least recently used first out) holds deep copies of the replacement modules; a h
 deep copies, bit-identical to the first run's. So ``infopt bench``'s repeats, ``undo`` then ``optimize``
 again, and the tuner's candidates calibrate once per process.
 
-The disk cache is opt-in (``INFOPT_CALIBRATION_CACHE=disk`` for ``~/.cache/infopt/calibration``, or a
-folder path): entries are the modules' state dicts (safetensors, no pickle) loaded over modules the
+The disk cache is opt-in (``INFOPT_CACHE_CALIBRATION=disk``: ``$INFOPT_CACHE_DIR/calibration``, else
+``~/.cache/infopt/calibration``): entries are the modules' state dicts (safetensors, no pickle) loaded over modules the
 quantizer rebuilds with ``rebuild=True``, as :func:`infopt.load` does; each is tens to hundreds of MB,
-so a library should not fill a home folder unasked. ``INFOPT_CALIBRATION_CACHE=off`` disables both.
+so a library should not fill a home folder unasked, and the folder is kept under ``INFOPT_CACHE_CALIBRATION_MB``
+megabytes (4096 by default), the entries used longest ago deleted first. ``INFOPT_CACHE_CALIBRATION=off`` disables
+both (:mod:`infopt.core.caches`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,9 @@ from torch import nn
 
 __all__ = ["CalibrationCache", "CACHE", "ENV_VAR", "weights_fingerprint", "cache_key", "cached_plan"]
 
-ENV_VAR = "INFOPT_CALIBRATION_CACHE"
-"""``off`` (no caching), unset or ``memory`` (in-process only, the default), ``disk`` (also
-``~/.cache/infopt/calibration``) or a folder path (also that folder)."""
-
-DEFAULT_DIR = Path("~/.cache/infopt/calibration")
+ENV_VAR = "INFOPT_CACHE_CALIBRATION"
+"""``off`` (no caching), unset or ``memory`` (in-process only, the default), or ``disk`` (also
+``$INFOPT_CACHE_DIR/calibration``)."""
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -145,7 +145,7 @@ class CalibrationCache:
         max_entries: entries kept in memory (least recently used evicted first).
         max_bytes: bytes of module weights kept in memory.
         mode: ``"off"``, ``"memory"`` or ``"disk"``; None reads :data:`ENV_VAR` at each use.
-        directory: the disk folder (None: the env var's path or ``~/.cache/infopt/calibration``).
+        directory: the disk folder (None: ``$INFOPT_CACHE_DIR/calibration``, :mod:`infopt.core.caches`).
 
     Attributes:
         hits, misses: counters since creation (or :meth:`clear`).
@@ -174,22 +174,18 @@ class CalibrationCache:
         """``"off"``, ``"memory"`` or ``"disk"`` (from the constructor, else :data:`ENV_VAR`)."""
         if self._mode is not None:
             return self._mode
-        v = os.environ.get(ENV_VAR, "").strip()
-        if v.lower() in ("", "memory", "1", "on"):
-            return "memory"
-        if v.lower() in ("off", "0", "none", "false"):
-            return "off"
-        return "disk"
+        from ..core.caches import calibration_mode
+
+        return calibration_mode()
 
     @property
     def directory(self) -> Path:
         """The disk cache folder."""
         if self._directory is not None:
             return Path(self._directory).expanduser()
-        v = os.environ.get(ENV_VAR, "").strip()
-        if v and v.lower() != "disk":
-            return Path(v).expanduser()
-        return DEFAULT_DIR.expanduser()
+        from ..core.caches import cache_dir
+
+        return cache_dir("calibration")
 
     def clear(self) -> None:
         """Forget the in-memory entries and reset the counters (disk entries stay)."""
@@ -256,11 +252,14 @@ class CalibrationCache:
         for fqn, mod in plan.items():
             for k, v in mod.state_dict().items():
                 state[f"{fqn}::{k}"] = v.detach().cpu().contiguous()
-        tmp = weights.with_suffix(".tmp")
+        from ..core.caches import prune
+
+        tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")  # hidden: pruning leaves it alone
         save_file(state, str(tmp))
         os.replace(tmp, weights)  # readers never see half a file
         meta.write_text(json.dumps({"modules": {f: _type_name(m) for f, m in sorted(plan.items())}, "extra": extra},
                                    default=str))
+        prune(weights.parent, "calibration", keep=(weights,))
 
     def _load(self, key: str, rebuild: Callable[[list[str]], dict[str, nn.Module]]
               ) -> tuple[dict[str, nn.Module], dict[str, Any]] | None:
@@ -269,6 +268,9 @@ class CalibrationCache:
         weights, meta = self._paths(key)
         if not (weights.exists() and meta.exists()):
             return None
+        from ..core.caches import touch
+
+        touch(weights, meta)  # used now: pruned last
         info = json.loads(meta.read_text())
         plan = rebuild(list(info["modules"]))
         if {f: _type_name(m) for f, m in plan.items()} != info["modules"]:
