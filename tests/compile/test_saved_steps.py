@@ -1,5 +1,6 @@
-"""Compiled decode steps saved with the model: ``infopt.load`` runs them without compiling, with the same tokens,
-and falls back to compiling when they do not fit (another setup, a changed dtype)."""
+"""Compiled decode steps saved with the model: ``infopt.load(..., trust_compiled=True)`` runs them without compiling,
+with the same tokens, and falls back to compiling when they do not fit (another setup, a changed dtype). Without the
+opt-in they are never read (tests/test_safe_loading.py)."""
 
 import json
 import shutil
@@ -12,6 +13,7 @@ import infopt
 from infopt.compile import compile_stats
 from infopt.compile.packed import can_pack
 from infopt.compile.saved import COMPILED_DIR, KERNELS, MANIFEST, can_save_steps
+from infopt.core.integrity import write_manifest
 from infopt.models import tiny_model
 
 # packed fp32 linears would keep the steps unsaved (their graphs name this process's packed weights; see
@@ -67,7 +69,7 @@ def test_load_runs_the_saved_step_without_compiling(saved):
     folder, want = saved
     manifest = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())
     assert manifest["steps"] and all((folder / COMPILED_DIR / f"{n}.bin").is_file() for n in manifest["steps"])
-    model, _ = infopt.load(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     stats = compile_stats(model)
     assert stats.loaded == len(manifest["steps"]) and stats.compiles == 0 and stats.warmed_up
     got = model.generate(IDS, max_new_tokens=12, do_sample=False)
@@ -82,7 +84,8 @@ def test_a_manifest_from_another_setup_compiles_instead(saved):
     meta = json.loads(path.read_text())
     meta["fingerprint"]["torch"] = "0.0.0"
     path.write_text(json.dumps(meta))
-    model, _ = infopt.load(folder)
+    write_manifest(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     stats = compile_stats(model)
     assert stats.loaded == 0 and stats.compiles >= 1  # warmed up as a folder without saved steps is
     assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
@@ -91,7 +94,7 @@ def test_a_manifest_from_another_setup_compiles_instead(saved):
 @needs_aot
 def test_a_saved_step_is_not_used_with_grad_enabled(saved):
     folder, _ = saved
-    model, _ = infopt.load(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     from infopt.generate import decoder_for
 
     f = decoder_for(model).forward_for()
@@ -121,7 +124,7 @@ def test_the_saved_kernels_fill_an_empty_compile_cache(saved, tmp_path, monkeypa
     kept = cache / names[0]
     kept.parent.mkdir(parents=True)
     kept.write_bytes(b"already here")
-    model, _ = infopt.load(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     assert all((cache / n).is_file() for n in names)
     assert kept.read_bytes() == b"already here"
     with zipfile.ZipFile(folder / COMPILED_DIR / KERNELS) as z:
@@ -136,10 +139,11 @@ def test_a_kernels_file_with_unexpected_entries_restores_only_kernel_names(saved
     with zipfile.ZipFile(folder / COMPILED_DIR / KERNELS, "a") as z:
         z.writestr("../escaped.so", b"x")
         z.writestr("ab/not_a_library.py", b"x")
+    write_manifest(folder)
     cache = tmp_path / "cache" / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     with caplog.at_level("WARNING", logger="infopt.compile"):
-        model, _ = infopt.load(folder)
+        model, _ = infopt.load(folder, trust_compiled=True)
     assert "unexpected entry '../escaped.so'" in caplog.text
     assert not (tmp_path / "cache" / "escaped.so").exists() and not (cache / "ab").exists()
     assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
@@ -158,7 +162,7 @@ def test_when_the_kernels_cannot_be_built_ahead_the_steps_are_saved_without_them
     with pytest.warns(RuntimeWarning, match="kernels could not be built ahead of time.*no compiler here"):
         folder, want = _saved(tmp_path)
     assert not (folder / COMPILED_DIR / KERNELS).exists()
-    model, _ = infopt.load(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     assert compile_stats(model).loaded >= 1
     assert torch.equal(model.generate(IDS, max_new_tokens=12, do_sample=False), want)
 
@@ -206,7 +210,7 @@ def test_a_loaded_step_is_not_used_over_a_cache_laid_out_otherwise(saved):
     from infopt.generate import decoder_for
 
     folder, _ = saved
-    model, _ = infopt.load(folder)
+    model, _ = infopt.load(folder, trust_compiled=True)
     dec = decoder_for(model)
     f = dec.forward_for()
     (key, step), = f._fns.items()

@@ -15,6 +15,7 @@ from transformers.pytorch_utils import Conv1D
 import infopt
 from infopt.attention import Attention
 from infopt.core.errors import CheckpointError
+from infopt.core.integrity import write_manifest
 from infopt.models import tiny_model
 from infopt.quantize import (
     AWQ,
@@ -196,10 +197,20 @@ def test_dequantize_gives_float_layers(tmp_path, prompt):
 
 # -- failing loudly ------------------------------------------------------------------------------------
 def _tamper(folder, fn):
+    """Change the saved tensors and record the change in the manifest (as someone rewriting both would), so the
+    checks behind the manifest's are the ones tested."""
     f = folder / "model.safetensors"
     state = load_file(str(f))
     fn(state)
     save_file(state, str(f), metadata={"format": "pt"})
+    write_manifest(folder)
+
+
+def _edit_config(folder, fn):
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_manifest(folder)
 
 
 @pytest.fixture
@@ -238,17 +249,14 @@ def test_missing_tensor_is_caught_after_loading_too(saved_int8, monkeypatch):
       "compute_dtype": None}, r"says 64 -> 32 features, the model's Linear has 64 -> 128"),
 ], ids=["unknown-kind", "incomplete", "wrong-shape"])
 def test_bad_quantization_config_raises(saved_int8, entry, message):
-    cfg = json.loads((saved_int8 / "config.json").read_text())
-    cfg["quantization_config"]["modules"]["model.layers.0.mlp.up_proj"] = entry
-    (saved_int8 / "config.json").write_text(json.dumps(cfg))
+    _edit_config(saved_int8, lambda cfg: cfg["quantization_config"]["modules"].update(
+        {"model.layers.0.mlp.up_proj": entry}))
     with pytest.raises(CheckpointError, match=message):
         AutoModelForCausalLM.from_pretrained(saved_int8)
 
 
 def test_newer_format_asks_for_an_upgrade(saved_int8):
-    cfg = json.loads((saved_int8 / "config.json").read_text())
-    cfg["quantization_config"]["format"] = 99
-    (saved_int8 / "config.json").write_text(json.dumps(cfg))
+    _edit_config(saved_int8, lambda cfg: cfg["quantization_config"].update(format=99))
     with pytest.raises(CheckpointError, match="upgrade infopt"):
         AutoModelForCausalLM.from_pretrained(saved_int8)
 

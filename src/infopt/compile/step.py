@@ -364,8 +364,7 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
     from .saved import warmup_skipped
 
     if ctx.rebuild and warmup_skipped():
-        ctx.notes.append("decode step loaded as saved with the model (infopt_compiled/), not compiled")
-        return
+        return  # infopt.load warms up (or loads trusted steps) once the saved weights are in, and notes which
     if not (config.warmup_batch_sizes and config.warmup_lengths):
         ctx.notes.append(f"decode step compiled lazily (mode={config.mode}, backend={config.backend}); "
                          "the first call of each shape compiles")

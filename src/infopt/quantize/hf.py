@@ -5,8 +5,9 @@ with ``AutoModelForCausalLM.from_pretrained(path)``: transformers reads ``quanti
 (``quant_method: "infopt"``, see :mod:`infopt.quantize.serialize`), builds the model on the meta
 device, and hands it to :class:`InfoptHfQuantizer`, which
 
-1. checks the checkpoint's safetensors headers: every tensor of every quantized layer present, with
-   its shape and dtype (:class:`~infopt.core.errors.CheckpointError` naming the tensor otherwise);
+1. checks the folder's files against their SHA-256 in ``infopt_manifest.json`` (:mod:`infopt.core.integrity`) and
+   the checkpoint's safetensors headers: every tensor of every quantized layer present, with its shape and dtype
+   (:class:`~infopt.core.errors.CheckpointError` naming the file or tensor otherwise);
 2. swaps each listed ``nn.Linear`` (or ``Conv1D``) for an empty infopt layer whose ``state_dict``
    has the saved names and shapes, so transformers' loader fills its buffers like any weight; a head
    tied to the embedding but saved as its own quantized copy is untied;
@@ -19,6 +20,7 @@ it only once transformers' loader is imported (:func:`infopt.core.import_hooks.a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -150,9 +152,22 @@ class InfoptHfQuantizer(HfQuantizer):
             layers[fqn].weight = stand_in
             if type(original).__name__ == "Conv1D":
                 self._conv1d.add(name)
+        if checkpoint_files:
+            # every file the save listed (config, weights) as it was written: a changed value is refused by name
+            from pathlib import Path
+
+            from ..core.integrity import verify_manifest
+
+            verify_manifest(Path(checkpoint_files[0]).parent)
         header = _safetensors_header(checkpoint_files)
         if header is not None:
             check_checkpoint({fqn: modules[fqn] for fqn in resolved}, header)
+        # the placeholder each quantized layer's dense key holds (serialize.with_placeholders) is not a tensor of
+        # the model: not reported as unexpected
+        ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+        ignore = set(ignore or ())
+        ignore.update(rf"(^|\.){re.escape(name)}\.weight$" for name in resolved.values())
+        model._keys_to_ignore_on_load_unexpected = ignore
         tied = getattr(model, "all_tied_weights_keys", None)
         for fqn, name in resolved.items():
             model.set_submodule(name, layers[fqn])

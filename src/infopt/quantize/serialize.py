@@ -26,6 +26,13 @@ The tensors each kind expects (the layers' ``state_dict``, the int4 one in its p
 - ``w8a8``: ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]``, ``input_scale`` fp32 ``[in]``
   when stored (SmoothQuant factors that could not be folded), ``bias``.
 
+A loader that does not know infopt (``from_pretrained`` in a process that never imported infopt, another library)
+must fail rather than build float layers at random: transformers skips a ``quant_method`` it does not know with a
+warning. So every quantized layer's dense key (``<fqn>.weight``) carries a :func:`placeholder`: a 1-d uint8 tensor
+holding the text "infopt quantized layer: ...", whose shape no float layer accepts, and a quantized layer's own
+``weight`` tensor, where it has one (bitsandbytes int8 codes, a QAT layer's float weight), is saved as
+``<fqn>.weight.infopt_moved``. :func:`restore_saved_names` undoes both when infopt loads the folder.
+
 This module needs no part of transformers; :mod:`infopt.quantize.hf` plugs it into transformers' loader.
 """
 
@@ -44,7 +51,8 @@ from .int8 import Int8Linear, SharedInt8Embedding
 from .w8a8 import W8A8Linear
 
 __all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
-           "build_layer", "finish_layer", "check_spec", "check_checkpoint"]
+           "build_layer", "finish_layer", "check_spec", "check_checkpoint", "placeholder", "is_placeholder",
+           "with_placeholders", "restore_saved_names", "MOVED_SUFFIX"]
 
 QUANT_METHOD = "infopt"
 """The ``quant_method`` infopt registers with transformers."""
@@ -286,3 +294,55 @@ def check_checkpoint(modules: dict[str, dict[str, Any]], header: dict[str, tuple
             f"the checkpoint does not hold the quantized layers its quantization_config describes: "
             f"{'; '.join(problems[:5])}{more}. The files were changed or truncated after saving; save the model again"
         )
+
+
+_PLACEHOLDER = (b"infopt quantized layer: import infopt before from_pretrained, or load the folder with "
+                b"infopt.load(path)")
+MOVED_SUFFIX = ".infopt_moved"
+"""Appended to a quantized layer's own ``weight`` key in a ``save_pretrained`` folder (its place holds a
+:func:`placeholder`)."""
+
+
+def placeholder() -> torch.Tensor:
+    """The tensor saved at a quantized layer's dense key: uint8 ``[n]`` bytes of a message saying how to load the
+    folder; a float layer's 2-d ``weight`` never fits it, so a loader that does not know infopt refuses the folder."""
+    return torch.tensor(list(_PLACEHOLDER), dtype=torch.uint8)
+
+
+def is_placeholder(t: object) -> bool:
+    """True for a tensor :func:`placeholder` made (compared by content)."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == len(_PLACEHOLDER)
+            and bytes(t.tolist()) == _PLACEHOLDER)
+
+
+def with_placeholders(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a state dict of ``model``) as ``save_pretrained`` writes it: each quantized layer's ``weight`` (if
+    it has one) moved to ``<fqn>.weight.infopt_moved`` and a :func:`placeholder` at ``<fqn>.weight``. A new dict;
+    the tensors are ``state``'s own.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> from infopt.quantize import Int8WeightOnly, quantize_
+        >>> m = quantize_(tiny_model(), Int8WeightOnly(), include=["model.layers.0.mlp.up_proj"])
+        >>> out = with_placeholders(m, m.state_dict())
+        >>> is_placeholder(out["model.layers.0.mlp.up_proj.weight"]), "lm_head.weight" in out
+        (True, False)
+    """
+    out = dict(state)
+    for fqn, mod in model.named_modules():
+        if layer_spec(mod) is None:
+            continue
+        key = f"{fqn}.weight" if fqn else "weight"
+        if key in out:
+            out[key + MOVED_SUFFIX] = out.pop(key)
+        out[key] = placeholder()
+    return out
+
+
+def restore_saved_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Undo :func:`with_placeholders` on tensors read from a folder: placeholders dropped, moved weights back at
+    their keys. A state dict without either is returned as it is."""
+    out = {k: v for k, v in state.items() if not is_placeholder(v)}
+    for key in [k for k in out if k.endswith(MOVED_SUFFIX)]:
+        out[key[: -len(MOVED_SUFFIX)]] = out.pop(key)
+    return out
