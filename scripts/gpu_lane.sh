@@ -41,7 +41,7 @@ PARTS="${GPU_LANE_MODEL_PARTS:-.model}"
 WORK="$ROOT/.gpu_lane"
 STAGES="${*:-gpu suite bench}"
 mkdir -p "$LOGS" "$WORK/site" "$WORK/parts" "$WORK/cache"
-export PYTHONUNBUFFERED=1 INFOPT_CACHE="$WORK/cache"
+export PYTHONUNBUFFERED=1 INFOPT_CACHE_DIR="$WORK/cache"
 failed=()
 
 say() { printf '\n== %s ==\n' "$*"; }

@@ -422,10 +422,11 @@ def _blank_model(config, dtype: torch.dtype) -> nn.Module:
 
     try:
         from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: initialise as usual
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with no_init_weights():
+    except ImportError:  # older transformers: initialise as usual (then zeroed as below)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     with torch.no_grad():
         for p in model.parameters():

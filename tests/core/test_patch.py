@@ -1,3 +1,5 @@
+import os
+
 import torch
 from torch import nn
 
@@ -26,6 +28,24 @@ def test_swap_keep_original_disk_frees_and_restores_bit_identical():
     patch.undo(m)
     assert m.model.layers[1].self_attn.q_proj.weight is param_obj
     assert torch.equal(param_obj, w)
+
+
+def test_disk_spill_writes_no_file_for_tensors_of_zeros(tmp_path):
+    """A blank model being rebuilt by infopt.load holds zeros: they are not written to disk (2 s for the default
+    model), and undo makes them again, bit for bit, beside a spilled tensor that was not zeros."""
+    m = tiny_model("llama")
+    lin = m.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        lin.weight.zero_()
+    patch.swap_module(m, "model.layers.0.mlp.down_proj", nn.Identity(), keep_original="disk")
+    assert lin.weight.numel() == 0 and not os.listdir(patch.get_handle(m).spill_dir())
+    q = m.model.layers[0].self_attn.q_proj
+    w = q.weight.detach().clone()
+    patch.swap_module(m, "model.layers.0.self_attn.q_proj", nn.Identity(), keep_original="disk")
+    patch.undo(m)
+    assert m.model.layers[0].mlp.down_proj is lin and lin.weight.shape == (64, 128) and not lin.weight.any()
+    assert lin.weight.dtype == torch.float32 and lin.weight.is_contiguous()
+    assert torch.equal(m.model.layers[0].self_attn.q_proj.weight, w)
 
 
 def test_disk_spill_keeps_tied_weights_in_place():

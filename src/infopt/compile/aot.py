@@ -15,7 +15,11 @@ check sees (:func:`infopt.compile.decoder.module_signature`) drops the package, 
 Packages are cached on disk (``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``) under a hash of the exported
 graph's code, the weights' metadata, the Inductor options and the versions that built it, so a second process that
 exports the same step loads its package instead of compiling it again (export takes a few seconds, an AOTInductor
-compile half a minute or more on two cores). The folder is kept under ``$INFOPT_CACHE_AOTI_MB`` megabytes (2048 by
+compile half a minute or more on two cores). Beside each package, an index file named after a description of the
+model and the step computed here without an export (:func:`local_key`: the code, the model's structure, settings and
+tensor layouts, the shape, the options) lets a later process that describes the same step load the package without
+exporting it (:func:`find_indexed`): ``infopt.optimize(model, "cpu-fast")`` and ``infopt.load`` of such a model then
+take seconds. The folder is kept under ``$INFOPT_CACHE_AOTI_MB`` megabytes (2048 by
 default) by deleting the packages used longest ago when a new one is written.
 """
 
@@ -38,7 +42,7 @@ from torch import nn
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig"]
+           "prune_cache", "tensor_sig", "local_key", "find_indexed", "index_package"]
 
 
 def aot_available() -> bool:
@@ -302,3 +306,137 @@ def _is_param(model: nn.Module, name: str) -> bool:
 def tensor_sig(t: torch.Tensor | None) -> tuple | None:
     """What a compiled step assumes of a tensor argument: ``(dtype, device, shape, strides)``; None for None."""
     return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
+
+
+# -- the package index: a step found by describing the model, without an export ------------------------------------
+_SOURCE_HASH: list[str] = []
+
+
+def _source_hash() -> str:
+    """A hash of infopt's own code (every Python and C++ source of the package): a development change within one
+    version number must not find a package built by other code."""
+    if not _SOURCE_HASH:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for f in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+        _SOURCE_HASH.append(h.hexdigest())
+    return _SOURCE_HASH[0]
+
+
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _plain(v: Any) -> Any:
+    """A stable text for an attribute value: scalars and tuples of them as they are; anything else by its type (a
+    function by its qualified name), never by its address."""
+    if isinstance(v, _SCALARS):
+        return repr(v)
+    if isinstance(v, (tuple, list)) and all(isinstance(x, _SCALARS) for x in v):
+        return repr(tuple(v))
+    if callable(v) and hasattr(v, "__qualname__"):
+        return f"fn:{getattr(v, '__module__', '')}.{v.__qualname__}"
+    return f"obj:{type(v).__module__}.{type(v).__qualname__}"
+
+
+def _describe_model(model: nn.Module) -> bytes:
+    """Everything of the model an exported decode step depends on, besides the tensors' values: each module's type,
+    training flag, hooks, instance-level methods and plain attributes, each parameter's and buffer's name, dtype,
+    device, shape, strides and grad flag, and the config."""
+    parts: list[str] = []
+    for name, m in model.named_modules():
+        parts.append(f"m:{name}:{type(m).__module__}.{type(m).__qualname__}:{m.training}")
+        for hooks in ("_forward_hooks", "_forward_pre_hooks"):
+            parts += [f"h:{hooks}:{_plain(fn)}" for fn in getattr(m, hooks, {}).values()]
+        for k, v in sorted(vars(m).items()):
+            if k in ("_parameters", "_buffers", "_modules", "training") or k.startswith("_forward") or k.startswith(
+                    "_backward") or k.startswith("_state_dict") or k.startswith("_load_state_dict"):
+                continue
+            if isinstance(v, torch.Tensor):
+                text = repr(tensor_sig(v))
+            elif isinstance(v, nn.Module):
+                text = f"module:{type(v).__qualname__}"
+            else:
+                text = _plain(v)
+            parts.append(f"a:{k}={text}")
+        for kind, items in (("p", m._parameters.items()), ("b", m._buffers.items())):
+            for k, t in items:
+                parts.append(f"{kind}:{k}:{None if t is None else (*tensor_sig(t), t.requires_grad)}")
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        parts.append(config.to_json_string(use_diff=False))
+        parts.append(f"attn:{getattr(config, '_attn_implementation', None)}")
+    return "\n".join(parts).encode()
+
+
+def _global_state() -> dict[str, Any]:
+    """Process-wide settings an export or an Inductor compile reads."""
+    import torch._inductor.config as inductor_config
+
+    portable = inductor_config.save_config_portable()
+    return {"matmul": torch.get_float32_matmul_precision(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "mkldnn": torch.backends.mkldnn.enabled,
+            "inductor": {k: v for k, v in sorted(portable.items())
+                         if isinstance(v, (bool, int, float, str, type(None)))},
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE"))
+                    and k != "TORCHINDUCTOR_CACHE_DIR"}}
+
+
+def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint: dict[str, Any]) -> str:
+    """The index name of shape ``key``'s package for ``fwd``'s model: a hash, computed here, of what the exported step
+    depends on (the code, the model as :func:`_describe_model` reads it, the shape and the call's tensor layouts,
+    the cache's tensors, the compile options and the versions). Equal keys mean the same exported program."""
+    h = hashlib.sha256()
+    h.update(_source_hash().encode())
+    h.update(_describe_model(fwd.model))
+    h.update(repr((key, type(fwd).__qualname__, [tensor_sig(a) if isinstance(a, torch.Tensor) else a
+                                                  for a in args[:4]])).encode())
+    h.update(repr([(type(o).__qualname__, n, tensor_sig(getattr(o, n))) for o, n in cache_slots(args[4])]).encode())
+    h.update(json.dumps({k: v.uuid().hex() if hasattr(v, "uuid") else repr(v) for k, v in sorted(options.items())}
+                        ).encode())
+    h.update(json.dumps(fingerprint, sort_keys=True).encode())
+    h.update(json.dumps(_global_state(), sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+def _index_files(folder: Path, lkey: str) -> list[Path]:
+    # "<package stem>.<local key>.json": pruned with its package (core.caches groups files by the name's first part)
+    return sorted(folder.glob(f"*.{lkey}.json"))
+
+
+def find_indexed(model: nn.Module, lkey: str) -> AotStep | None:
+    """The package a step described by ``lkey`` was built into earlier on this machine, loaded over ``model``'s
+    tensors without an export; None when there is none (or it no longer loads)."""
+    for folder in (aot_cache_dir(), *_SCRATCH):
+        for index in _index_files(folder, lkey):
+            package = folder / f"{index.name.split('.', 1)[0]}.pt2"
+            try:
+                form = json.loads(index.read_text())["form"]
+                if not package.is_file():
+                    continue
+                step = load_saved(model, package, form)
+            except Exception as e:  # noqa: BLE001 - a stale or damaged entry: the caller exports as usual
+                log.info("infopt compile: the indexed package %s did not load (%s: %s); exporting instead", package,
+                         type(e).__name__, e)
+                continue
+            from ..core.caches import touch
+
+            touch(package, index)
+            return step
+    return None
+
+
+def index_package(model: nn.Module, step: AotStep, lkey: str) -> None:
+    """Record that the step described by ``lkey`` is ``step``'s package, for :func:`find_indexed` (nothing where the
+    package reads tensors that are not the model's named parameters and buffers)."""
+    form = step.saved_form(model)
+    if form is None or step.path is None:
+        return
+    index = step.path.with_name(f"{step.path.stem}.{lkey}.json")
+    tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"form": form}))
+        os.replace(tmp, index)
+    except OSError as e:
+        log.info("infopt compile: the package index %s could not be written (%s)", index, e)

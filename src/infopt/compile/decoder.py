@@ -62,6 +62,8 @@ class CompileStats:
             (:mod:`infopt.compile.saved`).
         aot: shapes that run as AOTInductor packages (``Compile(aot=...)``, :mod:`infopt.compile.aot`).
         aot_cached: of those, packages loaded from the disk cache instead of compiled.
+        aot_indexed: of those, packages found by describing the model, without exporting the step
+            (:func:`infopt.compile.aot.find_indexed`).
         aot_failed: shapes whose package could not be built, with the reason (they run ``torch.compile``'s graph).
     """
 
@@ -76,6 +78,7 @@ class CompileStats:
     loaded: int = 0
     aot: int = 0
     aot_cached: int = 0
+    aot_indexed: int = 0
     aot_failed: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -312,13 +315,26 @@ class CompiledForward(Forward):
     def _build_aot(self, key: tuple, args: tuple):
         """The shape ``key`` as an AOTInductor package for the call ``args`` (exported, compiled or loaded from the
         disk cache), or None where that failed (recorded in the stats; the caller compiles the shape instead)."""
-        from .aot import export_step
+        from .aot import export_step, find_indexed, index_package, local_key
         from .saved import fingerprint
 
         self._note_cold(key)
+        t0 = time.perf_counter()
+        options, fp = step_options(self.config, self._device), fingerprint(self.model)
+        lkey = local_key(self, key, args, options, fp)
+        step = find_indexed(self.model, lkey)
+        if step is not None:  # built earlier on this machine for a model described the same way: no export
+            self.stats.compiles += 1
+            self.stats.seconds += time.perf_counter() - t0
+            self.stats.aot += 1
+            self.stats.aot_cached += 1
+            self.stats.aot_indexed += 1
+            if self.stats.warmed_up:
+                self.stats.compiles_after_warmup += 1
+            return step
         try:
-            step, seconds, cached = export_step(self, key, args, step_options(self.config, self._device),
-                                                fingerprint(self.model))
+            step, seconds, cached = export_step(self, key, args, options, fp)
+            index_package(self.model, step, lkey)
         except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             self.stats.aot_failed[_shape_name(key)] = reason

@@ -194,7 +194,8 @@ def _spill_params(model: nn.Module, old: nn.Module, handle: PatchHandle, fqn: st
     """Move the tensors only ``old`` owns to a safetensors file; return the function that brings them back.
 
     Tensors shared with the rest of the model (a tied ``lm_head``/embedding) stay where they are:
-    the model still uses them, so spilling them would free nothing.
+    the model still uses them, so spilling them would free nothing. Tensors that are all zeros (a blank model
+    being rebuilt by :func:`infopt.load`) are not written: undo makes them again.
     """
     from safetensors.torch import load_file, save_file
 
@@ -206,24 +207,33 @@ def _spill_params(model: nn.Module, old: nn.Module, handle: PatchHandle, fqn: st
         still_used.add(id(p))
     owned = {}
     tensors: dict[str, torch.Tensor] = {}
+    zeros: dict[str, tuple] = {}  # name -> (shape, strides) of a tensor that held only zeros
     for name, t in list(old.named_parameters(remove_duplicate=True)) + list(old.named_buffers(remove_duplicate=True)):
         if t is None or id(t) in still_used or id(t) not in old_ids:
             continue
         owned[name] = (t, t.device)
-        tensors[name] = t.detach().to("cpu").contiguous()
-    if not tensors:
+        if t.is_contiguous() and not t.any():
+            zeros[name] = (tuple(t.shape), t.stride())
+        else:
+            tensors[name] = t.detach().to("cpu").contiguous()
+    if not owned:
         return lambda: None
-    path = os.path.join(handle.spill_dir(), f"{len(handle.records)}-{fqn}.safetensors")
-    save_file(tensors, path)
+    path = os.path.join(handle.spill_dir(), f"{len(handle.records)}-{fqn}.safetensors") if tensors else None
+    if path is not None:
+        save_file(tensors, path)
     for t, _ in owned.values():
         # keep the Parameter/buffer object (identity matters for optimizers and ties); free its storage
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
     def bring_back() -> None:
-        loaded = load_file(path)
+        loaded = load_file(path) if path is not None else {}
         for name, (t, device) in owned.items():
-            t.data = loaded[name].to(device)
-        os.remove(path)
+            if name in zeros:
+                t.data = torch.zeros(zeros[name][0], dtype=t.dtype, device=device)
+            else:
+                t.data = loaded[name].to(device)
+        if path is not None:
+            os.remove(path)
 
     return bring_back
 
