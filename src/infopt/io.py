@@ -296,7 +296,8 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu",
     Example:
         >>> import infopt, tempfile
         >>> from infopt.models import tiny_model
-        >>> folder = infopt.save_optimized(infopt.optimize(tiny_model(), "int8"), tempfile.mkdtemp())
+        >>> model = infopt.optimize(tiny_model(), [{"quantize": {"method": "int8"}}])
+        >>> folder = infopt.save_optimized(model, tempfile.mkdtemp())
         >>> model, _ = infopt.load(folder)
         >>> [s.key for s in model.infopt.steps]
         ['quantize:int8']

@@ -325,7 +325,7 @@ def with_placeholders(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
         >>> from infopt.quantize import Int8WeightOnly, quantize_
         >>> m = quantize_(tiny_model(), Int8WeightOnly(), include=["model.layers.0.mlp.up_proj"])
         >>> out = with_placeholders(m, m.state_dict())
-        >>> is_placeholder(out["model.layers.0.mlp.up_proj.weight"]), "lm_head.weight" in out
+        >>> is_placeholder(out["model.layers.0.mlp.up_proj.weight"]), is_placeholder(out["lm_head.weight"])
         (True, False)
     """
     out = dict(state)
