@@ -7,7 +7,8 @@ processes that each import infopt, ``infopt.load`` the folder and generate one t
 kinds, alternated in each round:
 
 - ``default, cold``: ``infopt.load(folder)`` (the folder's compiled steps unused) with empty compile caches
-  (``TORCHINDUCTOR_CACHE_DIR`` and ``INFOPT_CACHE_DIR`` new temporary folders): a new machine, everything built;
+  (``TORCHINDUCTOR_CACHE_DIR`` and ``INFOPT_CACHE_DIR`` new temporary folders, but for infopt's C++ kernels, which the
+  set-up builds): a new machine, every step built;
 - ``default, warm``: the same with the caches the round's cold process filled: the user's own caches;
 - ``trusted, cold`` / ``trusted, warm``: ``infopt.load(folder, trust_compiled=True)``, which runs the folder's steps.
 
@@ -59,6 +60,7 @@ def main() -> None:
 
     import infopt
     from infopt.bench.harness import machine_info
+    from infopt.core.caches import cache_dir as kind_dir
     from infopt.models import load_default
 
     work = Path(tempfile.mkdtemp(prefix="infopt-startup-"))
@@ -75,6 +77,9 @@ def main() -> None:
             # empty compile caches (Inductor's, and infopt's AOTInductor packages) for the cold process: a new machine;
             # the warm one after it finds what the cold one built
             caches = work / f"caches-{round_}-{int(trust)}"
+            # infopt's own C++ kernels are built by the set-up (make setup), not by a load: the cold process finds them
+            (caches / "infopt").mkdir(parents=True, exist_ok=True)
+            (caches / "infopt" / "extensions").symlink_to(kind_dir("extensions"), target_is_directory=True)
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
                    "INFOPT_CACHE_DIR": str(caches / "infopt")}
             for cache in ("cold", "warm"):
