@@ -62,7 +62,10 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None, *, c
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     _write_recipe(model, out)
-    save_model(model, str(out / WEIGHTS_FILE))
+    from .quantize.int8 import saving_compact
+
+    with saving_compact():  # tensors rebuilt from others at load (a shared embedding) are not written
+        save_model(model, str(out / WEIGHTS_FILE))
     _normal_mode(out / WEIGHTS_FILE)
     if compiled:
         from .compile.saved import COMPILED_DIR, save_steps
@@ -76,6 +79,9 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None, *, c
 
 def _seal(folder: Path, files: list[Path]) -> None:
     _normal_mode(write_manifest(folder, files))
+    size = sum(f.stat().st_size for f in files)
+    log.info("infopt: saved %s: %d files, %.1f MB (%s)", folder, len(files), size / 1e6,
+             ", ".join(f"{f.name} {f.stat().st_size / 1e6:.1f} MB" for f in sorted(files, key=lambda f: -f.stat().st_size)[:3]))
 
 
 def _write_readme(model: nn.Module, out: Path, *, how: str) -> None:
@@ -202,7 +208,12 @@ def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_conf
                 # each quantized layer's dense key gets a tensor no float layer fits: a loader that does not know
                 # infopt refuses the folder instead of initialising those layers at random
                 state = kwargs.get("state_dict")
-                kwargs["state_dict"] = with_placeholders(model, model.state_dict() if state is None else state)
+                if state is None:
+                    from .quantize.int8 import saving_compact
+
+                    with saving_compact():  # a shared embedding is rebuilt from its head's codes at load
+                        state = model.state_dict()
+                kwargs["state_dict"] = with_placeholders(model, state)
             out = Path(save_directory)
             before = _mtimes(out)
             try:

@@ -93,12 +93,17 @@ def test_saved_models_load_back_shared_and_in_plain_transformers_with_the_same_n
     assert isinstance(loaded.get_input_embeddings(), SharedInt8Embedding)
     assert loaded.get_input_embeddings().head is loaded.lm_head
     assert torch.equal(loaded(IDS).logits, want)
-    # the checkpoint holds the embedding as the float values of the codes, and plain transformers shares it again
+    # neither folder holds the embedding (it is the int8 head's codes, rebuilt from them at load): the saved folder
+    # is about the model's size in memory; the live state dict still shows the float values of the codes
     from safetensors.torch import load_file
 
+    assert "model.embed_tokens.weight" not in load_file(str(tmp_path / "saved" / "infopt_model.safetensors"))
+    assert torch.equal(m.state_dict()["model.embed_tokens.weight"], m.lm_head.dequantize())
     m.save_pretrained(tmp_path / "hf")
     saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert torch.equal(saved["model.embed_tokens.weight"], m.lm_head.dequantize())
+    assert "model.embed_tokens.weight" not in saved
+    folder_bytes = sum(f.stat().st_size for f in (tmp_path / "saved").rglob("*.safetensors"))
+    assert folder_bytes < 1.2 * sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert isinstance(plain.get_input_embeddings(), SharedInt8Embedding)
     assert plain.get_input_embeddings().head is plain.lm_head

@@ -168,6 +168,14 @@ class InfoptHfQuantizer(HfQuantizer):
         ignore = set(ignore or ())
         ignore.update(rf"(^|\.){re.escape(name)}\.weight$" for name in resolved.values())
         model._keys_to_ignore_on_load_unexpected = ignore
+        if any(modules[fqn].get("shares_embedding") for fqn in resolved):
+            # the embedding reads the int8 head's codes (rebuilt after loading): a folder need not hold its weight
+            embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+            name = next((n for n, m in model.named_modules() if m is embed), None)
+            if name is not None:
+                missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+                missing.add(rf"(^|\.){re.escape(name)}\.weight$")
+                model._keys_to_ignore_on_load_missing = missing
         tied = getattr(model, "all_tied_weights_keys", None)
         for fqn, name in resolved.items():
             model.set_submodule(name, layers[fqn])

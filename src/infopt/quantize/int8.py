@@ -3,6 +3,8 @@ and CUDA (Triton, :mod:`infopt.quantize.triton_int8`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,7 +22,7 @@ from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, qu
 from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
-__all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel"]
+__all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact"]
 
 _COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
 
@@ -424,9 +426,11 @@ class SharedInt8Embedding(KeepsFormat):
     embedding's own ``embed_scale`` where it has one (Gemma's scaled embeddings).
 
     The head stays the owner of the codes (this module holds no tensor of its own and is not the head's parent).
-    Saved, it writes the float weight those codes stand for as ``weight``, so a checkpoint keeps the layout of an
-    untied embedding and plain transformers loads the same numbers; loaded, it ignores that tensor (the head's codes
-    are the source).
+    Its ``state_dict`` holds the float weight those codes stand for as ``weight``, so a state dict keeps the layout of
+    an untied embedding; loaded, it ignores that tensor (the head's codes are the source). A saved folder
+    (:func:`saving_compact`, which infopt's writers use) leaves it out: it would be the largest tensor of the folder
+    (113 MB of fp32 for the default model's 97 MiB in memory), and every loader that can rebuild the head can rebuild
+    it.
     """
 
     def __init__(self, head: Int8Linear, embedding: nn.Embedding):
@@ -458,6 +462,8 @@ class SharedInt8Embedding(KeepsFormat):
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if _COMPACT.get():
+            return  # rebuilt from the head's codes when the folder loads
         ids = torch.arange(self.num_embeddings, device=self.head.weight_scale.device)
         destination[prefix + "weight"] = self.head.rows(ids, self.out_dtype)
 
@@ -470,6 +476,20 @@ class SharedInt8Embedding(KeepsFormat):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows from the int8 output head"
+
+
+_COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("infopt_saving_compact", default=False)
+
+
+@contextlib.contextmanager
+def saving_compact():
+    """Inside, ``state_dict()`` leaves out tensors a loader rebuilds from others (a :class:`SharedInt8Embedding`'s
+    float weight): what infopt's writers use for a saved folder."""
+    token = _COMPACT.set(True)
+    try:
+        yield
+    finally:
+        _COMPACT.reset(token)
 
 
 def shareable_embedding(embedding: nn.Module) -> bool:
