@@ -262,3 +262,58 @@ def test_docs_rules_table_is_generated_from_rules():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     assert rules_markdown() in doc, "docs/recipes.md's rules table is stale: paste infopt.recipe.rules_markdown()"
+
+
+# -- a misspelt keyword in a step constructor: the recipe mapping's error, "did you mean" included ------------------
+
+_STEP_CLASSES = [pytest.param(cls, id=f"{stage}:{kind}" if kind else stage)
+                 for stage, kinds in STEP_TYPES.items() for kind, cls in kinds.items()]
+
+
+def _typo(name: str) -> str:
+    """A near miss of a field name that did_you_mean leads back to it (its last letter dropped, or doubled)."""
+    return name[:-1] if len(name) > 4 else name + name[-1]
+
+
+@pytest.mark.parametrize("cls", _STEP_CLASSES)
+def test_a_misspelt_keyword_raises_the_recipe_error_with_did_you_mean(cls):
+    import dataclasses
+
+    from infopt.core.errors import UnknownFieldError
+
+    field = dataclasses.fields(cls)[0].name
+    typo = _typo(field)
+    with pytest.raises(UnknownFieldError) as by_constructor:
+        cls(**{typo: 1})
+    err = by_constructor.value
+    assert isinstance(err, RecipeError) and isinstance(err, TypeError)  # caught either way, as before
+    msg = str(err)
+    assert f"has no field(s) {typo!r}" in msg and f"Did you mean {field!r}" in msg
+    assert f"`infopt recipes --fields {cls.stage if cls.kind is None else cls.stage + ':' + cls.kind}`" in msg
+
+    body = {typo: 1} if cls.kind is None else {cls.discriminator: cls.kind, typo: 1}
+    with pytest.raises(UnknownFieldError) as by_mapping:  # the same class and words through a recipe mapping
+        StepConfig.from_dict({cls.stage: body})
+    assert str(by_mapping.value) == msg
+
+
+@pytest.mark.parametrize("cls", _STEP_CLASSES)
+def test_positional_arguments_still_build_a_step(cls):
+    import dataclasses
+
+    example = cls(tensor=2) if cls.stage == "parallel" else cls()  # parallel needs one size set
+    values = [getattr(example, f.name) for f in dataclasses.fields(cls) if f.init]
+    assert cls(*values) == example
+    assert cls(*values[:1], **{f.name: getattr(example, f.name) for f in dataclasses.fields(cls)[1:]}) == example
+
+
+def test_static_max_len_names_max_length():
+    from infopt.core.errors import UnknownFieldError
+
+    with pytest.raises(UnknownFieldError, match=r"has no field\(s\) 'max_len'; allowed fields: max_length, "
+                                                r"batch_size\. Did you mean 'max_length'\?"):
+        Static(max_len=128)
+    with pytest.raises(UnknownFieldError, match="Did you mean 'max_length'"):  # the step's place in a recipe kept
+        Recipe.parse([{"kvcache": {"kind": "static", "max_len": 128}}])
+    with pytest.raises(TypeError, match="positional arguments but 4 were given"):  # other call errors stay Python's
+        Static(1, None, 3)

@@ -301,8 +301,8 @@ class Recipe:
             return s
         try:
             return StepConfig.from_dict(s)
-        except RecipeError as e:
-            raise RecipeError(f"step {i + 1}: {e}") from None
+        except RecipeError as e:  # same class (an UnknownFieldError stays one), with the step's place
+            raise type(e)(f"step {i + 1}: {e}") from None
 
     @classmethod
     def _parse_str(cls, s: str | os.PathLike) -> Recipe:

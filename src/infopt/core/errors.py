@@ -8,6 +8,7 @@ from collections.abc import Iterable
 __all__ = [
     "InfoptError",
     "RecipeError",
+    "UnknownFieldError",
     "IncompatibleModelError",
     "MissingBackendError",
     "QualityGateError",
@@ -58,6 +59,15 @@ class RecipeError(InfoptError, ValueError):
     """A recipe (or a step config in it) is malformed, contradictory or cannot be applied.
 
     Raised by :func:`infopt.optimize` *before* the model is touched.
+    """
+
+
+class UnknownFieldError(RecipeError, TypeError):
+    """A step config was given a field it does not have (``kvcache.Static(max_len=128)``), with a "did you mean".
+
+    Raised alike by a config's constructor and by a recipe mapping (``{"kvcache": {"kind": "static",
+    "max_len": 128}}``). It is a :class:`RecipeError`, like every recipe mistake, and a ``TypeError``, which is
+    what Python raises for an unexpected keyword argument, so code catching either keeps working.
     """
 
 

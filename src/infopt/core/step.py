@@ -9,6 +9,7 @@ applies it is registered beside it with :func:`register_transform`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -18,7 +19,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .errors import RecipeError, did_you_mean
+from .errors import RecipeError, UnknownFieldError, did_you_mean
 from .introspect import ModelInfo
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "register_transform",
     "step_class",
     "bad_field",
+    "unknown_fields",
     "describe_fields",
 ]
 
@@ -230,16 +232,12 @@ class StepConfig:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> StepConfig:
-        """Build from a flat field dict, with a :class:`RecipeError` for unknown fields."""
-        names = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - set(names))
+        """Build from a flat field dict, with an :class:`~infopt.core.errors.UnknownFieldError` (a
+        :class:`RecipeError`) for unknown fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
         if unknown:
-            hints = "".join(did_you_mean(u, names) for u in unknown)
-            raise RecipeError(
-                f"{cls.__name__} ({cls.stage}) has no field(s) {', '.join(map(repr, unknown))}; "
-                f"allowed fields: {', '.join(names) or '(none)'}.{hints} "
-                f"(`infopt recipes --fields {cls.stage}` lists them with their defaults)"
-            )
+            raise unknown_fields(cls, unknown)
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for k, v in fields.items():
@@ -339,13 +337,69 @@ def step_class(stage: str, kind: str | None) -> type[StepConfig]:
     return kinds[kind]
 
 
+def unknown_fields(cls: type[StepConfig], unknown: list[str]) -> UnknownFieldError:
+    """The error for fields a step config does not have, worded alike for a constructor and a recipe mapping.
+
+    Args:
+        cls: the config class.
+        unknown: the field names given that it lacks.
+
+    Returns:
+        The :class:`~infopt.core.errors.UnknownFieldError` to raise: it names the class and its recipe key, the
+        unknown fields, the allowed ones, the closest match of each, and the command that lists them.
+
+    Example:
+        >>> from infopt.kvcache import Static
+        >>> str(unknown_fields(Static, ["max_len"]))  # doctest: +NORMALIZE_WHITESPACE
+        "Static (kvcache:static) has no field(s) 'max_len'; allowed fields: max_length, batch_size. Did you mean
+        'max_length'? (`infopt recipes --fields kvcache:static` lists them with their defaults)"
+    """
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    key = cls.stage if cls.kind is None else f"{cls.stage}:{cls.kind}"
+    hints = "".join(did_you_mean(u, names) for u in unknown)
+    return UnknownFieldError(
+        f"{cls.__name__} ({key}) has no field(s) {', '.join(map(repr, unknown))}; "
+        f"allowed fields: {', '.join(names) or '(none)'}.{hints} "
+        f"(`infopt recipes --fields {key}` lists them with their defaults)"
+    )
+
+
+def _check_keywords(cls: type[StepConfig]) -> None:
+    """Wrap the dataclass ``__init__`` of ``cls`` so a misspelt keyword raises :func:`unknown_fields`' error
+    (with a "did you mean") instead of Python's bare ``TypeError``; positional arguments pass through as before.
+    Done once here, where every step class is registered, so no config class repeats it."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_infopt_checked", False):
+        return
+    names = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)  # keeps the signature help() and inspect show
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise unknown_fields(cls, unknown)
+        init(self, *args, **kwargs)
+
+    __init__._infopt_checked = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
 def register_step(cls: type[StepConfig]) -> type[StepConfig]:
-    """Class decorator adding a config class to :data:`STEP_TYPES`."""
+    """Class decorator adding a config class to :data:`STEP_TYPES`.
+
+    Apply it above ``@dataclass(frozen=True)``. It also makes the constructor refuse an unknown keyword with an
+    :class:`~infopt.core.errors.UnknownFieldError` naming the closest field (``Static(max_len=128)``: "Did you
+    mean 'max_length'?"), as a recipe mapping with that field does.
+
+    Raises:
+        ValueError: an unknown ``stage``, or a stage and kind another class already registered.
+    """
     if cls.stage not in STAGES:
         raise ValueError(f"{cls.__name__}.stage={cls.stage!r}; allowed: {', '.join(STAGES)}")
     kinds = STEP_TYPES.setdefault(cls.stage, {})
     if cls.kind in kinds and kinds[cls.kind] is not cls:
         raise ValueError(f"{cls.stage}:{cls.kind} is registered twice ({kinds[cls.kind].__name__}, {cls.__name__})")
+    _check_keywords(cls)
     kinds[cls.kind] = cls
     return cls
 
