@@ -114,22 +114,54 @@ def quantize_targets(model: nn.Module, config: StepConfig, filter_fn=None, inclu
 def check_group_size(model: nn.Module, config: StepConfig, group_size: int, *, alternative: str | None = None,
                      skip: tuple[str, ...] = ()) -> None:
     """Raise :class:`IncompatibleModelError` naming the first target layer whose ``in_features`` ``group_size``
-    does not divide, with the kernel group sizes that would (largest first) and ``alternative`` if given.
+    does not divide, with the kernel group sizes (largest first) that divide every layer ``config`` quantizes
+    (the linear targets and each quantized experts module's input widths), so any size the message offers is one
+    the model then accepts, and ``alternative`` if given.
 
     Args:
         skip: dotted names of targets quantized some other way (not checked).
+
+    Raises:
+        IncompatibleModelError: ``group_size`` does not divide a target's ``in_features``.
     """
-    for t in quantize_targets(model, config):
-        in_f = t.weight.shape[1]
-        if t.fqn in skip or in_f % group_size == 0:
-            continue
-        ok = [g for g in sorted(KERNEL_GROUP_SIZES, reverse=True) if in_f % g == 0]
-        fix = f"use group_size {' or '.join(map(str, ok))}" if ok else "exclude it with exclude=[...]"
-        if alternative:
-            fix += f" (or {alternative})"
-        raise IncompatibleModelError(
-            f"{type(config).__name__}(group_size={group_size}) does not divide {t.fqn}.in_features={in_f}; {fix}"
-        )
+    targets = [t for t in quantize_targets(model, config) if t.fqn not in skip]
+    bad = next((t for t in targets if t.weight.shape[1] % group_size), None)
+    if bad is None:
+        return
+    widths = {t.fqn: int(t.weight.shape[1]) for t in targets}
+    wanted = set(experts_targets(model, config))
+    experts = set()
+    for b in moe_blocks(model):
+        if b.experts_fqn in wanted:  # gate_up reads the hidden width H, down the intermediate width I
+            widths[f"{b.experts_fqn}.gate_up_proj"] = b.hidden_size
+            widths[f"{b.experts_fqn}.down_proj"] = b.intermediate_size
+            experts |= {f"{b.experts_fqn}.gate_up_proj", f"{b.experts_fqn}.down_proj"}
+    ok = _sizes_dividing(widths.values())
+    if ok:
+        fix = f"use group_size {' or '.join(map(str, ok))}"
+        if len(set(widths.values())) > 1:
+            fix += " (the sizes that divide every layer it quantizes)"
+    else:
+        # a layer no kernel size divides: no group size serves this model, so offer none
+        stuck = [n for n, w in widths.items() if not _sizes_dividing([w])]
+        shown = ", ".join(f"{n} ({widths[n]})" for n in stuck[:3]) + (f" and {len(stuck) - 3} more" if len(stuck) > 3
+                                                                      else "")
+        fix = (f"no group size of {', '.join(map(str, KERNEL_GROUP_SIZES))} divides the input width of {shown}, so "
+               f"{type(config).__name__} cannot quantize this model")
+        if experts.intersection(stuck):
+            fix += " (experts=False leaves the experts in float)"
+    if alternative:
+        fix += f" (or {alternative})"
+    raise IncompatibleModelError(
+        f"{type(config).__name__}(group_size={group_size}) does not divide {bad.fqn}.in_features="
+        f"{bad.weight.shape[1]}; {fix}"
+    )
+
+
+def _sizes_dividing(widths) -> list[int]:
+    """The kernel group sizes, largest first, that divide every width."""
+    widths = list(widths)
+    return [g for g in sorted(KERNEL_GROUP_SIZES, reverse=True) if all(w % g == 0 for w in widths)]
 
 
 def quantize_(
