@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import re
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -95,6 +97,51 @@ class LoopPart:
         raise NotImplementedError
 
 
+log = logging.getLogger("infopt")
+
+# (pattern on an Unsupported reason, what the caller changes so infopt serves the call); the first match is used
+_FIXES: tuple[tuple[str, str], ...] = (
+    (r"^a streamer \(the engine", "stream from the engine itself: infopt.batching.batching_engine(model)"
+     ".submit(prompt_ids).stream() yields the tokens as they are generated"),
+    (r"^num_return_sequences", "repeat each prompt in the batch instead (input_ids.repeat_interleave(n, 0) and the "
+     "same for attention_mask) and leave num_return_sequences at 1"),
+    (r"^(num_beams|num_beam_groups|penalty_alpha|constraints|force_words_ids)",
+     "beam search and the other search strategies run only in transformers' generate; greedy and sampling calls "
+     "are served"),
+    (r"^caller supplied (past_key_values|cache_params)", "leave the cache out of the call: the recipe's kvcache step "
+     "supplies one per call"),
+    (r"^caller supplied", "leave that argument out of the call"),
+    (r"^cache_implementation", "leave cache_implementation unset (in the call and in model.generation_config): the "
+     "recipe's kvcache step supplies the cache"),
+    (r"^use_cache=False", "leave use_cache at True"),
+    (r"^attention_mask is not left padding", "pad batches on the left (tokenizer.padding_side = 'left') and pass "
+     "the attention_mask"),
+    (r"^length \d+ > max_length", "give kvcache.Static a max_length that holds prompt + max_new_tokens (or leave it "
+     "None: the model's context)"),
+    (r"^batch \d+ != batch_size", "leave kvcache.Static's batch_size None, or call with that batch size"),
+    (r"^pool too small", "give the paged cache more num_blocks (kvcache.Paged or batching), or shorten the calls"),
+    (r"^stop_strings without a tokenizer", "pass tokenizer= to infopt.optimize, so the batching step can match stop "
+     "strings"),
+    (r"^a batch without pad_token_id", "set pad_token_id (or eos_token_id) in the call or the generation config"),
+    (r"^argument\(s\) ", "leave those arguments out of the call"),
+    (r"^\w+=", "call generate with that setting left at its default"),
+)
+
+
+def _fallback_fix(reason: str) -> str:
+    """What to change in a ``generate`` call so infopt serves it, for an :class:`Unsupported` ``reason``; a generic
+    sentence for a reason without a specific fix.
+
+    Example:
+        >>> _fallback_fix("num_return_sequences=2")[:40]
+        'repeat each prompt in the batch instead '
+    """
+    for pattern, fix in _FIXES:
+        if re.match(pattern, reason):
+            return fix
+    return "see docs/architecture.md (How routing_stats counts) for the calls each path serves"
+
+
 class Decoder:
     """The parts one model's ``generate`` calls are served with, and the counts of how they were served."""
 
@@ -107,6 +154,7 @@ class Decoder:
         self._forwards: weakref.WeakKeyDictionary[nn.Module, Forward] = weakref.WeakKeyDictionary()
         self.stats = RoutingStats()
         self.counting = True
+        self._logged: set[tuple[str, str]] = set()  # (path, reason with its numbers blanked) already logged
 
     @property
     def model(self) -> nn.Module:
@@ -148,7 +196,7 @@ class Decoder:
         Kept flat on purpose: a served call reaches the model's forward through this frame, the loop and the
         forward object (docs/architecture.md shows the stack).
         """
-        refused = None
+        refused = reason = None
         try:
             call = parse_call(self.model, args, kwargs)
             # outside a caller's inference_mode: a reused cache must not become inference tensors a later call could
@@ -180,11 +228,31 @@ class Decoder:
             if self.counting:
                 self.stats.original += 1
                 self.stats.reasons[refused] += 1
+                self._log_fallback("original", refused)
             return original(*args, **kwargs)
         if self.counting:
             self.stats.infopt += 1
             self.stats.loops[loop] += 1
+            if loop == "transformers+cache" and reason is not None:
+                self._log_fallback(loop, reason)
         return out
+
+    def _log_fallback(self, path: str, reason: str) -> None:
+        """Log a fall-back at WARNING once per reason for this model (a loop of such calls logs one line), with what
+        to change; ``routing_stats`` still counts every call."""
+        key = (path, re.sub(r"\d+(\.\d+)?", "N", reason))  # num_return_sequences=2 and =3 are one reason
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        model = self.model
+        name = type(model).__name__ if model is not None else "the model"
+        if path == "original":
+            what = "was handed to transformers' own generate, without the recipe's steps that act on decoding"
+        else:
+            what = ("ran in transformers' decode loop on infopt's KV cache, without infopt's own loop (its compiled "
+                    "or speculative decode steps)")
+        log.warning("infopt: a %s.generate call %s: %s. To have it served: %s. (Logged once per reason; "
+                    "model.infopt.routing counts every call.)", name, what, reason, _fallback_fix(reason))
 
     def _transformers_loop(self, original, call: GenerateCall, reason: str | None):
         """transformers' own loop on the cache part's cache (processors, penalties, extra outputs, ...)."""
