@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +19,7 @@ from .core.step import TRANSFORMS, ApplyContext, StepConfig
 from .generate import routing_stats
 from .recipe import PRESETS, Recipe, check_gate, check_rules
 
-__all__ = ["optimize", "undo", "validate", "OptimizationReport", "StepReport"]
+__all__ = ["optimize", "undo", "validate", "explain", "resident_bytes", "OptimizationReport", "StepReport"]
 
 
 @dataclass
@@ -47,6 +49,15 @@ class OptimizationReport:
     memory_before: int = 0
     memory_after: int = 0
     gate: dict[str, float] | None = None
+    rss_before: int | None = None
+    rss_after: int | None = None
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """Bytes the optimized model holds now, by what they are (:func:`resident_bytes`): its weights and buffers,
+        prepacked linear copies, a speculative draft, KV caches kept between calls. Read live: a cache grows
+        with the calls."""
+        return resident_bytes(self.model)
 
     @property
     def routing(self) -> dict[str, Any]:
@@ -66,6 +77,9 @@ class OptimizationReport:
             "steps": [s.__dict__ for s in self.steps],
             "memory_before": self.memory_before,
             "memory_after": self.memory_after,
+            "resident": self.resident,
+            "rss_before": self.rss_before,
+            "rss_after": self.rss_after,
             "fallbacks": self.fallbacks,
             "routing": self.routing,
             "gate": self.gate,
@@ -76,7 +90,14 @@ class OptimizationReport:
         for s in self.steps:
             lines.append(f"  {s.key:<22} {s.seconds:>8.2f}  {'; '.join(s.notes)}")
         mb = 2**20
-        lines.append(f"  parameters+buffers: {self.memory_before / mb:.1f} MiB -> {self.memory_after / mb:.1f} MiB")
+        parts = self.resident
+        lines.append(f"  resident: {sum(parts.values()) / mb:.1f} MiB (weights and buffers before: "
+                     f"{self.memory_before / mb:.1f} MiB)")
+        lines += [f"    {k:<40} {v / mb:>9.1f} MiB" for k, v in parts.items()]
+        if self.rss_before is not None and self.rss_after is not None:
+            lines.append(f"  process memory (RSS) while applying: {self.rss_before / mb:.0f} -> {self.rss_after / mb:.0f} "
+                         "MiB (also counts compiled code, compiler caches, and a checkpoint's memory-mapped pages "
+                         "still mapped)")
         if self.fallbacks:
             lines.append("  fallbacks: " + "; ".join(self.fallbacks))
         r = self.routing
@@ -89,7 +110,10 @@ class OptimizationReport:
     def _summary_rows(self) -> list[tuple[str, str]]:
         """The lines under the step table, as ``(label, value)`` pairs, for the notebook reprs."""
         mb = 2**20
-        rows = [("parameters + buffers", f"{self.memory_before / mb:.1f} MiB -> {self.memory_after / mb:.1f} MiB")]
+        parts = self.resident
+        rows = [("resident", f"{sum(parts.values()) / mb:.1f} MiB (weights and buffers before: "
+                             f"{self.memory_before / mb:.1f} MiB): "
+                 + ", ".join(f"{k} {v / mb:.1f} MiB" for k, v in parts.items()))]
         r = self.routing
         if r["infopt"] or r["original"]:
             reasons = ", ".join(f"{k}: {v}" for k, v in (r["reasons"] or {}).items())
@@ -125,6 +149,54 @@ class OptimizationReport:
                   for s in self.steps]
         lines += [""] + [f"- {k}: {cell(v)}" for k, v in self._summary_rows()]
         return "\n".join(lines)
+
+
+def process_rss() -> int | None:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def resident_bytes(model: nn.Module) -> dict[str, int]:
+    """What an optimized model holds in memory, by what it is, each storage counted once: ``weights and buffers``
+    (its parameters and buffers), ``prepacked linear copies`` (oneDNN's packed weights beside the originals), and
+    what the decoder's parts keep between calls (a speculative draft model, a static KV cache, a paged or engine KV
+    pool). Compiled code and Python objects are not counted.
+
+    Example:
+        >>> import infopt, torch
+        >>> from infopt.models import tiny_model
+        >>> m = infopt.optimize(tiny_model(), [{"kvcache": "static"}])
+        >>> list(resident_bytes(m))
+        ['weights and buffers']
+        >>> _ = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+        >>> list(resident_bytes(m))
+        ['weights and buffers', 'static KV cache (kept for the next call)']
+    """
+    from .generate import decoder_for, tensors_bytes
+
+    seen: set = set()
+    out = {"weights and buffers": tensors_bytes([*model.parameters(), *model.buffers()], seen)}
+    dec = decoder_for(model)
+    parts = [p for p in (getattr(dec, "speculative", None), getattr(dec, "cache", None),
+                         getattr(dec, "engine", None)) if p is not None]
+    modules = list(model.modules())
+    draft = getattr(getattr(parts[0], "drafter", None), "draft", None) if parts else None
+    if isinstance(draft, nn.Module):
+        modules += list(draft.modules())
+    packed = [m for m in modules if "_infopt_packed" in m.__dict__]
+    packed += [g for m in modules if getattr(g := m.__dict__.get("_infopt_fused"), "packed", None) is not None]
+    if packed:
+        from .compile.packed import packed_bytes
+
+        out["prepacked linear copies"] = packed_bytes(list({id(x): x for x in packed}.values()))
+    for part in parts:
+        for k, v in part.resident(seen).items():
+            out[k] = out.get(k, 0) + v
+    return {k: v for k, v in out.items() if v or k == "weights and buffers"}
 
 
 def _existing_report(model: nn.Module) -> OptimizationReport | None:
@@ -289,10 +361,12 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     mark = len(handle.records)
     report = _existing_report(model)
     new_report = report is None
+    rss = process_rss()
     if new_report:
-        report = OptimizationReport(model=model, memory_before=param_bytes(model))
+        report = OptimizationReport(model=model, memory_before=param_bytes(model), rss_before=rss)
     applied: list[StepReport] = []
     after: list = []  # run once every step is applied (a compile warm-up through the final decode loop)
+    owners: list[int] = []  # the applied step that queued each of ``after``: its seconds include that work
     try:
         for step in r.steps:
             ctx = ApplyContext(info=info, steps=r.steps, fallbacks=list(fallbacks.get(step.key, [])),
@@ -301,8 +375,11 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
             TRANSFORMS[type(step)](model, step, ctx)
             applied.append(StepReport(step.key, step.to_dict(), time.perf_counter() - t0, ctx.notes, ctx.fallbacks,
                                       ctx.stats))
-        for fn in after:
+            owners += [len(applied) - 1] * (len(after) - len(owners))
+        for fn, owner in zip(after, owners, strict=True):
+            t0 = time.perf_counter()
             fn()
+            applied[owner].seconds += time.perf_counter() - t0
     except BaseException:
         for rec in reversed(handle.records[mark:]):
             rec.revert()
@@ -310,6 +387,7 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         raise
     report.steps.extend(applied)
     report.memory_after = param_bytes(model)
+    report.rss_after = process_rss()
     if new_report:
         set_attr(model, model, "infopt", report, step="optimize")
         if callable(getattr(model, "save_pretrained", None)):
@@ -346,3 +424,103 @@ def undo(model: nn.Module) -> int:
         (3, 'sdpa')
     """
     return _undo_patches(model)
+
+
+def explain(model: nn.Module, recipe: Any) -> str:
+    """The plan :func:`optimize` would carry out for ``recipe`` on ``model``, as text, changing nothing.
+
+    The recipe is validated against the model exactly as :func:`validate` does (``optimize`` runs the same checks
+    first), then described: the steps in the canonical order they run, each step's fields (with the default where a
+    value differs from it) and the fallbacks it will take on this model, the quality gate, and steps an earlier
+    ``optimize`` already applied. ``infopt optimize ... --dry-run`` prints this text.
+
+    Args:
+        model: a transformers causal LM; it is only read.
+        recipe: anything :func:`optimize` accepts (step configs, a mapping, a YAML/JSON path, a preset name).
+
+    Returns:
+        The plan, several lines, without a trailing newline.
+
+    Raises:
+        RecipeError, IncompatibleModelError, MissingBackendError: what :func:`validate` raises, for the same
+            problems.
+
+    Example:
+        >>> import infopt
+        >>> from infopt.models import tiny_model
+        >>> print(infopt.explain(tiny_model(), [infopt.kvcache.Static(max_length=64)]))  # doctest: +ELLIPSIS
+        plan for LlamaForCausalLM (llama, 2 layers, hidden 64, torch.float32, cpu): 1 step, in the order they run
+          1. kvcache:static  (Static; lossless)
+               max_length = 64  (default None)
+               batch_size = None
+               fallbacks: none
+        ...
+    """
+    r, fallbacks, info = _validate(model, recipe)
+    where = f"{type(model).__name__} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, " \
+            f"{info.dtype}, {info.device.type})"
+    head = f"plan for {where}: {len(r.steps)} step{'s' if len(r.steps) != 1 else ''}, in the order they run"
+    lines = [head if r.source is None else f"{r.source}: {head}"]  # "preset cpu-fast: ...", "r.yaml: ..."
+    for i, step in enumerate(r.steps, 1):
+        lines.append(f"  {i}. {step.key}  ({type(step).__name__}; {'lossless' if step.lossless else 'lossy'})")
+        defaults = _defaults(type(step))
+        rows = [(f.name, getattr(step, f.name), defaults.get(f.name, _NO_DEFAULT)) for f in dataclasses.fields(step)]
+        width = max((len(n) for n, _, _ in rows), default=0)
+        for fname, value, default in rows:
+            note = "" if default is _NO_DEFAULT or _same(value, default) else f"  (default {_show(default)})"
+            lines.append(f"       {fname:<{width}} = {_show(value)}{note}")
+        taken = fallbacks.get(step.key) or []
+        lines.append("       fallbacks: " + ("; ".join(taken) if taken else "none"))
+    gate = r.gate
+    lines.append("  quality gate: " + (", ".join(f"{k} {v}" for k, v in gate.items()) if gate else "none"))
+    prior = _existing_report(model)
+    if prior is not None and prior.steps:
+        lines.append("  already applied to this model: " + ", ".join(s.key for s in prior.steps)
+                     + " (this recipe's steps are added to them)")
+    lines.append("Nothing was changed. infopt.optimize(model, recipe) applies this plan; "
+                 "infopt.undo(model) reverts it.")
+    return "\n".join(lines)
+
+
+_NO_DEFAULT = object()
+
+
+def _defaults(cls: type[StepConfig]) -> dict[str, Any]:
+    """Each field's default as the config holds it: read from a default-built config, so a default its
+    ``__post_init__`` turns into a config (``SelfDraft.quantize="int4"``) compares with the built value; the
+    declared defaults for a class that needs some field set (``Parallel``)."""
+    from .core.errors import InfoptError
+
+    try:
+        built = cls()
+    except (InfoptError, TypeError):
+        built = None
+    out = {}
+    for f in dataclasses.fields(cls):
+        if built is not None:
+            out[f.name] = getattr(built, f.name)
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except (RuntimeError, TypeError, ValueError):  # a tensor compares element-wise: call it different
+        return False
+
+
+def _show(value: Any) -> str:
+    """A field value as the plan shows it: a module by its class (its repr is the whole network)."""
+    if isinstance(value, nn.Module):
+        return f"<{type(value).__name__} module>"
+    if isinstance(value, StepConfig):  # a nested config (a self-draft's quantize step): the fields it sets
+        defaults = _defaults(type(value))
+        set_ = [f"{f.name}={_show(getattr(value, f.name))}" for f in dataclasses.fields(value)
+                if not _same(getattr(value, f.name), defaults.get(f.name, _NO_DEFAULT))]
+        return f"{type(value).__name__}({', '.join(set_)})"
+    return repr(value)
+

@@ -94,6 +94,13 @@ class EnginePart(LoopPart):
     def __init__(self, engine: Engine, key: str):
         self.engine, self.key = engine, key
 
+    def resident(self, seen: set) -> dict[str, int]:
+        from ..generate import tensors_bytes
+
+        pool = getattr(self.engine.cache, "pool", None)
+        n = tensors_bytes([*getattr(pool, "keys", ()), *getattr(pool, "values", ())], seen)
+        return {"batching engine KV pool": n} if n else {}
+
     def serve(self, call, decoder) -> torch.Tensor:
         if call.lean_reason is not None:
             raise Unsupported(call.lean_reason)

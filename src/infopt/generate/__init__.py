@@ -15,11 +15,13 @@ from .router import (
     install,
     routing_stats,
     set_part,
+    tensors_bytes,
     uncounted,
 )
 
 __all__ = [
     "BEAM_KWARGS", "CachePart", "Decoder", "Forward", "GenerateCall", "LoopPart", "RoutingStats", "Unsupported",
     "croppable", "decoder_for", "full_length_dynamic_cache", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
-    "rollback", "routing_stats", "sampling_field", "set_part", "static_length", "takes_logits_to_keep", "uncounted",
+    "rollback", "routing_stats", "sampling_field", "set_part", "static_length", "takes_logits_to_keep",
+    "tensors_bytes", "uncounted",
 ]

@@ -36,7 +36,7 @@ from .forward import Forward, full_length_dynamic_cache
 from .lean import lean_decode
 
 __all__ = ["RoutingStats", "routing_stats", "Decoder", "decoder_for", "install", "set_part", "uncounted", "CachePart",
-           "LoopPart"]
+           "LoopPart", "tensors_bytes"]
 
 
 @dataclass
@@ -86,6 +86,12 @@ class CachePart:
         dynamic cache whose sliding-window layers keep every token (:func:`full_length_dynamic_cache`)."""
         return full_length_dynamic_cache(model.config)
 
+    def resident(self, seen: set) -> dict[str, int]:
+        """Bytes this part holds between calls, by what they are (a static cache kept for reuse, a KV pool);
+        the report lists them beside the weights. Storages in ``seen`` (:func:`tensors_bytes`) are not counted
+        again."""
+        return {}
+
 
 class LoopPart:
     """A decode loop a step supplies (speculative decoding, the batching engine)."""
@@ -95,6 +101,31 @@ class LoopPart:
     def serve(self, call: GenerateCall, decoder: Decoder) -> torch.Tensor:
         """Generate for ``call``, or raise :class:`Unsupported` with the reason."""
         raise NotImplementedError
+
+    def resident(self, seen: set) -> dict[str, int]:
+        """Bytes this part holds beside the model's weights (a draft model, a KV pool), by what they are; storages
+        in ``seen`` are not counted again."""
+        return {}
+
+
+def tensors_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the distinct memory ``tensors`` (an iterable, None entries skipped) occupy, each storage once;
+    ``seen`` (storage addresses) carries across calls so a stretch counted elsewhere is not counted again."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr() or id(t)
+            size = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # an opaque tensor (oneDNN's packed layout)
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
 
 
 log = logging.getLogger("infopt")

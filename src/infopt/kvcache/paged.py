@@ -118,6 +118,12 @@ class PagedPart(CachePart):
                                 prefix_caching=config.prefix_caching, growable=config.num_blocks is None)
         self._caches: dict[int, PagedCache] = {}  # per open call (calls may come from several threads)
 
+    def resident(self, seen: set) -> dict[str, int]:
+        from ..generate import tensors_bytes
+
+        n = tensors_bytes([*self.pool.keys, *self.pool.values], seen)
+        return {"paged KV pool": n} if n else {}
+
     def open(self, call, slots=None):
         model = self.model
         gc = call.generation_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -14,7 +14,8 @@ from ..core.step import ApplyContext, StepConfig, bad_field, register_step, regi
 from ..generate import CachePart, Unsupported, decoder_for, set_part
 from .api import register_use
 
-__all__ = ["Static", "StaticCaches", "use_", "bucket_length", "static_max_length", "full_length_static_cache"]
+__all__ = ["Static", "StaticCaches", "StaticAllocation", "use_", "bucket_length", "static_max_length",
+           "full_length_static_cache"]
 
 
 @register_step
@@ -126,6 +127,28 @@ def full_length_static_cache(config, length: int):
     return cache
 
 
+class StaticAllocation(NamedTuple):
+    """The static cache a model holds now, and what it was allocated for (:meth:`StaticCaches.allocation`).
+
+    A new allocation replaces it when a call differs in any field but ``cache``.
+
+    Attributes:
+        batch: rows of the cache (the call's batch, or the config's fixed ``batch_size``).
+        length: slots per layer: the call's length rounded up to a 256-token bucket, at most ``max_length``.
+        autocast: ``(device type, enabled, dtype or None)``: the ``torch.autocast`` state of the calls it serves.
+        dtype: the model's dtype when it was allocated.
+        device: the model's device when it was allocated.
+        cache: the ``transformers.StaticCache`` itself (its layers hold ``[batch, kv_heads, length, head_dim]``).
+    """
+
+    batch: int
+    length: int
+    autocast: tuple
+    dtype: torch.dtype | None
+    device: torch.device | None
+    cache: object
+
+
 class StaticCaches(CachePart):
     """The static-cache part of a model's decoder: one allocation per model (the target, and a speculative draft
     beside it), handed out reset per call and reallocated on a new batch size or length bucket."""
@@ -135,8 +158,30 @@ class StaticCaches(CachePart):
         self.config = config
         self.key = key
         self.max_length = resolved_max_length(model, config)
-        self._held: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], object]] = \
-            weakref.WeakKeyDictionary()
+        # model -> (key, cache), key = the first five fields of StaticAllocation
+        self._held: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, object]] = weakref.WeakKeyDictionary()
+
+    def allocation(self, model: nn.Module | None = None) -> StaticAllocation | None:
+        """The static cache ``model`` holds now and what it was allocated for, or None before its first call.
+
+        Args:
+            model: the target model (default) or a speculative draft model that shares this part.
+
+        Returns:
+            A :class:`StaticAllocation`, or None when no call has allocated one yet.
+
+        Example:
+            >>> import infopt, torch
+            >>> from infopt.generate import decoder_for
+            >>> from infopt.models import tiny_model
+            >>> m = infopt.optimize(tiny_model(), [Static(max_length=512)])
+            >>> _ = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+            >>> a = decoder_for(m).cache.allocation()
+            >>> a.batch, a.length, a.device.type
+            (1, 256, 'cpu')
+        """
+        held = self._held.get(self.model if model is None else model)
+        return None if held is None else StaticAllocation(*held[0], held[1])
 
     def _get(self, model: nn.Module, batch: int, needed: int):
         # transformers' static layers take their dtype from the first keys written: a call under torch.autocast
@@ -164,6 +209,14 @@ class StaticCaches(CachePart):
 
     def cache_for(self, model, batch, slots):
         return self._get(model, batch, slots)
+
+    def resident(self, seen: set) -> dict[str, int]:
+        from ..generate import tensors_bytes
+
+        tensors = [t for _, cache in list(self._held.values()) for layer in getattr(cache, "layers", ())
+                   for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        n = tensors_bytes(tensors, seen)
+        return {"static KV cache (kept for the next call)": n} if n else {}
 
 
 def _autocast_state(model: nn.Module) -> tuple:

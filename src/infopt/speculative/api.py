@@ -207,6 +207,15 @@ class SpeculativePart(LoopPart):
         self.config, self.drafter, self.stats, self.key = config, drafter, stats, key
         self.window = window  # the model's narrowest attention window (tokens), None without one
 
+    def resident(self, seen: set) -> dict[str, int]:
+        from ..generate import tensors_bytes
+
+        draft = getattr(self.drafter, "draft", None)
+        if not isinstance(draft, nn.Module):
+            return {}
+        n = tensors_bytes([*draft.parameters(), *draft.buffers()], seen)  # what it shares with the target: once
+        return {"speculative draft model": n} if n else {}
+
     def serve(self, call, decoder) -> torch.Tensor:
         cap = self.config.cap
         B, T, N = call.batch, call.prompt_length, call.max_new_tokens
