@@ -239,13 +239,18 @@ class Engine:
         compiled = self.core.compiled
         if compiled is None or compiled.warmed_up:
             return
+        from tqdm.auto import tqdm
+
         vocab = self.core.vocab_size or 2
         ids = [[1 % vocab, 2 % vocab], [3 % vocab, 4 % vocab]]
         sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
-        for prompts in (ids[:1], ids):
-            for out in self.generate(prompts, sp):
-                if out.finish_reason == "error":
-                    raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
+        # a cold compile of each graph takes seconds to a minute or more (Inductor caches them on disk after)
+        with tqdm(total=2, desc="infopt batching: compiling the engine's steps", unit="graph") as bar:
+            for prompts in (ids[:1], ids):
+                for out in self.generate(prompts, sp):
+                    if out.finish_reason == "error":
+                        raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
+                bar.update()
         compiled.warmed_up = True
         self.core.reset_stats()
 

@@ -318,12 +318,15 @@ class CompiledForward(Forward):
         from .aot import export_step, find_indexed, index_package, local_key
         from .saved import fingerprint
 
-        self._note_cold(key)
         t0 = time.perf_counter()
         options, fp = step_options(self.config, self._device), fingerprint(self.model)
         lkey = local_key(self, key, args, options, fp)
         step = find_indexed(self.model, lkey)
-        if step is not None:  # built earlier on this machine for a model described the same way: no export
+        if step is None:
+            self._note_cold(key)
+            log.info("infopt compile: exporting the decode step for %s and building its AOTInductor package (about a "
+                     "minute on two cores the first time; cached after)", _shape_name(key))
+        else:  # built earlier on this machine for a model described the same way: no export
             self.stats.compiles += 1
             self.stats.seconds += time.perf_counter() - t0
             self.stats.aot += 1
@@ -350,12 +353,19 @@ class CompiledForward(Forward):
         return step
 
     def _note_cold(self, key: tuple) -> None:
-        if self.stats.warmed_up and not self.owner._told_cold:
+        """Say that a call waits for a compile: every time after the warm-up (each is a stall the user sees), with the
+        remedy the first time."""
+        if not self.stats.warmed_up:
+            return
+        if not self.owner._told_cold:
             self.owner._told_cold = True
             log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
                         "the compile once; list the batch sizes and lengths your calls use in Compile("
                         "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
                         _shape_name(key))
+        else:
+            log.warning("compiling the decode step for another shape the warm-up did not cover (%s): this call waits "
+                        "for it", _shape_name(key))
 
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)

@@ -165,6 +165,10 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     token = 0 if token is None or isinstance(token, list) else int(token)
     written: dict[str, list] = {}
     packages: dict[str, dict] = {}
+    from tqdm.auto import tqdm
+
+    # each shape compiles ahead of time (tens of seconds on two cores), then a child process builds their kernels
+    bar = tqdm(total=len(keys) + 1, desc="infopt save: compiling decode steps ahead of time", unit="step")
     for key in keys:
         b, k, length, padded = key
         name = _step_name(key)
@@ -187,13 +191,20 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
         except Exception as e:  # noqa: BLE001 - any failure leaves the shape to be compiled at load
             warnings.warn(f"infopt: the decode step for {name} could not be saved compiled ({type(e).__name__}: "
                           f"{str(e)[:200]}); loading the model compiles it", RuntimeWarning, stacklevel=2)
+        bar.update()
     if not written:
+        bar.close()
         return []
     (out / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint(model), "steps": written,
                                             "aot_packages": packages}, indent=1))
     files = [f"{n}.bin" for n in written] + [f"{n}.pt2" for n in packages]
-    if _bundle_kernels(out, list(written)):
-        files.append(KERNELS)
+    bar.set_description("infopt save: building the steps' kernels in a child process")
+    try:
+        if _bundle_kernels(out, list(written)):
+            files.append(KERNELS)
+    finally:
+        bar.update()
+        bar.close()
     return files
 
 

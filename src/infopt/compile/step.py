@@ -219,7 +219,7 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     plan = _width_plan(model, batch_sizes, cache_lengths) if spec else []
     calls = len(batch_sizes) * len(lengths) * (2 if padded else 1)
     # a cold compile of a real model takes seconds to minutes per graph (inductor caches them on disk after)
-    bar = tqdm(total=calls + len(plan), desc="infopt compile: warming decode graphs", unit="shape", leave=False)
+    bar = tqdm(total=calls + len(plan), desc="infopt compile: warming decode graphs", unit="shape")
     try:
         with uncounted(model):
             for b in batch_sizes:

@@ -4,6 +4,7 @@ Measured on text every Python has (``pydoc_data.topics``) unless told otherwise;
 cached on disk. See docs/eval.md.
 """
 
+from .answers import CHAT_PROMPTS, AnswerAgreement, answer_agreement, chat_ids, reference_answers
 from .metrics import (
     Reference,
     check_reference,
@@ -21,12 +22,16 @@ from .tokens import assert_same_tokens, assert_token_identical, decode_path_logi
 from .windows import Window, window_layout
 
 __all__ = [
+    "AnswerAgreement",
+    "CHAT_PROMPTS",
     "EvalResult",
     "Reference",
     "STORE_DTYPES",
     "Window",
+    "answer_agreement",
     "assert_same_tokens",
     "assert_token_identical",
+    "chat_ids",
     "check_reference",
     "compare",
     "decode_path_logits",
@@ -39,6 +44,7 @@ __all__ = [
     "load_reference",
     "logit_metrics",
     "make_reference",
+    "reference_answers",
     "reference_for",
     "reference_logits",
     "reference_meta",
