@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -223,3 +225,59 @@ def test_report_renders_in_notebooks():
     assert md.count("\n|") == 4  # header, rule, two steps
     m.infopt.steps[0].notes.append("a | b <c>")
     assert "a \\| b <c>" in m.infopt._repr_markdown_() and "a | b &lt;c&gt;" in m.infopt._repr_html_()
+
+
+# -- explain: the plan as text, nothing changed ----------------------------------------------------------------------
+
+
+def _untouched(model, snap):
+    assert_state_equal(model, snap)
+    assert not has_patches(model) and "infopt" not in model.__dict__ and "generate" not in model.__dict__
+
+
+@pytest.mark.parametrize("recipe", ["cpu-fast", "cpu-lossless", "memory-saver", "throughput"])
+def test_explain_lists_the_plan_and_leaves_the_model_untouched(llama, recipe):
+    snap = state_snapshot(llama)
+    text = infopt.explain(llama, recipe)
+    _untouched(llama, snap)
+    r, fallbacks = infopt.validate(llama, recipe)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"preset {recipe}: plan for LlamaForCausalLM (llama, 2 layers")
+    heads = [ln.strip() for ln in lines if re.match(r"  \d+\. ", ln)]
+    assert heads == [f"{i}. {s.key}  ({type(s).__name__}; {'lossless' if s.lossless else 'lossy'})"
+                     for i, s in enumerate(r.steps, 1)]  # canonical order, one line per step
+    for step in r.steps:  # every field, named as the recipe names it
+        for name in step.fields_dict():
+            assert re.search(rf"^ +{name} += ", text, re.M), name
+    assert text.count("fallbacks: ") == len(r.steps) and "Nothing was changed" in lines[-1]
+    assert all(not f for f in fallbacks.values()) and text.count("fallbacks: none") == len(r.steps)
+
+
+def test_explain_orders_steps_marks_changed_defaults_and_names_fallbacks(llama):
+    from infopt.kvcache import HeavyHitter
+
+    text = infopt.explain(llama, [HeavyHitter(budget=128), Int8WeightOnly(group_size=32)])
+    assert text.index("1. quantize:int8") < text.index("2. kvcache:heavy_hitter")  # the order optimize runs them
+    assert "budget = 128  (default 256)" in text and "recent = 64\n" in text  # a default shows only when changed
+    assert "group_size      = 32  (default None)" in text
+    _, fallbacks = infopt.validate(llama, [HeavyHitter(budget=128)])
+    (taken,) = fallbacks["kvcache:heavy_hitter"]
+    assert f"fallbacks: {taken}" in text and "eager" in taken  # what validate reports, word for word
+
+
+def test_explain_raises_what_validate_raises(llama):
+    for recipe in ("gpu-fast", [{"quantize": {"method": "int3"}}], [Int8WeightOnly(group_size=128)]):
+        with pytest.raises((RecipeError, IncompatibleModelError)) as by_validate:
+            infopt.validate(llama, recipe)
+        with pytest.raises(type(by_validate.value)) as by_explain:
+            infopt.explain(llama, recipe)
+        assert str(by_explain.value) == str(by_validate.value)
+
+
+def test_explain_names_the_steps_already_applied(llama):
+    infopt.optimize(llama, [Int8WeightOnly()])
+    snap = state_snapshot(llama)
+    text = infopt.explain(llama, [Static(max_length=64)])
+    assert "already applied to this model: quantize:int8" in text and "1. kvcache:static" in text
+    assert_state_equal(llama, snap)
+    assert [s.key for s in llama.infopt.steps] == ["quantize:int8"]

@@ -19,7 +19,7 @@ from .core.errors import (
     RecipeError,
 )
 from .io import load, save_optimized
-from .optimize import OptimizationReport, optimize, undo, validate
+from .optimize import OptimizationReport, explain, optimize, undo, validate
 from .quantize.community import load_quantized
 from .recipe import PRESETS, Recipe
 from .tuner import TuneResult, tune
@@ -29,6 +29,7 @@ __all__ = [
     "optimize",
     "undo",
     "validate",
+    "explain",
     "tune",
     "TuneResult",
     "load",
