@@ -253,3 +253,16 @@ def test_optimize_dry_run_refuses_what_optimize_refuses(tmp_path, capsys):
     tiny_model("llama").save_pretrained(src)
     assert main(["optimize", "--recipe", "gpu-fast", "--model", str(src), "--dry-run"]) == 2
     assert "preset 'gpu-fast' does not apply to this model (cpu)" in capsys.readouterr().err
+
+
+def test_recipes_name_from_an_installed_wheel_names_where_figures_live(monkeypatch, tmp_path, capsys):
+    """An installed package has no benchmarks/ beside it: the default results folder is absent."""
+    import infopt.cli as cli
+    from infopt.recipe import Recipe
+
+    monkeypatch.setattr(cli, "_source_results", lambda: tmp_path / "site-packages" / "benchmarks" / "results")
+    assert main(["recipes", "cpu-fast"]) == 0
+    comments, text = _comments_and_yaml(capsys.readouterr().out)
+    assert "kept in benchmarks/results/*.json of the infopt source repository, which is not installed" in comments
+    assert "not measured" not in comments and "MiB" not in comments
+    assert Recipe.from_yaml(text) == Recipe.parse("cpu-fast")
