@@ -217,7 +217,8 @@ def _recipe_changes(recorded: list, recipe) -> list[str]:
     changed, and fields set now to a non-default value that the record does not have (added since)."""
     from .core.errors import InfoptError
 
-    then = {stage: body or {} for s in recorded if isinstance(s, dict) and len(s) == 1 for stage, body in s.items()}
+    then = {stage: body if isinstance(body, dict) else {}  # a shorthand ({attention: sdpa}) has no fields to compare
+            for s in recorded if isinstance(s, dict) and len(s) == 1 for stage, body in s.items()}
     now = {s.stage: (s, s.to_dict()[s.stage]) for s in recipe.steps}
     out = []
     if set(then) != set(now):
