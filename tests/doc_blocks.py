@@ -373,5 +373,7 @@ def _run_doctest(block: Block, namespace: dict) -> None:
     report = io.StringIO()
     runner.run(test, out=report.write, clear_globs=False)
     namespace.update(test.globs)  # DocTest runs on a copy of the namespace it is given
+    if not runner.tries:  # a block the parser read no example from would pass vacuously
+        raise AssertionError(f"{block.id}: no >>> example was found in the block")
     if runner.failures:
         raise AssertionError(report.getvalue())
