@@ -142,12 +142,34 @@ def test_fixed_pool_too_small_falls_back(llama, prompt):
 
 
 def test_fixed_pool_evicts_cached_prefixes(llama):
+    """Evicting cached prefixes changes no output: each call's logits are plain generate's, and so are those of a
+    prompt asked again after its blocks were evicted and reused by others (a stale block would show here: the tiny
+    model's greedy tokens barely depend on the context, its logits do), which runs its whole prompt again, while the
+    latest prompt's blocks still serve its repeat."""
+    prompts = {start: torch.tensor([list(range(start, start + 15))]) for start in (100, 200, 300)}
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    def same(out, want):
+        return torch.equal(out.sequences, want.sequences) and all(
+            torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(out.logits, want.logits, strict=True))
+
+    ref = {start: llama.generate(p, **kw) for start, p in prompts.items()}
     use_paged_(llama, Paged(block_size=4, num_blocks=6))
-    for start in (100, 200, 300):  # each call caches 4 blocks; a 6-block pool must evict older ones
-        out = llama.generate(torch.tensor([list(range(start, start + 15))]), max_new_tokens=4, do_sample=False)
-        assert out.shape == (1, 19)
+    for start, p in prompts.items():  # each call caches 4 blocks; a 6-block pool must evict older ones
+        assert same(llama.generate(p, **kw), ref[start]), start
     a = paged_pool(llama).allocator
     assert a.evictions > 0 and a.num_used == 0
+    a.check_invariants()
+    seen, h = count_tokens(llama)
+    try:
+        again = {start: llama.generate(prompts[start], **kw) for start in (300, 100)}
+    finally:
+        h.remove()
+    assert all(same(again[start], ref[start]) for start in again)
+    # the last prompt's blocks are still cached: its 3 full prompt blocks (12 tokens) are reused, 3 tokens run; the
+    # first prompt's blocks were evicted: all 15 of its tokens run again
+    assert (seen[0], seen[4]) == (3, 15), seen
+    assert routing_stats(llama).original == 0  # every call ran on the paged cache
     a.check_invariants()
 
 
