@@ -82,7 +82,9 @@ def test_first_call_under_inference_mode_then_outside():
         torch.manual_seed(0)
         c = m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop
     want = ref.generate(p, max_new_tokens=6, do_sample=False)
-    assert torch.equal(a, want) and torch.equal(b, want) and c.shape == (1, 11)
+    torch.manual_seed(0)
+    want_c = ref.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # the same seed's draws
+    assert torch.equal(a, want) and torch.equal(b, want) and torch.equal(c, want_c)
 
 
 def test_transformers_loop_under_inference_mode_leaves_a_reusable_cache():
