@@ -154,10 +154,23 @@ def _table(page: str, heading: str) -> list[list[str]]:
 def test_recipes_presets_table_is_presets():
     from infopt.recipe import PRESETS
 
-    rows = {r[0]: r[2] for r in _table("docs/recipes.md", "## Presets")}
+    table = _table("docs/recipes.md", "## Presets")
+    rows = {r[0]: r[3] for r in table}
     assert list(rows) == list(PRESETS), "docs/recipes.md's presets table lists other presets than infopt.PRESETS"
     for name, description in rows.items():
         assert description == PRESETS[name].description, f"docs/recipes.md: {name}'s description differs"
+    assert {r[0]: r[1] for r in table} == {n: p.fidelity for n, p in PRESETS.items()}, (
+        "docs/recipes.md's presets table states another fidelity than Preset.fidelity")
+
+
+def test_recipes_fidelity_table_is_every_steps_fidelity():
+    from infopt.core.step import FIDELITY, STAGES, STEP_TYPES
+
+    rows = _table("docs/recipes.md", "### What each step keeps")
+    code = [(stage, kind or "-", cls.__name__, cls.fidelity) for stage in STAGES
+            for kind, cls in STEP_TYPES.get(stage, {}).items()]
+    assert [tuple(r) for r in rows] == code, "docs/recipes.md's fidelity table differs from the steps' fidelity"
+    assert all(f in FIDELITY for *_, f in code)
 
 
 def test_recipes_rules_table_is_rules():

@@ -244,7 +244,7 @@ def test_explain_lists_the_plan_and_leaves_the_model_untouched(llama, recipe):
     lines = text.splitlines()
     assert lines[0].startswith(f"preset {recipe}: plan for LlamaForCausalLM (llama, 2 layers")
     heads = [ln.strip() for ln in lines if re.match(r"  \d+\. ", ln)]
-    assert heads == [f"{i}. {s.key}  ({type(s).__name__}; {'lossless' if s.lossless else 'lossy'})"
+    assert heads == [f"{i}. {s.key}  ({type(s).__name__}; {s.fidelity})"
                      for i, s in enumerate(r.steps, 1)]  # canonical order, one line per step
     for step in r.steps:  # every field, named as the recipe names it
         for name in step.fields_dict():

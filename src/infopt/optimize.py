@@ -462,7 +462,7 @@ def explain(model: nn.Module, recipe: Any) -> str:
     head = f"plan for {where}: {len(r.steps)} step{'s' if len(r.steps) != 1 else ''}, in the order they run"
     lines = [head if r.source is None else f"{r.source}: {head}"]  # "preset cpu-fast: ...", "r.yaml: ..."
     for i, step in enumerate(r.steps, 1):
-        lines.append(f"  {i}. {step.key}  ({type(step).__name__}; {'lossless' if step.lossless else 'lossy'})")
+        lines.append(f"  {i}. {step.key}  ({type(step).__name__}; {step.fidelity})")
         defaults = _defaults(type(step))
         rows = [(f.name, getattr(step, f.name), defaults.get(f.name, _NO_DEFAULT)) for f in dataclasses.fields(step)]
         width = max((len(n) for n, _, _ in rows), default=0)

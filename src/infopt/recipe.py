@@ -21,7 +21,7 @@ from . import parallel as _parallel  # noqa: F401
 from . import quantize as _quantize  # noqa: F401
 from . import speculative as _speculative  # noqa: F401
 from .core.errors import RecipeError, did_you_mean
-from .core.step import STAGES, STEP_TYPES, StepConfig
+from .core.step import FIDELITY, STAGES, STEP_TYPES, StepConfig
 
 __all__ = ["Recipe", "Rule", "RULES", "rules_markdown", "PRESETS", "Preset", "available_steps", "check_rules", "check_gate"]
 
@@ -175,17 +175,30 @@ def check_rules(steps: Iterable[StepConfig], rules: Iterable[Rule] = RULES) -> N
 
 @dataclass(frozen=True)
 class Preset:
-    """A named recipe with a one-line description."""
+    """A named recipe with a one-line description; :attr:`fidelity` is its weakest step's."""
 
     name: str
     description: str
     steps: tuple[dict[str, Any], ...]
 
+    @property
+    def fidelity(self) -> str:
+        """``exact``, ``lossless`` or ``lossy``: the weakest :attr:`~infopt.core.step.StepConfig.fidelity` of the
+        preset's steps.
+
+        Example:
+            >>> PRESETS["cpu-lossless"].fidelity, PRESETS["cpu-fast"].fidelity
+            ('lossless', 'lossy')
+        """
+        return max((Recipe.parse({"steps": list(self.steps)}).steps), key=lambda st: FIDELITY.index(st.fidelity)
+                   ).fidelity
+
 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("cpu-lossless", "token-identical greedy output, faster: speculative decoding drafted by an int4 copy of "
+        Preset("cpu-lossless", "lossless (the model's own math; greedy output parts only at near-ties), faster: "
+               "speculative decoding drafted by an int4 copy of "
                "the model (int8 head, int8 activations where the CPU has the kernel) and verified by the original "
                "weights, on a static KV cache with compiled verify and draft steps (fp32 linears on prepacked weights)",
                ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}},
@@ -201,8 +214,8 @@ PRESETS: dict[str, Preset] = {
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
                 {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
-               "prefix caching, its steps compiled on CPU (a minute or so while the recipe is applied); "
-               "token-identical greedy output",
+               "prefix caching, its steps compiled on CPU (a minute or so while the recipe is applied); lossless "
+               "(batched kernels sum in another order: greedy output parts only at near-ties)",
                ({"kvcache": {"kind": "paged"}},
                 {"batching": {"max_seqs": 64, "max_batch_tokens": 512, "compile": "auto"}})),
         Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs (the original weights; fused "

@@ -56,7 +56,7 @@ class Attention(StepConfig):
 
     stage: ClassVar[str] = "attention"
     discriminator: ClassVar[str] = "backend"
-    lossless: ClassVar[bool] = True
+    fidelity: ClassVar[str] = "lossless"  # another attention kernel: the same math
     backend: str = "sdpa"
 
     def __post_init__(self):

@@ -50,7 +50,7 @@ class Batching(StepConfig):
     """
 
     stage: ClassVar[str] = "batching"
-    lossless: ClassVar[bool] = True
+    fidelity: ClassVar[str] = "lossless"  # rows share batched kernels; batch_invariant pins each row's order
     max_seqs: int = 64
     max_batch_tokens: int = 512
     chunked_prefill: bool = True

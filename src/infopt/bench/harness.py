@@ -550,9 +550,13 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         ratios_by_mode = {mode: {k: (optimized[k] / b[k] if b[k] else float("nan")) for k in optimized}
                           for mode, b in baseline.items()}
         ratios = ratios_by_mode[ratio_base]
-    exact = None
+    exact, parted = None, None
     if opt_tokens is not None:
         exact = opt_tokens == base_tokens[ratio_base]
+        if not exact:  # the model is unoptimized again: it is the reference for the margins
+            from .divergence import divergences
+
+            parted = divergences(model, [q.input_ids for q in requests], base_tokens[ratio_base], opt_tokens)
     return BenchResult({  # a dict that renders as a table in notebooks
         "machine": machine,
         "model": model_name,
@@ -562,6 +566,8 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
                      "dtype": str(next(model.parameters()).dtype), "batch_mode": opt_mode},
         "recipe": r.to_dict() if r is not None else None,
         "lossless_claimed": bool(r is not None and all(s.lossless for s in r.steps)),
+        "fidelity": None if r is None else max((s.fidelity for s in r.steps),
+                                               key=("exact", "lossless", "lossy").index),
         "baseline": main_base,
         "baseline_modes": baseline,
         "optimized": optimized,
@@ -571,5 +577,6 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         "quality": quality_figs,
         "compile": compiled,
         "exact_greedy": exact,
+        "divergences": parted,
         "higher_is_better": sorted(k for k, (_, higher) in METRICS.items() if higher),
     })

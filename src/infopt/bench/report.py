@@ -132,6 +132,11 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
             claim = (f" (recipe claims lossless: in {dtype}, kernels that batch or fuse differently round differently "
                      "and flip near-tied tokens; compare in float32: --dtype float32)")
         lines.append(f"greedy outputs identical to baseline: {'yes' if result['exact_greedy'] else 'no'}{claim}")
+        if result.get("divergences"):
+            from .divergence import summarize_divergences
+
+            n = result.get("workload", {}).get("requests", len(result["divergences"]))
+            lines.append(summarize_divergences(result["divergences"], n, dtype or "float32"))
     return lines
 
 

@@ -96,7 +96,7 @@ class Compile(StepConfig):
     stage: ClassVar[str] = "compile"
     # the original weights in their dtype: fused kernels reorder floating-point sums (as tensor parallelism does),
     # nothing is rounded to a lower precision; tests check greedy output token-identical to plain generate
-    lossless: ClassVar[bool] = True
+    fidelity: ClassVar[str] = "lossless"  # fused, generated kernels: sums in another order
     mode: str = "default"
     fullgraph: bool = True
     dynamic: bool = False

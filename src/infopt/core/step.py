@@ -24,6 +24,7 @@ from .introspect import ModelInfo
 
 __all__ = [
     "STAGES",
+    "FIDELITY",
     "StepConfig",
     "ApplyContext",
     "STEP_TYPES",
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 STAGES: tuple[str, ...] = ("attention", "quantize", "parallel", "kvcache", "compile", "speculative", "batching")
+
+FIDELITY: tuple[str, ...] = ("exact", "lossless", "lossy")
+"""What a step keeps of the model's numbers, strongest first (:attr:`StepConfig.fidelity`)."""
 """Canonical order in which :func:`infopt.optimize` applies steps, whatever order a recipe lists them."""
 
 # stage -> kind (None for single-kind stages) -> config class
@@ -189,14 +193,28 @@ class StepConfig:
         stage: one of :data:`STAGES`.
         kind: the value selecting this class within its stage (``"int8"``), or None.
         discriminator: the recipe field holding ``kind`` (``"method"`` for quantize).
-        lossless: True when the step keeps greedy output token-identical (tests assert it); lossy
-            steps are measured with :mod:`infopt.eval` instead.
+        fidelity: what the step keeps of the model's numbers, one of :data:`FIDELITY`:
+
+            - ``"exact"``: the same kernels and the same order of operations: bit-identical logits;
+            - ``"lossless"``: the same math, but sums may run in another order (fused or batched kernels, another
+              attention kernel, several tokens per forward), so logits differ in the last bits and greedy output
+              may part from the unoptimized model's only at a near-tie; ``infopt bench`` reports the reference's
+              top-2 logit margin at every such divergence (:data:`infopt.bench.divergence.NEAR_TIE`);
+            - ``"lossy"``: other numbers (quantized weights, an evicting cache): KL, top-1 and perplexity are
+              measured with :mod:`infopt.eval`.
+
+    ``lossless`` (a property) is true for ``exact`` and ``lossless`` steps.
     """
 
     stage: ClassVar[str] = ""
     kind: ClassVar[str | None] = None
     discriminator: ClassVar[str | None] = None
-    lossless: ClassVar[bool] = False  # greedy output token-identical to the unoptimized model (fp32)
+    fidelity: ClassVar[str] = "lossy"
+
+    @property
+    def lossless(self) -> bool:
+        """True for an ``exact`` or ``lossless`` step (:attr:`fidelity`)."""
+        return self.fidelity in ("exact", "lossless")
 
     # -- identity -------------------------------------------------------------------------
     @property

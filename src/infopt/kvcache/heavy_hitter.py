@@ -57,7 +57,7 @@ class HeavyHitter(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "heavy_hitter"
     discriminator: ClassVar[str] = "kind"
-    lossless: ClassVar[bool] = False
+    fidelity: ClassVar[str] = "lossy"
     budget: int = 256
     recent: int = 64
 

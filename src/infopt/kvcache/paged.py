@@ -69,7 +69,7 @@ class Paged(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "paged"
     discriminator: ClassVar[str] = "kind"
-    lossless: ClassVar[bool] = True
+    fidelity: ClassVar[str] = "lossless"  # paged attention sums over blocks in another order
     block_size: int = 16
     num_blocks: int | None = None
     prefix_caching: bool = True

@@ -92,7 +92,7 @@ class Quantized(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "quantized"
     discriminator: ClassVar[str] = "kind"
-    lossless: ClassVar[bool] = False
+    fidelity: ClassVar[str] = "lossy"
     bits: int = 8
     group_size: int = 64
     residual_length: int = 128

@@ -59,7 +59,7 @@ class Sinks(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "sinks"
     discriminator: ClassVar[str] = "kind"
-    lossless: ClassVar[bool] = False
+    fidelity: ClassVar[str] = "lossy"
     window: int = 1024
     num_sink_tokens: int = 4
 

@@ -48,7 +48,7 @@ class Static(StepConfig):
     stage: ClassVar[str] = "kvcache"
     kind: ClassVar[str] = "static"
     discriminator: ClassVar[str] = "kind"
-    lossless: ClassVar[bool] = True
+    fidelity: ClassVar[str] = "lossless"  # attention over a fixed-length masked cache: another kernel shape
     max_length: int | None = None
     batch_size: int | None = None
 

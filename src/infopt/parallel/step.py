@@ -53,7 +53,7 @@ class Parallel(StepConfig):
     """
 
     stage: ClassVar[str] = "parallel"
-    lossless: ClassVar[bool] = True  # same greedy tokens as one process (fp32); sums are reordered, not rounded
+    fidelity: ClassVar[str] = "lossless"  # sums are split over ranks and reordered, not rounded
     tensor: int | None = None
     pipeline: int | None = None
     expert: int | None = None

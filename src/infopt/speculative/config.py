@@ -29,7 +29,7 @@ def _check_num_tokens(obj, value) -> None:
 class _Speculative(StepConfig):
     stage: ClassVar[str] = "speculative"
     discriminator: ClassVar[str] = "method"
-    lossless: ClassVar[bool] = True  # greedy output is the target's; sampling keeps its distribution
+    fidelity: ClassVar[str] = "lossless"  # greedy output is the target's (verified k tokens per forward); sampling keeps its distribution
 
     @property
     def fixed_tokens(self) -> int | None:
