@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models (unit tier) and the embedded default model (real_model tier)."""
+"""Shared fixtures: tiny random models (unit tier), the embedded default model (real_model tier) and the device a
+test body runs on (``device``: cpu, and cuda marked ``gpu``; see tests/devices.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from infopt.models import tiny_model
+from infopt.testing.plugin import GPU_SKIP_REASON
+from tests import devices
 
 UNIT_ARCHS = ("llama", "qwen2", "gemma", "gpt2")
 
@@ -13,10 +16,17 @@ UNIT_ARCHS = ("llama", "qwen2", "gemma", "gpt2")
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none is visible")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=devices.device_params())
+def device(request) -> str:
+    """The device a test body runs on: ``"cpu"``, and ``"cuda"`` (marked ``gpu``: skipped without CUDA). What the
+    body expects to differ between them is ``devices.DEVICES[device]``."""
+    return request.param
 
 
 @pytest.fixture(params=UNIT_ARCHS)

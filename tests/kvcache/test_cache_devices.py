@@ -1,5 +1,6 @@
-"""KV caches on CUDA: the lossless kinds (static, paged) token-identical to plain ``generate`` on the same GPU
-model, the quantized one within its KL / top-1 bounds, each with its cache allocated on the GPU.
+"""KV caches on each device (``cpu``, and ``cuda`` under the gpu marker): the lossless kinds (static, paged)
+token-identical to plain ``generate`` on the same model, the quantized one within its KL / top-1 bounds, each with its
+cache allocated on the model's device.
 
 Models are fp32: bf16 logits of a random tiny model tie often enough that two correct attention paths (a
 static cache's full-length masked attention, the paged gather) could pick different argmaxes."""
@@ -15,35 +16,35 @@ from infopt.models import tiny_model
 
 from .test_paged import padded
 
-pytestmark = pytest.mark.gpu
-
 PROMPTS = [[1, 17, 400, 23, 9, 1200, 5], [4, 4, 8, 15, 16, 23, 42, 7], [77, 78]]
 
 
-def head64(**kw):
+def head64(device, **kw):
     """head_dim 64 (the default model's), so KV group sizes of 16-64 fit."""
-    return tiny_model("llama", hidden_size=128, num_heads=2, num_kv_heads=1, **kw).cuda()
+    return tiny_model("llama", hidden_size=128, num_heads=2, num_kv_heads=1, **kw).to(device)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_static_token_identical_on_cuda(arch):
+def test_static_token_identical(arch, device):
     from transformers import StaticCache
 
-    from infopt.generate.router import decoder_for
+    from infopt.generate import decoder_for
 
-    m = tiny_model(arch).cuda()
+    m = tiny_model(arch).to(device)
     ref = greedy_outputs(m, PROMPTS, 24)
-    ids, mask = (t.cuda() for t in padded(PROMPTS))
+    ids, mask = (t.to(device) for t in padded(PROMPTS))
     ref_batch = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     infopt.optimize(m, [Static(max_length=256)])
     assert_same_tokens(ref, greedy_outputs(m, PROMPTS, 24))
-    held = decoder_for(m).cache._held  # the allocation: (batch, length bucket, autocast state), cache
-    key, cache = held[m]
-    assert isinstance(cache, StaticCache) and key == (1, 256, ("cuda", False, None))
-    assert all(layer.keys.is_cuda and layer.keys.shape[2] == 256 for layer in cache.layers)
+    part = decoder_for(m).cache
+    held = part.allocation(m)  # one prompt at a time: batch 1, the first 256-token bucket, on the model's device
+    assert isinstance(held.cache, StaticCache) and (held.batch, held.length) == (1, 256)
+    assert (held.device.type, held.dtype, held.autocast) == (device, torch.float32, (device, False, None))
+    assert all(layer.keys.device.type == device and layer.keys.shape[2] == 256 for layer in held.cache.layers)
     out = m.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref_batch)  # left padding through the lean loop's mask
-    assert held[m][0] == (3, 256, ("cuda", False, None))
+    again = part.allocation(m)  # the batch of three: a new allocation, same bucket
+    assert (again.batch, again.length, again.device.type) == (3, 256, device) and again.cache is not held.cache
     assert routing_stats(m).infopt == len(PROMPTS) + 1 and routing_stats(m).original == 0
 
 
@@ -62,10 +63,10 @@ def quantized_caches(monkeypatch):
 
 
 @pytest.mark.parametrize("bits", [8, 4], ids=["int8", "int4"])
-def test_quantized_identical_within_the_residual_window_on_cuda(bits, quantized_caches):
+def test_quantized_identical_within_the_residual_window(bits, quantized_caches, device):
     from infopt.kvcache.quantized_cache import QuantizedKVCache
 
-    m = head64()
+    m = head64(device)
     new = 32 - max(map(len, PROMPTS))  # prompt + new <= residual_length: every token stays exact
     ref = greedy_outputs(m, PROMPTS, new)
     use_(m, Quantized(bits=bits, group_size=16, residual_length=32))
@@ -73,13 +74,13 @@ def test_quantized_identical_within_the_residual_window_on_cuda(bits, quantized_
     assert len(quantized_caches) == len(PROMPTS) and routing_stats(m).infopt == len(PROMPTS)
     for cache in quantized_caches:
         assert isinstance(cache, QuantizedKVCache) and cache.quantized.bits == bits
-        assert cache.layers[0].keys.is_cuda and cache.layers[0].n_quant == 0
+        assert cache.layers[0].keys.device.type == device and cache.layers[0].n_quant == 0
 
 
 @pytest.mark.parametrize("bits, kl_bound", [(8, 1e-4), (4, 1e-3)], ids=["int8", "int4"])
-def test_quantized_logits_close_past_the_residual_window_on_cuda(bits, kl_bound, quantized_caches):
-    m = head64()
-    ids = torch.randint(3, 40_000, (1, 320), generator=torch.Generator().manual_seed(0)).cuda()
+def test_quantized_logits_close_past_the_residual_window(bits, kl_bound, quantized_caches, device):
+    m = head64(device)
+    ids = torch.randint(3, 40_000, (1, 320), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         ref = m(ids).logits[0, 256:].float()
         cache = Quantized(bits=bits, group_size=32, residual_length=64).new_cache(m)
@@ -92,23 +93,23 @@ def test_quantized_logits_close_past_the_residual_window_on_cuda(bits, kl_bound,
     assert float((ref.argmax(-1) == out.argmax(-1)).float().mean()) >= 0.95
     b = cache.memory_bytes()
     assert b.tokens == 320 and b.used < 0.5 * b.dense_fp32  # stored as codes, not as fp32
-    # and generate past the window runs on a quantized GPU cache
+    # and generate past the window runs on a quantized cache on the model's device
     use_(m, Quantized(bits=bits, group_size=16, residual_length=32))
     out = m.generate(ids[:, :40], max_new_tokens=40, do_sample=False)
-    assert out.shape == (1, 80) and out.is_cuda
+    assert out.shape == (1, 80) and out.device.type == device
     layer = quantized_caches[-1].layers[0]
-    assert layer.n_quant == 64 and layer.keys.is_cuda  # 79 tokens cached: two 32-token chunks quantized
+    assert layer.n_quant == 64 and layer.keys.device.type == device  # 79 tokens cached: two 32-token chunks quantized
 
 
-def test_paged_token_identical_on_cuda():
-    m = tiny_model("llama").cuda()
-    ids, mask = (t.cuda() for t in padded(PROMPTS))
+def test_paged_token_identical(device):
+    m = tiny_model("llama").to(device)
+    ids, mask = (t.to(device) for t in padded(PROMPTS))
     ref = m.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     use_paged_(m, Paged(block_size=16))
     out = m.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     pool = paged_pool(m)
-    assert all(k.is_cuda for k in pool.keys) and all(v.is_cuda for v in pool.values)
+    assert all(k.device.type == device for k in pool.keys) and all(v.device.type == device for v in pool.values)
     assert pool.allocator.num_used == 0  # every block released when the call ended
     for row in range(len(PROMPTS)):  # each prompt alone: the prefix cache serves its full blocks
         alone = ids[row:row + 1, int(mask[row].argmax()):]
