@@ -336,19 +336,22 @@ def test_bitsandbytes_layers_are_refused_by_name(config, tmp_path):
     assert isinstance(infopt.load(tmp_path)[0].model.layers[0].mlp.up_proj, type(m.model.layers[0].mlp.up_proj))
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["int8", "int4-g32-tied-head8", "gptq-4bit-actorder", "smoothquant-w8a8"])
-def test_saved_on_cpu_loads_onto_cuda_like_the_moved_model(layout, tmp_path, prompt):
-    """device_map="cuda": buffers arrive on the GPU and int4 layers are packed for its kernel, as .cuda() of the
-    saving model packs them, so both compute the same logits."""
+def test_saved_on_cpu_loads_with_a_device_map_like_the_moved_model(layout, tmp_path, prompt, device):
+    """device_map=<device>: buffers arrive on the device and int4 layers are packed for its kernel, as .to(device)
+    of the saving model packs them, so both compute the same logits."""
+    from tests.devices import DEVICES
+
     m = quantized(layout)
     m.save_pretrained(tmp_path)
-    moved = m.cuda()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
-    assert {str(p.device) for p in loaded.state_dict().values()} == {"cuda:0"}
-    assert all(x.layout == "cuda_tinygemm" for x in loaded.modules() if isinstance(x, Int4Linear))
+    moved = m.to(device)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device)
+    assert {p.device.type for p in loaded.state_dict().values()} == {device}
+    int4 = [x.layout for x in loaded.modules() if isinstance(x, Int4Linear)]
+    assert set(int4) <= {DEVICES[device].int4_layout}
+    assert int4 == [x.layout for x in moved.modules() if isinstance(x, Int4Linear)]
     with torch.no_grad():
-        assert torch.equal(loaded(prompt.cuda()).logits, moved(prompt.cuda()).logits)
+        assert torch.equal(loaded(prompt.to(device)).logits, moved(prompt.to(device)).logits)
 
 
 def test_offloading_is_refused(saved_int8):

@@ -9,6 +9,7 @@ from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly, Int8Linear, Int8WeightOnly, quantize_
+from infopt.quantize.int4 import kernel_calls as int4_kernel_calls
 from infopt.quantize.int4 import pack_int4, quantize_int4_grouped, unpack_int4
 from infopt.recipe import Recipe
 
@@ -57,7 +58,9 @@ def test_int4_linear_sqnr_and_paths_agree(group, layout):
         q = Int4Linear(256, 128, group, bias=True, dtype=torch.float32, layout="plain")
         q.load_state_dict(ref_q.state_dict())
     x = torch.randn(2, 5, 256)
+    before = int4_kernel_calls()[q.layout]
     out = q(x)
+    assert int4_kernel_calls()[q.layout] == before + 1  # the layout's own kernel served the call
     assert out.shape == (2, 5, 128) and out.dtype == torch.float32
     # 4-bit grouped weights on Gaussian weights: ~20-25 dB; a floor well clear of noise
     assert sqnr_db(lin(x), out) > 17
@@ -250,40 +253,49 @@ def test_to_another_device_repacks_for_its_kernel(monkeypatch):
     assert forced.layout == "plain"  # a layout asked for is kept
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("where", ["quantized-on-cuda", "quantized-on-cpu-then-moved"])
-def test_int4_cuda_kernel_runs_and_matches(where, monkeypatch):
-    """Int4 on CUDA runs torch's tinygemm kernel (counted), on the default model's 576-wide layers too, whether the
-    model was quantized on the GPU or quantized on CPU and moved; outputs match the dequantized reference.
+def _int4_kernel_matches(m, device, monkeypatch):
+    """``m``'s int4 layers (a 576-wide bf16 llama on ``device``) take the device's kernel, counted, and compute what a
+    dense bf16 model carrying the very weights the codes decode to computes.
 
-    A random model's logits are nearly flat (top-1 flips on tiny differences), so the kernel is held to a dense
-    bf16 model carrying the very weights the codes decode to, and only loosely to the original model."""
+    A random model's logits are nearly flat (top-1 flips on tiny differences), so the kernel is held to that dense
+    model, and only loosely to the original model."""
     from infopt.eval.metrics import logit_metrics
+    from tests.devices import DEVICES, count_calls
 
+    dev = DEVICES[device]
     cfg_kw = dict(hidden_size=576, num_heads=9, num_kv_heads=3)
-    ref = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).cuda()
-    deq = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).cuda()
-    m = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw)
-    if where == "quantized-on-cuda":
-        m = m.cuda()
-        quantize_(m, Int4WeightOnly(group_size=32))
-    else:
-        quantize_(m, Int4WeightOnly(group_size=32))
-        m = m.cuda()
+    ref = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).to(device)
+    deq = tiny_model("llama", dtype=torch.bfloat16, **cfg_kw).to(device)
     layers = {name: mod for name, mod in m.named_modules() if isinstance(mod, Int4Linear)}
-    assert layers and all(mod.layout == "cuda_tinygemm" for mod in layers.values())
+    assert layers and all(mod.layout == dev.int4_layout for mod in layers.values())
     with torch.no_grad():
         for name, mod in layers.items():
             deq.get_submodule(name).weight.copy_(mod.dequantize())
-    calls = []
-    real = torch._weight_int4pack_mm
-    monkeypatch.setattr(torch, "_weight_int4pack_mm", lambda *a: calls.append(1) or real(*a))
-    ids = torch.randint(3, 1000, (1, 24), device="cuda")
+    calls = count_calls(monkeypatch, "torch", dev.int4_op)
+    ids = torch.randint(3, 1000, (1, 24), device=device)
+    before = int4_kernel_calls()[dev.int4_layout]
     with torch.no_grad():
         out = m(ids).logits.float()
         want = deq(ids).logits.float()
         base = ref(ids).logits.float()
     assert len(calls) >= len(layers)
+    assert int4_kernel_calls()[dev.int4_layout] - before == len(layers)  # every layer's forward, on the kernel
     exact = logit_metrics(out, want, ids)
     assert exact["kl"] < 1e-3 and exact["top1"] >= 0.9, exact  # the same weights: rounding differences only
     assert logit_metrics(out, base, ids)["kl"] < 0.05
+
+
+def test_int4_kernel_runs_and_matches(monkeypatch, device):
+    """Int4 quantized on the device runs its kernel (tinygemm on CUDA, torch's int4 CPU kernel), counted, on the
+    default model's 576-wide layers too; outputs match the dequantized reference."""
+    m = tiny_model("llama", dtype=torch.bfloat16, hidden_size=576, num_heads=9, num_kv_heads=3).to(device)
+    quantize_(m, Int4WeightOnly(group_size=32))
+    _int4_kernel_matches(m, device, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_int4_quantized_on_cpu_then_moved_runs_the_cuda_kernel(monkeypatch):
+    """A model quantized on CPU and moved with .cuda() is repacked for tinygemm and matches as one quantized there."""
+    m = tiny_model("llama", dtype=torch.bfloat16, hidden_size=576, num_heads=9, num_kv_heads=3)
+    quantize_(m, Int4WeightOnly(group_size=32))
+    _int4_kernel_matches(m.cuda(), "cuda", monkeypatch)

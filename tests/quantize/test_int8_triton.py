@@ -1,5 +1,6 @@
 """The int8 weight-only Triton kernel: the custom op (schema, fake, compile), tile table, Triton's CPU interpreter
-(when Triton is installed), and on CUDA: numerics against the reference, Int8WeightOnly models, torch.compile."""
+(when Triton is installed), and on each device (the kernel on CUDA, the op's reference on CPU, counted): numerics
+against the exact product, Int8WeightOnly models, torch.compile."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from infopt.models import tiny_model
 from infopt.quantize import Int8Linear, Int8WeightOnly
 from infopt.quantize.int8 import quantize_int8_per_channel
 from infopt.quantize.triton_int8 import int8_weight_mm, int8_weight_mm_reference, kernel_calls, tile_config
+from tests.devices import DEVICES
 
 # SQNR floors (dB) of the op against the exact product x @ dequantized(w).T in fp32: the output's own rounding
 # dominates (bf16 keeps 8 bits: ~49 dB measured with Triton's interpreter, fp16 ~74, fp32 ~133)
@@ -180,19 +182,26 @@ def test_kernel_numerics_in_tritons_cpu_interpreter():
         assert db > FLOORS[dtype], (m, n, k, dt, db)
 
 
-# -- CUDA ----------------------------------------------------------------------------------------------
+# -- on each device: the Triton kernel on CUDA, the op's reference on CPU ------------------------------------
 
-@pytest.mark.gpu
+
+def _expected(path: str, n: int) -> dict[str, int]:
+    """``kernel_calls()`` deltas when ``n`` calls took ``path``."""
+    return {"triton": 0, "reference": 0, path: n}
+
+
 @pytest.mark.parametrize("dtype", list(FLOORS), ids=list(DTYPE_IDS.values()))
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (1, 11008, 4096), (3, 384, 1000), (7, 1000, 768), (16, 512, 4096),
                                    (17, 256, 512), (33, 4096, 1024), (129, 320, 2048), (300, 96, 80)],
                          ids=lambda v: str(v))
-def test_kernel_matches_the_reference_on_cuda(dtype, m, n, k):
-    pytest.importorskip("triton")
-    x, q, s = _operands(m, n, k, dtype, device="cuda", seed=m + n + k)
+def test_op_matches_the_exact_product(dtype, m, n, k, device):
+    path = DEVICES[device].triton
+    if path == "triton":
+        pytest.importorskip("triton")
+    x, q, s = _operands(m, n, k, dtype, device=device, seed=m + n + k)
     before = kernel_calls()
     y = int8_weight_mm(x, q, s)
-    assert _delta(before) == {"triton": 1, "reference": 0}
+    assert _delta(before) == _expected(path, 1)
     assert y.dtype == dtype and y.shape == (m, n) and y.device == x.device
     exact = _exact(x, q, s)
     assert sqnr_db(exact, y) > FLOORS[dtype]
@@ -201,34 +210,40 @@ def test_kernel_matches_the_reference_on_cuda(dtype, m, n, k):
         assert sqnr_db(exact, y) > sqnr_db(exact, int8_weight_mm_reference(x, q, s)) - 1.0
 
 
-@pytest.mark.gpu
-def test_kernel_takes_strided_and_batched_activations_on_cuda():
-    pytest.importorskip("triton")
+def test_op_takes_strided_and_batched_activations(device):
+    path = DEVICES[device].triton
+    if path == "triton":
+        pytest.importorskip("triton")
     g = torch.Generator().manual_seed(1)
     q, s = quantize_int8_per_channel(torch.randn(300, 200, generator=g))
-    q, s = q.cuda(), s.cuda()
-    padded = torch.randn(2, 5, 400, generator=g).cuda().bfloat16()[..., :200]  # row stride 400
-    spaced = torch.randn(10, 400, generator=g).cuda().bfloat16()[:, ::2]  # K stride 2
+    q, s = q.to(device), s.to(device)
+    padded = torch.randn(2, 5, 400, generator=g).to(device).bfloat16()[..., :200]  # row stride 400
+    spaced = torch.randn(10, 400, generator=g).to(device).bfloat16()[:, ::2]  # K stride 2
     for x in (padded, spaced):
+        before = kernel_calls()
         y = int8_weight_mm(x, q, s)
+        assert _delta(before) == _expected(path, 1)
         assert y.shape == (*x.shape[:-1], 300)
         assert sqnr_db(_exact(x.reshape(10, 200), q, s), y.reshape(10, 300)) > FLOORS[torch.bfloat16]
 
 
-@pytest.mark.gpu
-def test_int8_weight_only_on_cuda_runs_the_kernel_and_keeps_bf16_top1():
-    pytest.importorskip("triton")
-    m = tiny_model("llama", dtype=torch.bfloat16).cuda()
-    ids = torch.randint(3, 40_000, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
+def test_int8_weight_only_runs_the_devices_path_and_keeps_bf16_top1(device):
+    """Every int8 linear of a bf16 model goes through the Triton op on CUDA, once per forward; on CPU through none
+    (a dequantized ``F.linear``); either way the logits stay the bf16 model's."""
+    path, per_call = DEVICES[device].triton, DEVICES[device].int8_mm_layer_calls
+    if per_call:
+        pytest.importorskip("triton")
+    m = tiny_model("llama", dtype=torch.bfloat16).to(device)
+    ids = torch.randint(3, 40_000, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         ref = m(ids).logits.float()
     infopt.optimize(m, [Int8WeightOnly()])
     layers = [mod for mod in m.modules() if isinstance(mod, Int8Linear)]
-    assert len(layers) == 2 * 7 and all(lay.weight_int8.device.type == "cuda" for lay in layers)
+    assert len(layers) == 2 * 7 and all(lay.weight_int8.device.type == device for lay in layers)
     before = kernel_calls()
     with torch.no_grad():
         out = m(ids).logits.float()
-    assert _delta(before) == {"triton": len(layers), "reference": 0}  # every linear, once, through the kernel
+    assert _delta(before) == _expected(path, per_call * len(layers))  # every linear, once, on the device's path
     lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
     kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
     top1 = float((ref.argmax(-1) == out.argmax(-1)).float().mean())
@@ -236,32 +251,36 @@ def test_int8_weight_only_on_cuda_runs_the_kernel_and_keeps_bf16_top1():
     assert kl < 1e-4 and top1 >= 0.9, (kl, top1)
 
 
-@pytest.mark.gpu
-def test_int8_linear_compiles_on_cuda_without_graph_breaks():
-    pytest.importorskip("triton")
-    lin = Int8Linear.from_float(nn.Linear(512, 384).cuda().bfloat16())
-    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+def test_int8_linear_compiles_without_graph_breaks(device):
+    path, per_call = DEVICES[device].triton, DEVICES[device].int8_mm_layer_calls
+    if per_call:
+        pytest.importorskip("triton")
+    lin = Int8Linear.from_float(nn.Linear(512, 384).to(device).bfloat16())
+    x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
     eager = lin(x)
     compiled = torch.compile(lin, fullgraph=True)
     before = kernel_calls()
-    assert torch.equal(compiled(x), eager)  # the same kernel, called from the compiled graph
-    assert _delta(before)["triton"] >= 1
+    assert torch.equal(compiled(x), eager)  # the same kernel, called from the compiled graph (CUDA)
+    assert _delta(before)[path] >= per_call
 
 
-@pytest.mark.gpu
-def test_gpu_fast_path_with_int8_weights_is_token_identical():
-    """Int8 weights + static cache + the decode step compiled with CUDA graphs (the gpu-fast preset's path)."""
-    pytest.importorskip("triton")
+def test_fast_decode_with_int8_weights_is_token_identical(device):
+    """Int8 weights + static cache + the decode step compiled as the device's fast preset does (CUDA graphs on CUDA,
+    inductor on CPU): the same greedy tokens as the int8 model run eagerly."""
     from infopt.compile import Compile, compile_stats
     from infopt.kvcache import Static
 
-    eager, m = tiny_model().cuda(), tiny_model().cuda()
+    path, per_call = DEVICES[device].triton, DEVICES[device].int8_mm_layer_calls
+    if per_call:
+        pytest.importorskip("triton")
+    eager, m = tiny_model().to(device), tiny_model().to(device)
     infopt.optimize(eager, [Int8WeightOnly()])
     before = kernel_calls()
-    infopt.optimize(m, [Int8WeightOnly(), Static(max_length=128), Compile(mode="reduce-overhead")])
-    prompts = [torch.tensor([p], device="cuda") for p in ([1, 17, 400, 23, 9], [5, 6, 7, 8, 9, 10, 11, 12])]
+    infopt.optimize(m, [Int8WeightOnly(), Static(max_length=128), Compile(mode=DEVICES[device].decode_compile_mode)])
+    prompts = [torch.tensor([p], device=device) for p in ([1, 17, 400, 23, 9], [5, 6, 7, 8, 9, 10, 11, 12])]
     outs = [m.generate(ids, max_new_tokens=12, do_sample=False) for ids in prompts]
-    assert _delta(before)["triton"] > 0  # prefill (eager) and the graphs' warm-up ran the kernel
+    # CUDA: prefill (eager) and the graphs' warm-up ran the Triton op; CPU: fp32 takes the C++ int8 kernel, not the op
+    assert (_delta(before)[path] > 0) == bool(per_call)
     for ids, out in zip(prompts, outs, strict=True):
         # fp32: the kernel's IEEE dots round alike compiled or not; tokens identical
         assert torch.equal(out, eager.generate(ids, max_new_tokens=12, do_sample=False))
