@@ -130,31 +130,22 @@ def test_kernel_calls_name_the_kernel_each_layer_ran():
     assert _ran(before) == {"cpu": 0, "flash_attn": 0, "reference": 0, "sdpa": 2}
 
 
-def _flash_attn_importable() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [256, 16], ids=["bs256", "bs16"])
-def test_paged_generate_on_cuda(block_size):
+def test_paged_generate_bf16(block_size, device):
     from tests.attention.helpers import assert_greedy_close
+    from tests.devices import DEVICES
 
-    ref = tiny_model("llama", dtype=torch.bfloat16).cuda()
-    m = tiny_model("llama", dtype=torch.bfloat16).cuda()
-    prompt = torch.tensor([[1, 17, 400, 23, 9, 1200, 5]], device="cuda")
+    ref = tiny_model("llama", dtype=torch.bfloat16).to(device)
+    m = tiny_model("llama", dtype=torch.bfloat16).to(device)
+    prompt = torch.tensor([[1, 17, 400, 23, 9, 1200, 5]], device=device)
     infopt.optimize(m, [Paged(block_size=block_size)])
     before = kernel_calls()
     out = m.generate(prompt, max_new_tokens=16, do_sample=False)
     calls = 16 * m.config.num_hidden_layers  # one per layer per forward
-    # flash-attn's paged kernel reads pages of a multiple of 256 tokens only; otherwise, or without flash-attn,
-    # the torch reference
-    flash = block_size % 256 == 0 and _flash_attn_importable()
-    # (the C++ CPU kernel, counted as "cpu", never runs on CUDA tensors)
-    assert _ran(before) == {"flash_attn": calls if flash else 0, "reference": 0 if flash else calls, "sdpa": 0,
-                            "cpu": 0}
+    # the device's kernel where it applies (flash-attn's paged kernel reads pages of a multiple of 256 tokens only;
+    # the C++ CPU kernel never runs on CUDA tensors), else the torch reference; never SDPA
+    want = dict.fromkeys(("cpu", "flash_attn", "reference", "sdpa"), 0)
+    want[DEVICES[device].paged_kernel_for(block_size)] = calls
+    assert _ran(before) == want
     # bf16: the paged kernels and SDPA round differently; identical up to a near-tie (see the helper)
     assert_greedy_close(ref, prompt, out[0, prompt.shape[1]:].tolist(), 16)

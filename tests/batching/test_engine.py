@@ -302,36 +302,34 @@ def test_choose_tokens_mixes_greedy_and_sampled_rows_and_leaves_the_logits_alone
         assert rows[i] == alone[0]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_greedy_matches_generate_on_cuda(dtype):
-    ref, model = tiny_model(dtype=dtype).cuda(), tiny_model(dtype=dtype).cuda()
+def test_greedy_matches_generate_on_the_device(dtype, device):
+    ref, model = tiny_model(dtype=dtype).to(device), tiny_model(dtype=dtype).to(device)
     rng = random.Random(4)
     prompts = _prompts(10, seed=6, hi=70)
     lengths = [rng.randint(1, 16) for _ in prompts]
     # chunked prefill, decoders and prefills sharing steps, preemption
     eng = Engine(model, max_batch_tokens=32, max_seqs=6, kv=Paged(block_size=4, num_blocks=60))
-    assert eng.device.type == "cuda" and eng.cache.device.type == "cuda"
+    assert eng.device.type == device and eng.cache.device.type == device
     outs = eng.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
     assert eng.metrics()["errors"] == 0 and eng.cache.allocator.num_used == 0
     for p, n, o in zip(prompts, lengths, outs, strict=True):
-        if dtype == torch.float32:  # fp32: the paged kernel and SDPA round alike enough for identity
+        if dtype == torch.float32:  # fp32: the paged kernels and SDPA round alike enough for identity
             assert o.token_ids == _solo(ref, p, n), (len(p), n)
         else:  # bf16: identical up to a near-tie (see assert_greedy_close for the tolerance)
             assert_greedy_close(ref, p, o.token_ids, n)
 
 
-@pytest.mark.gpu
-def test_seeded_sampling_on_cuda_is_reproducible():
-    eng = Engine(tiny_model().cuda(), kv=Paged(num_blocks=64))
+def test_seeded_sampling_on_the_device_is_reproducible(device):
+    eng = Engine(tiny_model().to(device), kv=Paged(num_blocks=64))
     sp = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
     h = eng.submit([1, 2, 3], sp)
-    assert h._seq.generator.device.type == "cuda"
+    assert h._seq.generator.device.type == device  # the request's generator draws where its logits are
     alone = h.result().token_ids
     assert len(alone) == 12 and eng.generate([[1, 2, 3]], sp)[0].token_ids == alone  # same seed, same tokens
-    first = _solo(tiny_model().cuda(), [7, 7, 7, 7], 1)[0]
+    first = _solo(tiny_model().to(device), [7, 7, 7, 7], 1)[0]
     crowd = eng.generate([[7, 7, 7, 7], [1, 2, 3], [5]], [
-        SamplingParams(8, eos_token_ids=(first,), min_new_tokens=4),  # greedy, its EOS masked on the GPU logits
+        SamplingParams(8, eos_token_ids=(first,), min_new_tokens=4),  # greedy, its EOS masked on the device logits
         sp, SamplingParams(12, temperature=0.5, seed=2)])
     assert crowd[1].token_ids == alone  # the seed alone decides: not the batch around it
     assert first not in crowd[0].token_ids[:4] and len(crowd[0].token_ids) >= 5

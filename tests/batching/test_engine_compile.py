@@ -132,10 +132,9 @@ def test_compiled_engine_on_the_reference_attention_matches_generate_greedy():
     assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
 
 
-@pytest.mark.gpu
-def test_compiled_engine_on_cuda_matches_generate_greedy():
-    ref = tiny_model("llama").cuda()
-    model = tiny_model("llama").cuda()
+def test_compiled_engine_on_the_device_matches_generate_greedy(device):
+    ref = tiny_model("llama").to(device)
+    model = tiny_model("llama").to(device)
     eng = Engine(model, max_batch_tokens=48, max_seqs=8, kv=Paged(block_size=16, num_blocks=64), compile=True)
     prompts = _prompts(8, seed=3, hi=60)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=12))

@@ -60,10 +60,25 @@ def test_calls_the_engine_does_not_serve_fall_back_with_a_reason():
 
 
 def test_sampling_through_generate_is_served():
-    model = tiny_model()
+    """A sampled generate call served by the engine draws from the model's filtered distribution: every token is
+    among the top 20 of the plain model's logits at its position (teacher-forced over the output, so a wrong cache
+    or position shows), the same global seed draws the same tokens, and other seeds other tokens."""
+    ref, model = tiny_model(), tiny_model()
     enable_(model, Batching(num_blocks=64))
-    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20)
-    assert out.shape == (1, 9) and routing_stats(model).infopt == 1
+    prompt, kw = torch.tensor([[1, 2, 3]]), dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20)
+    draws = []
+    for seed in (0, 0, 1, 2):
+        torch.manual_seed(seed)
+        draws.append(model.generate(prompt, **kw))
+    assert routing_stats(model).infopt == 4
+    out = draws[0]
+    assert torch.equal(out[:, :3], prompt) and out.shape == (1, 9)
+    with torch.no_grad():
+        logits = ref(out).logits[0, 2:-1]  # [6, V]: the logits each new token was drawn from
+    top20 = logits.topk(20, dim=-1).indices
+    assert all(int(t) in top20[i].tolist() for i, t in enumerate(out[0, 3:])), (out, top20[:, :3])
+    assert torch.equal(draws[0], draws[1])
+    assert not (torch.equal(draws[0], draws[2]) and torch.equal(draws[0], draws[3]))
 
 
 def test_pipeline_with_batch_size_runs_through_the_engine(default_tokenizer):
@@ -191,13 +206,12 @@ def test_throughput_preset_is_exact_and_undoes():
     assert "generate" not in model.__dict__ and model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.gpu
-def test_batching_step_on_cuda_greedy_and_sampled():
-    ref, model = tiny_model().cuda(), tiny_model().cuda()
+def test_batching_step_on_the_device_greedy_and_sampled(device):
+    ref, model = tiny_model().to(device), tiny_model().to(device)
     infopt.optimize(model, [Batching(num_blocks=64, max_batch_tokens=8)])
-    ids, mask = (t.cuda() for t in _batch())
+    ids, mask = (t.to(device) for t in _batch())
     a = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert a.device.type == "cuda"
+    assert a.device.type == device
     assert torch.equal(a, ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
     kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": True, "temperature": 0.8, "top_k": 20,
           "top_p": 0.9, "pad_token_id": 0}
@@ -205,18 +219,17 @@ def test_batching_step_on_cuda_greedy_and_sampled():
     s1 = model.generate(ids, **kw)
     torch.manual_seed(0)
     s2 = model.generate(ids, **kw)
-    assert s1.device.type == "cuda" and s1.shape[0] == 3 and torch.equal(s1[:, :6], ids)
+    assert s1.device.type == device and s1.shape[0] == 3 and torch.equal(s1[:, :6], ids)
     assert torch.equal(s1, s2)
     assert routing_stats(model).infopt == 3 and batching_engine(model).metrics()["errors"] == 0
     infopt.undo(model)
 
 
-@pytest.mark.gpu
-def test_dynamic_batcher_serves_a_cuda_model():
-    model = tiny_model().cuda()
-    with DynamicBatcher(lambda **b: model(**b).logits, max_batch_size=4, timeout_ms=2, device="cuda") as score:
+def test_dynamic_batcher_serves_a_model_on_the_device(device):
+    model = tiny_model().to(device)
+    with DynamicBatcher(lambda **b: model(**b).logits, max_batch_size=4, timeout_ms=2, device=device) as score:
         out = score([1, 2, 3])
     with torch.no_grad():
-        want = model(torch.tensor([[1, 2, 3]], device="cuda")).logits[0]
-    assert out.device.type == "cuda" and out.shape == want.shape
+        want = model(torch.tensor([[1, 2, 3]], device=device)).logits[0]
+    assert out.device.type == device and out.shape == want.shape
     torch.testing.assert_close(out, want)

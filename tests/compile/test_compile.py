@@ -158,13 +158,16 @@ def test_sampling_calls_decode_through_the_compiled_step():
     assert compile_stats(m).calls == calls + 5 and compile_stats(m).compiles_after_warmup == 0
 
 
-@pytest.mark.gpu
-def test_reduce_overhead_cuda_token_identical():
-    ref = tiny_model().cuda()
-    m = tiny_model().cuda()
-    infopt.optimize(m, [Static(max_length=256), Compile(mode="reduce-overhead")])
+def test_fast_mode_token_identical_on_the_device(device):
+    """The device's fast compile mode (reduce-overhead, CUDA graphs, on CUDA; inductor's default on CPU) decodes
+    plain generate's greedy tokens, with no compile after the warm-up."""
+    from tests.devices import DEVICES
+
+    ref = tiny_model().to(device)
+    m = tiny_model().to(device)
+    infopt.optimize(m, [Static(max_length=256), Compile(mode=DEVICES[device].decode_compile_mode)])
     for p in _prompts():
-        p = p.cuda()
+        p = p.to(device)
         assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
                            ref.generate(p, max_new_tokens=12, do_sample=False))
     assert compile_stats(m).compiles_after_warmup == 0

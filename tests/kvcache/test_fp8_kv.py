@@ -183,20 +183,19 @@ def test_beam_reorder_moves_fp8_rows():
     assert torch.equal(layer._stores["k"].view().view(torch.uint8), k.flip(0).view(torch.uint8))
 
 
-# -- CUDA ------------------------------------------------------------------------------------------------
+# -- on each device ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_gpu_fp8_cache_greedy_agreement():
-    m = head64(dtype=torch.bfloat16).cuda()
+def test_bf16_fp8_cache_greedy_agreement(device):
+    m = head64(dtype=torch.bfloat16).to(device)
     cache = Quantized(dtype="fp8", residual_length=0).new_cache(m)
     with torch.no_grad():
-        m(torch.tensor([PROMPTS[0]], device="cuda"), past_key_values=cache)
+        m(torch.tensor([PROMPTS[0]], device=device), past_key_values=cache)
     store = cache.layers[0]._stores["k"].view()
-    assert store.is_cuda and store.dtype == torch.float8_e4m3fn
+    assert store.device.type == device and store.dtype == torch.float8_e4m3fn
     use_(m, Quantized(dtype="fp8", residual_length=0))
     for prompt in PROMPTS:
-        ids = torch.tensor([prompt], device="cuda")
+        ids = torch.tensor([prompt], device=device)
         out = m.generate(ids, max_new_tokens=40, do_sample=False)
         # step-wise agreement: at each generated position, would the bf16 model (full recompute, no
         # quantized cache) pick the same token from the same prefix? A late tie does not cascade here.

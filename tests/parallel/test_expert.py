@@ -126,9 +126,10 @@ def test_bad_dispatch_is_refused_before_anything():
         expert_parallel_(tiny_model("mixtral"), dispatch="ring")
 
 
-@pytest.mark.gpu
-def test_nccl_world_of_one_on_cuda():
-    r = launch(workers.nccl_expert_parallel, nprocs=1, backend="nccl")[0]
+def test_world_of_one_on_the_devices_backend(device):
+    from tests.devices import DEVICES
+
+    r = launch(workers.expert_parallel_world_of_one, nprocs=1, backend=DEVICES[device].dist_backend, args=(device,))[0]
     for dispatch in ("all_to_all", "all_reduce"):
         assert r[f"{dispatch}_rel_err"] < 1e-5 and r[f"{dispatch}_tokens_equal"], dispatch
     assert r["undo_logits_equal"]

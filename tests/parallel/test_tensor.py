@@ -113,8 +113,9 @@ def test_default_model_three_ranks_fp32_and_int8(default_model):
         assert r["undo_logits_equal"] and r["undo_state_equal"], name
 
 
-@pytest.mark.gpu
-def test_nccl_world_of_one_on_cuda():
-    r = launch(workers.nccl_world, nprocs=1, backend="nccl")[0]
+def test_world_of_one_on_the_devices_backend(device):
+    from tests.devices import DEVICES
+
+    r = launch(workers.world_of_one, nprocs=1, backend=DEVICES[device].dist_backend, args=(device,))[0]
     assert r["rel_err"] < 1e-4 and r["tokens_equal"]
     assert r["undo_state_equal"]

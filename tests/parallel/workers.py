@@ -263,9 +263,9 @@ def default_cases():
 
 
 
-def nccl_world():
-    """World size 1 over nccl on one GPU: the init path and a sharded forward on CUDA."""
-    m = tiny("llama").to("cuda")
+def world_of_one(device: str):
+    """World size 1 on ``device`` (nccl on one GPU, gloo on CPU): the init path and a sharded forward there."""
+    m = tiny("llama").to(device)
     return tp_case(m)
 
 
@@ -450,13 +450,14 @@ def ep_cases():
     return res
 
 
-def nccl_expert_parallel():
-    """World size 1 over nccl on one GPU: the exchange's collectives (all-to-all, all-gather) on CUDA tensors."""
+def expert_parallel_world_of_one(device: str):
+    """World size 1 on ``device`` (nccl on one GPU, gloo on CPU): the exchange's collectives (all-to-all, all-gather)
+    on that device's tensors."""
     import infopt
     from infopt.parallel import expert_parallel_
 
-    m = tiny_moe("mixtral").to("cuda")
-    ids = torch.tensor(PROMPT, device="cuda")
+    m = tiny_moe("mixtral").to(device)
+    ids = torch.tensor(PROMPT, device=device)
     with torch.no_grad():
         ref = m(ids).logits
     ref_tokens = _greedy(m, ids)
