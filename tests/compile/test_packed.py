@@ -8,6 +8,7 @@ from torch import nn
 
 import infopt
 from infopt.compile import Compile, packed
+from infopt.compile import packed as packed_mod  # where a test names its packed layers `packed`
 from infopt.compile.packed import _PACKED, can_pack, pack_linears_, unpack_linears_
 from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.kvcache import Static
@@ -26,10 +27,17 @@ def test_packed_linear_matches_linear(rows):
     want = lin(x)
     layers = pack_linears_(lin, min_elements=0)
     assert layers == [lin] and "forward" in lin.__dict__
-    got = lin(x)
+    before = packed.kernel_calls()
+    with torch.no_grad():  # inference: the weight's requires_grad would otherwise want a gradient
+        got = lin(x)
+    assert packed.kernel_calls()["packed_linear"] == before["packed_linear"] + 1  # F.linear gives the same numbers
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # the operator has no backward: a call that wants a gradient takes F.linear
+    assert torch.equal(lin(x), want)
+    assert packed.kernel_calls() == {"packed_linear": before["packed_linear"] + 1, "linear": before["linear"] + 1}
     unpack_linears_(layers)
     assert "forward" not in lin.__dict__ and torch.equal(lin(x), want)
+    assert packed.kernel_calls()["packed_linear"] == before["packed_linear"] + 1
 
 
 @needs_onednn
@@ -38,14 +46,15 @@ def test_a_weight_written_after_packing_is_repacked():
     lin = nn.Linear(64, 32, bias=False)
     x = torch.randn(4, 64)
     pack_linears_(lin, min_elements=0)
-    with torch.no_grad():
+    before = packed.kernel_calls()["packed_linear"]
+    with torch.no_grad():  # inference, where the operator serves (a call wanting a gradient takes F.linear)
         lin.weight.mul_(2.0)  # in place: the version counter moves
-    assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
-    twin = copy.deepcopy(lin)  # a copy names the same handle with another weight: it packs its own
-    with torch.no_grad():
+        assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
+        twin = copy.deepcopy(lin)  # a copy names the same handle with another weight: it packs its own
         twin.weight.add_(1.0)
-    assert torch.allclose(twin(x), x @ twin.weight.t(), atol=1e-5)
-    assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
+        assert torch.allclose(twin(x), x @ twin.weight.t(), atol=1e-5)
+        assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
+    assert packed.kernel_calls()["packed_linear"] == before + 3
 
 
 @needs_onednn
@@ -57,8 +66,11 @@ def test_compile_packs_fp32_linears_token_identical_and_undo():
     assert packed and all(type(x) is nn.Linear for x in packed)
     assert any("prepacked" in n for n in m.infopt.steps[-1].notes)
     p = torch.randint(3, 1000, (1, 9))
+    calls = packed_mod.kernel_calls()["packed_linear"]
     assert torch.equal(m.generate(p, max_new_tokens=16, do_sample=False),
                        ref.generate(p, max_new_tokens=16, do_sample=False))
+    # every packed layer ran the operator on every forward (the prompt and 15 compiled decode steps)
+    assert packed_mod.kernel_calls()["packed_linear"] - calls == 16 * len(packed)
     handles = [x._infopt_packed for x in packed]
     infopt.undo(m)
     assert_state_equal(m, before)

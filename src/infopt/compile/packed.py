@@ -12,6 +12,9 @@ the opaque oneDNN tensor). The op takes the weight itself too and packs it again
 counter or storage moved), so a packed layer never computes with stale weights. The values are the weight's own:
 the sums run in another order (like any other kernel), nothing is rounded. The cost is memory: the packed copy sits
 beside the original weight, which stays for ``undo``, ``state_dict`` and tied embeddings.
+
+:func:`kernel_calls` counts the operator's calls (compiled graphs' included) and the packed layers' eager calls that
+took ``F.linear`` instead.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = ["can_pack", "can_pack_dtype", "pack_linears_", "unpack_linears_", "packed_bytes", "usable", "wants_grad",
-           "PACK_ROWS"]
+           "PACK_ROWS", "kernel_calls"]
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -43,6 +46,22 @@ _SLOTS: dict[int, int] = {}  # slot -> the token of the pack_linears_ call holdi
 _SLOT = 1 << 20
 _TOKENS = itertools.count()
 _MODEL_SLOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the slot it was last packed in
+
+
+_CALLS = {"packed_linear": 0, "linear": 0}  # since import (a diagnostic: unlocked, += under the GIL)
+
+
+def kernel_calls() -> dict[str, int]:
+    """Calls since import per kernel: ``packed_linear`` (the operator ran on a prepacked weight: every call, from a
+    compiled graph too, since its kernel is Python calling oneDNN) and ``linear`` (a packed layer's eager forward that
+    took ``F.linear`` instead: an input the operator does not take, or a gradient wanted). Take the difference of two
+    snapshots.
+
+    Example:
+        >>> sorted(kernel_calls())
+        ['linear', 'packed_linear']
+    """
+    return dict(_CALLS)
 
 
 def _release(slot: int, token: int) -> None:
@@ -76,6 +95,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_linear_impl(x, weight, bias, handle):
+    _CALLS["packed_linear"] += 1  # runs when the operator runs, never while tracing (that is the fake below)
     entry = _PACKED.get(handle)
     key = (weight.data_ptr(), weight._version)
     if entry is None or entry[:2] != key:  # a copy's weight, or the weight was written since it was packed
@@ -118,6 +138,8 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not usable(x, self.weight):
+        if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
+            _CALLS["linear"] += 1
         return nn.functional.linear(x, self.weight, self.bias)
     return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
 

@@ -32,10 +32,41 @@ from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
-           "int4_dense_t_reference", "int8_f32_linear", "ROWS"]
+           "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
 
 ROWS = 16
 """Output rows per weight block: the layers' ``out_features`` must be a multiple of it."""
+
+KERNELS = ("int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int8_f32_linear", "int4_a8_dense_t", "reference")
+"""Keys of :func:`kernel_calls`: each C++ operator ``torch.ops.infopt.<key>``, and ``reference`` (any of this module's
+functions computing its torch reference instead: not on the CPU, another dtype, or the C++ kernels not built)."""
+
+_CALLS = dict.fromkeys(KERNELS, 0)  # eager calls per kernel since import (a diagnostic: unlocked, += under the GIL)
+
+
+def kernel_calls() -> dict[str, int]:
+    """Eager calls of :func:`int4_a8_linear`, :func:`int4_a8_linear_n`, :func:`int8_a8_linear`,
+    :func:`int8_f32_linear` and :func:`int4_dense_t` since import, per kernel that served them (:data:`KERNELS`).
+
+    Calls traced into a compiled graph are not counted (the graph calls the operator itself, and a count read while
+    tracing would make dynamo guard on it); :class:`~infopt.quantize.Int8Linear`, which calls the int8 x fp32 operator
+    directly, counts in :func:`infopt.quantize.int8.kernel_calls`. Take the difference of two snapshots.
+
+    Example:
+        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> weight, sm = pack_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
+        >>> before = kernel_calls()
+        >>> _ = int4_a8_linear(torch.randn(1, 64), weight, sm, 32)
+        >>> ran = "int4_a8_linear" if available() else "reference"
+        >>> kernel_calls()[ran] - before[ran]
+        1
+    """
+    return dict(_CALLS)
+
+
+def _count(kernel: str) -> None:
+    if not torch.compiler.is_compiling():
+        _CALLS[kernel] += 1
 
 _READY: list[bool | None] = [None]
 _LOCK = threading.Lock()
@@ -204,8 +235,10 @@ def int4_a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tenso
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        _count("int4_a8_linear")
         y = torch.ops.infopt.int4_a8_linear(x2, weight, scale_min, group)
     else:
+        _count("reference")
         y = int4_a8_reference(x2, weight, scale_min, group)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -216,7 +249,9 @@ def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: l
     quantized once and every weight's blocks share one parallel region. Each output equals
     :func:`int4_a8_linear` with that weight alone, bit for bit."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        _count("int4_a8_linear_n")
         return list(torch.ops.infopt.int4_a8_linear_n(x, weights, scale_mins, group))
+    _count("reference")
     return [int4_a8_reference(x, w, sm, group) for w, sm in zip(weights, scale_mins, strict=True)]
 
 
@@ -225,8 +260,10 @@ def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, sc
     """``x [..., K]`` times an int8 block-layout weight (per-row ``scale``) with int8 dynamic activations."""
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
+        _count("int8_a8_linear")
         y = torch.ops.infopt.int8_a8_linear(x2, weight, wsum, scale, group)
     else:
+        _count("reference")
         y = int8_a8_reference(x2, weight, scale, group)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -245,8 +282,10 @@ def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and x.dtype == torch.float32 and available():
+        _count("int8_f32_linear")
         y = torch.ops.infopt.int8_f32_linear(x2, weight, scale)
     else:
+        _count("reference")
         if scale.dim() == 2:
             w = dequantize(weight, group_block(weight.shape, weight.shape[1] // scale.shape[1]), scale)
             y = F.linear(x2.float(), w)
@@ -281,5 +320,7 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
         (torch.Size([64, 32]), torch.bfloat16, True)
     """
     if weight.device.type == "cpu" and available():
+        _count("int4_a8_dense_t")
         return torch.ops.infopt.int4_a8_dense_t(weight, scale_min, group, dtype)
+    _count("reference")
     return int4_dense_t_reference(weight, scale_min, group, dtype)

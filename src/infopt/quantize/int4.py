@@ -14,6 +14,8 @@ converts to and from one portable layout when saved or loaded:
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
   weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
 
+:func:`kernel_calls` counts which kernel each forward ran.
+
 Portable layout (the ``state_dict``): ``qweight`` uint8 ``[out, in // 2]`` (column ``2j`` in the low
 nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` fp32
 ``[out, in // group_size]`` (zero points: integers from GPTQ/AWQ and ``zero_point="int"``, any value
@@ -39,9 +41,28 @@ from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pa
 from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
-           "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS"]
+           "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls"]
 # pack_int4 / unpack_int4 are infopt.quantize.primitives' (the portable layout is their default), named here too
 
+KERNELS = ("cpu_int4pack", "cuda_tinygemm", "a8", "a8_prompt", "gemv", "gemv_prompt", "plain", "dense")
+"""Keys of :func:`kernel_calls`: a layout's kernel (``a8``: :func:`infopt.quantize.a8.int4_a8_linear`, whose own count
+says whether its C++ kernel ran), ``*_prompt`` (the weight dequantized for one call of many rows), ``plain`` (the torch
+reference: dequantized per call), ``dense`` (the resident copy of ``dense_prefill``)."""
+
+_CALLS = dict.fromkeys(KERNELS, 0)  # eager forwards per kernel since import (a diagnostic: unlocked, += under the GIL)
+
+
+def kernel_calls() -> dict[str, int]:
+    """Eager :class:`Int4Linear` forwards since import per kernel that served them (:data:`KERNELS`); a forward traced
+    into a compiled graph is not counted (the graph calls the kernel itself). Take the difference of two snapshots.
+
+    Example:
+        >>> before = kernel_calls()["plain"]
+        >>> _ = Int4Linear.from_float(nn.Linear(64, 32), group_size=32, layout="plain")(torch.randn(1, 64))
+        >>> kernel_calls()["plain"] - before
+        1
+    """
+    return dict(_CALLS)
 
 
 CUDA_KERNELS = ("tinygemm", "gemv")
@@ -525,24 +546,33 @@ class Int4Linear(KeepsFormat):
         if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
         if dense:
+            kernel = "dense"
             y = F.linear(x.to(wd.dtype), wd).to(x.dtype)
         elif self.layout == "a8" and rows >= A8_PROMPT_MIN_ROWS and _FAST_BF16[0]:
             # prompts: one bf16 GEMM over the weight dequantized for this call
+            kernel = "a8_prompt"
             w_t = a8.int4_dense_t(self.weight_packed, self.scale_min, self.group_size, torch.bfloat16)
             y = torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
         elif self.layout == "a8":
+            kernel = "a8"
             y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
         elif self.layout == "gemv" and rows <= GEMV_MAX_ROWS:
+            kernel = "gemv"
             y = w4_gemv(x, self.qweight, self.scale_offset, self.group_size)
         elif self.layout == "gemv":  # prompts: the weight dequantized for the call, one matmul
+            kernel = "gemv_prompt"
             y = F.linear(x, w4_dequantize(self.qweight, self.scale_offset, self.group_size, x.dtype))
         elif self.layout == "plain":
+            kernel = "plain"
             w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
             y = F.linear(x, w)
         else:
+            kernel = self.layout  # cpu_int4pack or cuda_tinygemm
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
             y = self._kernel(x2, self.weight_packed, self.scale_offset)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
+            _CALLS[kernel] += 1
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,10 +1,11 @@
 """Int8 weight-only quantization: per-output-channel symmetric round-to-nearest; int8 matmul kernels on CPU (torch's)
-and CUDA (Triton, :mod:`infopt.quantize.triton_int8`)."""
+and CUDA (Triton, :mod:`infopt.quantize.triton_int8`). :func:`kernel_calls` counts which kernel each forward ran."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -22,7 +23,34 @@ from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, qu
 from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 from .triton_int8 import MM_DTYPES, int8_weight_mm
 
-__all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact"]
+__all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact",
+           "KERNELS", "kernel_calls"]
+
+KERNELS = ("int8_f32_linear", "dequantized_chunks", "int8_a8_linear", "dequantized", "w8_gemv", "int8_weight_mm",
+           "weight_int8pack_mm", "reference")
+"""Keys of :func:`kernel_calls`: infopt's C++ int8 x fp32 operator; without it, the weight dequantized a chunk of rows
+at a time (fp32 on CPU); int8 activations (:func:`infopt.quantize.a8.int8_a8_linear`, whose count says whether its C++
+kernel ran); the weight dequantized per call (group scales off the fp32 CPU path); the Triton ops (CUDA, or Triton's
+interpreter); ``torch._weight_int8pack_mm`` (CPU, bf16/fp16); ``reference``: the int8 weight cast, times the scales."""
+
+_CALLS = dict.fromkeys(KERNELS, 0)  # eager forwards per kernel since import (a diagnostic: unlocked, += under the GIL)
+
+# Triton's CPU interpreter (tests): CPU layers take the Triton ops' routes, as CUDA layers do (read once, at import)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_calls() -> dict[str, int]:
+    """Eager :class:`Int8Linear` forwards since import per kernel that served them (:data:`KERNELS`); a forward traced
+    into a compiled graph is not counted (the graph calls the kernel itself). Take the difference of two snapshots.
+
+    Example:
+        >>> layer = Int8Linear.from_float(nn.Linear(64, 32), compute_dtype="bfloat16")
+        >>> before = kernel_calls()["weight_int8pack_mm"]
+        >>> _ = layer(torch.randn(1, 64))
+        >>> kernel_calls()["weight_int8pack_mm"] - before  # bf16 activations on torch's fused CPU kernel
+        1
+    """
+    return dict(_CALLS)
 
 _COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
 
@@ -374,28 +402,35 @@ class Int8Linear(KeepsFormat):
             # the int8 kernel (per-channel or per-group scales), decode and prompts alike (faster than an fp32 GEMM
             # over the dequantized weight at every row count measured, 4 to 2,048); called directly: this layer
             # runs about 200 times per token, and each Python step costs
+            kernel = "int8_f32_linear"
             y = torch.ops.infopt.int8_f32_linear(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
         elif fp32_cpu and not torch.compiler.is_compiling():
             # without the C++ kernels: the dequantized weight, a chunk of rows at a time
+            kernel = "dequantized_chunks"
             y = _dequantized_matmul(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
         elif fp32_cpu:  # while compiling without the C++ kernels: the dequantized weight
+            kernel = "dequantized"
             y = F.linear(x, self.dequantize())
         elif self.activations == "int8":
+            kernel = "int8_a8_linear"
             y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
         elif self.group_size is not None:  # other devices and dtypes: the dequantized weight
-            wd = cd or x.dtype
+            kernel, wd = "dequantized", cd or x.dtype
             y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
-        elif x.is_cuda and (cd or x.dtype) in MM_DTYPES:
+        elif (x.is_cuda or _INTERPRET) and (cd or x.dtype) in MM_DTYPES:
             # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
             # to dequantize-then-matmul, warning once, where Triton is missing)
             wd = cd or x.dtype
             if self.cuda_kernel == "gemv" and x.numel() <= GEMV_MAX_ROWS * self.in_features:
+                kernel = "w8_gemv"
                 y = w8_gemv(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
             else:
+                kernel = "int8_weight_mm"
                 y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
         elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
+            kernel = "weight_int8pack_mm"
             if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
                 # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
                 # memory-mapped file at another offset can crash it (SIGSEGV), so take an allocation of our own;
@@ -406,9 +441,11 @@ class Int8Linear(KeepsFormat):
             y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale(cd))
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:
-            wd = cd or x.dtype
+            kernel, wd = "reference", cd or x.dtype
             y = F.linear(x.to(wd), self.weight_int8.to(wd)) * self._scale(wd)
             y = y.to(x.dtype)
+        if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
+            _CALLS[kernel] += 1
         if self.bias is not None:
             y = y + self.bias
         return y
