@@ -209,9 +209,9 @@ PRESETS: dict[str, Preset] = {
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                               "activations": "auto"}},
                 {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "aot": "auto"}})),
-        Preset("memory-saver", "smallest weights + KV cache within KL < 0.02: int4 weights (group 32, int8 head) and "
-               "an int4 KV cache",
-               ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True}},
+        Preset("memory-saver", "smallest weights + KV cache within KL < 0.02: int4 weights (group 32, int8 head that a "
+               "tied embedding shares) and an int4 KV cache; decode is not compiled (slower than cpu-fast)",
+               ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True}},
                 {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
                "prefix caching, its steps compiled on CPU (a minute or so while the recipe is applied); lossless "
