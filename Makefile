@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.infopt-installed
 
-.PHONY: demo test setup lint clean-venv
+.PHONY: demo test test-fast setup lint clean-venv
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup.sh
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the developer's loop: tiny-model and pure-logic tests, no compile-heavy (slow) or real-model tests, on every core
+# (one thread per worker: two workers of two threads each would fight over two cores). `make test` runs everything.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow and not real_model" -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
