@@ -119,39 +119,60 @@ def test_quality_int8_gates(pytester):
     res.assert_outcomes(passed=1, failed=1)
 
 
-def test_gpu_marker_skips_on_cpu(pytester):
-    pytester.makepyfile(test_g="""
-        import pytest
-        import torch
+GPU_PROJECT = """
+import os
 
-        @pytest.mark.gpu
-        def test_needs_cuda():
-            assert torch.cuda.is_available()
+import pytest
+import torch
 
-        def test_device(infopt_device):
-            assert infopt_device == "cpu" or infopt_device.startswith("cuda:")
-            torch.zeros(1, device=infopt_device)
-    """)
-    gpus = torch.cuda.device_count()
+@pytest.mark.gpu
+def test_needs_cuda():
+    assert torch.cuda.is_available()
+
+def test_device(infopt_device):
+    assert infopt_device == "cpu" or infopt_device.startswith("cuda:")
+    if infopt_device == "cpu" or not os.environ.get("INFOPT_TEST_FAKE_GPUS"):  # a faked GPU holds no memory
+        torch.zeros(1, device=infopt_device)
+"""
+
+
+def _gpu_outcomes(gpus: int) -> dict[str, dict[str, int]]:
+    """What each run of :data:`GPU_PROJECT` gives with ``gpus`` visible CUDA devices. Collected: test_needs_cuda
+    (marked gpu) and test_device once on cpu and once per GPU (marked gpu), so ``2 + gpus`` tests."""
+    if gpus:
+        return {"all": {"passed": 2 + gpus},  # every test runs
+                "-m gpu": {"passed": 1 + gpus, "deselected": 1},  # test_needs_cuda and the CUDA parameters
+                "--infopt-device cpu": {"passed": 2}}  # test_needs_cuda and test_device[cpu]
+    return {"all": {"passed": 1, "skipped": 1},  # test_device[cpu]; test_needs_cuda skipped
+            "-m gpu": {"skipped": 1, "deselected": 1},
+            "--infopt-device cpu": {"passed": 1, "skipped": 1}}
+
+
+@pytest.mark.parametrize("fake_gpus", [None, 0, 1, 2], ids=["this-machine", "0-gpus", "1-gpu", "2-gpus"])
+def test_gpu_marker_and_device_parameters(pytester, monkeypatch, fake_gpus):
+    """The gpu marker skips without CUDA and infopt_device gives cpu plus one parameter per GPU: on this machine, and
+    with 0, 1 and 2 GPUs faked (torch.cuda's count and availability, read by the in-process run), so every branch's
+    counts are checked on a CPU-only machine too."""
+    if fake_gpus is not None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: fake_gpus)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: fake_gpus > 0)
+        monkeypatch.setenv("INFOPT_TEST_FAKE_GPUS", "1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = _gpu_outcomes(gpus)
+    pytester.makepyfile(test_g=GPU_PROJECT)
     res = pytester.runpytest("--strict-markers", "-rs", "-v")
-    if gpus:  # test_device runs on cpu and on every visible GPU; test_needs_cuda runs
-        res.assert_outcomes(passed=2 + gpus)
+    res.assert_outcomes(**want["all"])
+    res.stdout.fnmatch_lines(["*test_device?cpu? PASSED*"])
+    if gpus:
         res.stdout.fnmatch_lines(["*test_needs_cuda PASSED*"])
-        res.stdout.fnmatch_lines(["*test_device?cpu? PASSED*", *(f"*test_device?cuda{i}? PASSED*" for i in range(gpus))])
+        res.stdout.fnmatch_lines([f"*test_device?cuda{i}? PASSED*" for i in range(gpus)])
     else:
-        res.assert_outcomes(passed=1, skipped=1)
         res.stdout.fnmatch_lines(["*SKIPPED*needs a CUDA device; none is visible*"])
         res.stdout.no_fnmatch_line("*test_device?cuda*")
     res = pytester.runpytest("-m", "gpu", "-v")  # the CUDA parameters carry the gpu marker
-    if gpus:
-        res.assert_outcomes(passed=1 + gpus, deselected=1)
-    else:
-        res.assert_outcomes(skipped=1, deselected=1)
+    res.assert_outcomes(**want["-m gpu"])
     res = pytester.runpytest("--infopt-device", "cpu", "-v")
-    if gpus:
-        res.assert_outcomes(passed=2)
-    else:
-        res.assert_outcomes(passed=1, skipped=1)
+    res.assert_outcomes(**want["--infopt-device cpu"])
     res.stdout.fnmatch_lines(["*test_device?cpu? PASSED*"])
     res.stdout.no_fnmatch_line("*test_device?cuda*")
 
