@@ -13,7 +13,10 @@ from tests import devices
 UNIT_ARCHS = ("llama", "qwen2", "gemma", "gpt2")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: the rule sees every collected test
 def pytest_collection_modifyitems(config, items):
+    # every gpu test is the cuda parameter of a body CPU CI also runs, or sits on devices.CUDA_ONLY with a reason
+    devices.check_gpu_tests(items, devices.CUDA_ONLY, args=config.args)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
