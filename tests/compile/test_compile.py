@@ -381,14 +381,19 @@ def test_a_shape_that_recompiles_past_its_budget_runs_eagerly(monkeypatch):
     assert list(stats.eager_shapes.values()) == ["_GraphNotHeld: the decode step recompiled 2 times for one shape"]
 
 
-def test_cold_shape_compile_is_announced_once(caplog):
+def test_every_cold_shape_compile_is_announced_the_remedy_once(caplog):
+    """Each compile a call waits for after the warm-up is a stall the user sees: each is logged, the first with how
+    to avoid it (warm those shapes up)."""
     m = tiny_model()
     infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])
     with caplog.at_level("WARNING", logger="infopt.compile"):
         m.generate(torch.randint(3, 1000, (1, 300)), max_new_tokens=3, do_sample=False)  # the 512 bucket: cold
         m.generate(torch.randint(3, 1000, (2, 20)), max_new_tokens=3, do_sample=False)  # batch 2: cold too
-    cold = [r for r in caplog.records if "the warm-up did not cover" in r.getMessage()]
-    assert len(cold) == 1 and "batch 1, cache 512, unpadded" in cold[0].getMessage()
+        m.generate(torch.randint(3, 1000, (2, 20)), max_new_tokens=3, do_sample=False)  # warm now: nothing said
+    cold = [r.getMessage() for r in caplog.records if "the warm-up did not cover" in r.getMessage()]
+    assert len(cold) == 2
+    assert "batch 1, cache 512, unpadded" in cold[0] and "warmup_batch_sizes" in cold[0]
+    assert "batch 2, cache 256, unpadded" in cold[1] and "warmup_batch_sizes" not in cold[1]
     assert compile_stats(m).compiles_after_warmup == 2
 
 
