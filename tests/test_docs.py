@@ -195,6 +195,73 @@ def test_recipes_stage_table_lists_the_registered_kinds():
             assert sorted(listed) == sorted(kinds), f"docs/recipes.md: stage {stage} lists {listed}, the code {kinds}"
 
 
+def _field_default(cls, name):
+    import dataclasses
+
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _step_sections():
+    """``(stage, class path, rows, header)`` for the first table of each ``### `stage` — `infopt...` `` section of
+    docs/recipes.md's Steps."""
+    text = (ROOT / "docs/recipes.md").read_text()
+    found = []
+    for m in re.finditer(r"^### `(\w+)` — `([\w.]+)`$", text, flags=re.M):
+        body = text[m.end():].split("\n### ", 1)[0]
+        lines = [ln for ln in body.splitlines() if ln.startswith("|")]
+        start = body.splitlines().index(lines[0])
+        table = []
+        for ln in body.splitlines()[start:]:
+            if not ln.startswith("|"):
+                break
+            table.append([c.strip() for c in ln.strip("|").split(" | ")])
+        found.append(pytest.param(m[1], m[2], table[2:], table[0], id=m[1]))
+    return found
+
+
+@pytest.mark.parametrize(("stage", "where", "rows", "header"), _step_sections())
+def test_recipes_field_tables_are_the_dataclasses(stage, where, rows, header):
+    """Each step's field table in docs/recipes.md lists the config's fields, in order, with their defaults (what
+    ``infopt recipes --fields`` prints)."""
+    import dataclasses
+    import importlib
+
+    import yaml
+
+    from infopt.core.step import STEP_TYPES
+
+    def doc_value(cell):
+        return yaml.safe_load(cell.strip("`"))
+
+    if header[0] == "field":  # one config: | field | type | default | allowed |
+        module, _, name = where.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert cls is STEP_TYPES[stage][None]
+        tables = {None: (cls, [(r[0].strip("`"), doc_value(r[2])) for r in rows])}
+    else:  # one row per kind: | `method` | config | fields (defaults) | ...
+        tables = {}
+        for r in rows:
+            kind, config = r[0].strip("`"), r[1].strip("`")
+            assert kind in STEP_TYPES[stage], f"docs/recipes.md: {stage} has no kind {kind!r}"
+            cls = STEP_TYPES[stage][kind]
+            assert config == cls.__name__, f"docs/recipes.md: {stage}:{kind} is {cls.__name__}, the table says {config}"
+            listed = re.findall(r"`(\w+)` \(`([^`]*)`", r[2])
+            tables[kind] = (cls, [(n, yaml.safe_load(v)) for n, v in listed])
+        missing = sorted(set(STEP_TYPES[stage]) - set(tables))
+        assert not missing, f"docs/recipes.md: the {stage} table has no row for {missing}"
+    for kind, (cls, listed) in tables.items():
+        key = f"{stage}:{kind}" if kind else stage
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert [n for n, _ in listed] == names, (
+            f"docs/recipes.md lists {key}'s fields as {[n for n, _ in listed]}; {cls.__name__} has {names} "
+            f"(`infopt recipes --fields {key}`)")
+        for name, shown in listed:
+            assert shown == _field_default(cls, name), (
+                f"docs/recipes.md: {key}.{name} defaults to {_field_default(cls, name)!r}, the table says {shown!r}")
+
+
 # -- the collector itself ------------------------------------------------------------------------------
 
 _SAMPLE = '''# Sample
