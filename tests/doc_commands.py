@@ -163,26 +163,25 @@ def _help_options(text: str) -> frozenset[str]:
 
 @functools.cache
 def infopt_options(command: str) -> frozenset[str] | None:
-    """The options ``infopt COMMAND`` takes (None: no such command)."""
-    if command == "demo":  # the demo parses its own options
-        from infopt.demo import main
+    """The options ``infopt COMMAND`` takes, read from its ``--help`` (None: no such command)."""
+    if command not in infopt_commands():
+        return None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        if command == "demo":  # the demo parses its own options
+            from infopt.demo import main
 
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             main(["--help"])
-        return _help_options(out.getvalue())
-    sub = _subparsers().get(command)
-    return None if sub is None else _help_options(sub.format_help())
+        else:
+            _infopt_parser().parse_args([command, "--help"])
+    return _help_options(out.getvalue())
 
 
-def _subparsers() -> dict:
-    import argparse
-
-    parser = _infopt_parser()
-    for action in parser._actions:  # argparse offers no public accessor for its subparsers
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+@functools.cache
+def infopt_commands() -> tuple[str, ...]:
+    """The commands ``infopt --help`` lists (``{recipes,optimize,...}``)."""
+    m = re.search(r"\{([\w,-]+)\}", _infopt_parser().format_usage())
+    return tuple(m[1].split(",")) if m else ()
 
 
 def _parse_error(argv: list[str]) -> str | None:
@@ -251,7 +250,7 @@ def _check_infopt(args: list[str], whole: bool = True) -> list[str]:
     command, rest = args[0], args[1:]
     known = infopt_options(command)
     if known is None:
-        return [f"infopt has no command {command!r} ({', '.join(_subparsers())})"]
+        return [f"infopt has no command {command!r} ({', '.join(infopt_commands())})"]
     problems = _check_flags(_flags(rest), known, f"infopt {command}")
     if whole and not problems and command != "demo" and not any(_is_placeholder(w) for w in rest):
         if (err := _parse_error(args)) is not None:
