@@ -60,10 +60,25 @@ def test_calls_the_engine_does_not_serve_fall_back_with_a_reason():
 
 
 def test_sampling_through_generate_is_served():
-    model = tiny_model()
+    """A sampled generate call served by the engine draws from the model's filtered distribution: every token is
+    among the top 20 of the plain model's logits at its position (teacher-forced over the output, so a wrong cache
+    or position shows), the same global seed draws the same tokens, and other seeds other tokens."""
+    ref, model = tiny_model(), tiny_model()
     enable_(model, Batching(num_blocks=64))
-    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20)
-    assert out.shape == (1, 9) and routing_stats(model).infopt == 1
+    prompt, kw = torch.tensor([[1, 2, 3]]), dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20)
+    draws = []
+    for seed in (0, 0, 1, 2):
+        torch.manual_seed(seed)
+        draws.append(model.generate(prompt, **kw))
+    assert routing_stats(model).infopt == 4
+    out = draws[0]
+    assert torch.equal(out[:, :3], prompt) and out.shape == (1, 9)
+    with torch.no_grad():
+        logits = ref(out).logits[0, 2:-1]  # [6, V]: the logits each new token was drawn from
+    top20 = logits.topk(20, dim=-1).indices
+    assert all(int(t) in top20[i].tolist() for i, t in enumerate(out[0, 3:])), (out, top20[:, :3])
+    assert torch.equal(draws[0], draws[1])
+    assert not (torch.equal(draws[0], draws[2]) and torch.equal(draws[0], draws[3]))
 
 
 def test_pipeline_with_batch_size_runs_through_the_engine(default_tokenizer):
