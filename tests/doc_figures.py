@@ -102,7 +102,10 @@ def markers(path: Path) -> list[Marker]:
     code = _code_lines(lines)
     found = []
     for i, line in enumerate(lines):
+        spans = [c.span() for c in re.finditer(r"`[^`]*`", line)]  # a comment shown as inline code is no marker
         for m in _MARKER.finditer(line):
+            if any(a < m.start() < b for a, b in spans):
+                continue
             before = line[:m.start()]
             if not before.strip() and i > 0:  # a comment opening a line follows the figure ending the line above
                 before = lines[i - 1]

@@ -158,6 +158,12 @@ Decode went 6.1x faster.
     assert unmarked(page)[-1].endswith("6.1x")
 
 
+def test_a_marker_shown_as_inline_code_is_no_marker(tmp_path):
+    page = tmp_path / "sample.md"
+    page.write_text("Write `1.42x <!-- fig: run.json ratios.x %.2fx -->` after a figure.\n")
+    assert markers(page) == []
+
+
 def test_a_marker_inside_a_code_block_is_refused(tmp_path):
     page = tmp_path / "sample.md"
     page.write_text("```\n7.72x <!-- fig: run.json ratios.decode_tokens_per_s %.2fx -->\n```\n")
