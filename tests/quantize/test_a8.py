@@ -137,18 +137,24 @@ def test_int4_kernel_sqnr_floor_against_the_float_weight(shape, rows):
     n, k = shape
     weight, sm = a8.pack_int4(*_int4(n, k, 32))
     x = torch.randn(rows, k)
+    before = a8.kernel_calls()["int4_a8_linear"]
     got = a8.int4_a8_linear(x, weight, sm, 32)
+    assert a8.kernel_calls()["int4_a8_linear"] == before + 1  # the C++ kernel, not its reference
     assert _sqnr_db(got, x @ _float_weight(weight, sm).t()) > 38
 
 
 @kernel
 def test_fused_call_is_bit_identical_to_separate_calls():
     parts = [a8.pack_int4(*_int4(n, 576, 32, seed=n)) for n in (576, 192, 192)]
+    before = a8.kernel_calls()
     for rows in (1, 3, 17):
         x = torch.randn(rows, 576)
         fused = a8.int4_a8_linear_n(x, [w for w, _ in parts], [s for _, s in parts], 32)
         for (w, s), y in zip(parts, fused, strict=True):
             assert torch.equal(y, a8.int4_a8_linear(x, w, s, 32))
+    # both sides ran the C++ operators (their references would agree bit for bit as well)
+    calls = {k: v - before[k] for k, v in a8.kernel_calls().items()}
+    assert (calls["int4_a8_linear_n"], calls["int4_a8_linear"], calls["reference"]) == (3, 9, 0)
 
 
 @kernel
@@ -256,12 +262,14 @@ def test_a8_layers_multiply_prompts_by_a_weight_dequantized_per_call(x_dtype, mo
     monkeypatch.setattr(int4, "_FAST_BF16", [True])
     x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
     w_t = a8.int4_dense_t_reference(layer.weight_packed, layer.scale_min, 32)
+    before = int4.kernel_calls()
     assert torch.equal(layer(x), torch.matmul(x.to(torch.bfloat16), w_t).to(x_dtype) + layer.bias)
     x = torch.randn(int4.A8_PROMPT_MIN_ROWS - 1, 64, dtype=x_dtype)  # fewer rows: the integer kernel
     assert torch.equal(layer(x), kernel(x))
     monkeypatch.setattr(int4, "_FAST_BF16", [False])  # without native bf16 GEMMs the kernel takes every row count
     x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
     assert torch.equal(layer(x), kernel(x))
+    assert {k: v - before[k] for k, v in int4.kernel_calls().items() if v != before[k]} == {"a8_prompt": 1, "a8": 2}
 
 
 # -- layers and recipes --------------------------------------------------------------------------------------------
@@ -421,11 +429,13 @@ def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies(monkeypatch
     torch.manual_seed(0)
     layer = Int4Linear.from_float(torch.nn.Linear(64, 32, bias=False), group_size=32, layout="a8")
     layer.enable_dense()
+    before = int4.kernel_calls()
     for rows in (1, 8, A8_DENSE_MIN_ROWS - 1):
         x = torch.randn(rows, 64)
         assert torch.equal(layer(x), a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, 32))
     x = torch.randn(A8_DENSE_MIN_ROWS, 64)
     assert torch.equal(layer(x), torch.nn.functional.linear(x.to(torch.bfloat16), layer.weight_dense).float())
+    assert {k: v - before[k] for k, v in int4.kernel_calls().items() if v != before[k]} == {"a8": 3, "dense": 1}
 
 
 def test_int8_activations_without_the_kernel_run_the_reference_with_the_cpu_kernels_numbers(monkeypatch, device):
@@ -438,7 +448,9 @@ def test_int8_activations_without_the_kernel_run_the_reference_with_the_cpu_kern
     m = _a8_model()
     n_int4 = sum(isinstance(mod, Int4Linear) for mod in m.modules())
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    ran, before = "int4_a8_linear" if a8.available() else "reference", a8.kernel_calls()
     cpu = m(ids).logits  # the C++ kernel where it builds
+    assert a8.kernel_calls()[ran] - before[ran] == n_int4
     monkeypatch.setattr(a8, "available", lambda: False)  # what a device without the kernels sees
     calls = count_calls(monkeypatch, "infopt.quantize.a8", "int4_a8_reference")
     out = m.to(device)(ids.to(device)).logits.cpu()

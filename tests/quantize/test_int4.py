@@ -9,6 +9,7 @@ from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly, Int8Linear, Int8WeightOnly, quantize_
+from infopt.quantize.int4 import kernel_calls as int4_kernel_calls
 from infopt.quantize.int4 import pack_int4, quantize_int4_grouped, unpack_int4
 from infopt.recipe import Recipe
 
@@ -57,7 +58,9 @@ def test_int4_linear_sqnr_and_paths_agree(group, layout):
         q = Int4Linear(256, 128, group, bias=True, dtype=torch.float32, layout="plain")
         q.load_state_dict(ref_q.state_dict())
     x = torch.randn(2, 5, 256)
+    before = int4_kernel_calls()[q.layout]
     out = q(x)
+    assert int4_kernel_calls()[q.layout] == before + 1  # the layout's own kernel served the call
     assert out.shape == (2, 5, 128) and out.dtype == torch.float32
     # 4-bit grouped weights on Gaussian weights: ~20-25 dB; a floor well clear of noise
     assert sqnr_db(lin(x), out) > 17

@@ -83,11 +83,22 @@ def test_op_schema_fake_and_compile():
 
 
 def test_int8_linear_on_cpu_does_not_call_the_op():
+    """On CPU the layer runs its CPU kernels, counted: bf16 activations (``auto`` on a CPU whose C++ kernels lack
+    AVX-512) on ``torch._weight_int8pack_mm``; fp32 on infopt's C++ int8 x fp32 kernel where it builds."""
+    from infopt.quantize import a8, int8
+
     lin = nn.Linear(64, 32)
-    before = kernel_calls()
-    for cd in ("auto", "float32"):
-        Int8Linear.from_float(lin, compute_dtype=cd)(torch.randn(2, 64))
+    before, layer_before = kernel_calls(), int8.kernel_calls()
+    want = {}
+    for cd in ("auto", "bfloat16", "float32"):
+        layer = Int8Linear.from_float(lin, compute_dtype=cd)
+        with torch.no_grad():
+            layer(torch.randn(2, 64))
+        fp32 = "int8_f32_linear" if a8.available() else "dequantized_chunks"
+        kernel = fp32 if layer.compute_dtype == torch.float32 else "weight_int8pack_mm"
+        want[kernel] = want.get(kernel, 0) + 1
     assert _delta(before) == {"triton": 0, "reference": 0}
+    assert {k: v - layer_before[k] for k, v in int8.kernel_calls().items() if v != layer_before[k]} == want
 
 
 def test_missing_triton_warns_once_and_falls_back(monkeypatch):
