@@ -154,6 +154,50 @@ def test_kernels_numerics_in_tritons_cpu_interpreter():
         assert db > FLOORS[dtype], (kind, _w, m, n, k, dt, db)
 
 
+ROUTING_SCRIPT = r"""
+import json, torch
+from torch import nn
+import infopt.quantize.int8 as q8
+from infopt.quantize.triton_gemv import kernel_calls as gemv_calls
+from infopt.quantize.triton_int8 import kernel_calls as tl_dot_calls
+from tests.quantize.test_triton_gemv import sqnr_db
+
+lin = nn.Linear(256, 128, dtype=torch.bfloat16)
+weight, bias = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
+layer = q8.Int8Linear.from_float(lin)
+layer.cuda_kernel = "gemv"
+rows = []
+for m in (1, 8, 9):
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    before = (gemv_calls(), tl_dot_calls(), q8.kernel_calls())
+    with torch.no_grad():
+        y = layer(x)
+    after = (gemv_calls(), tl_dot_calls(), q8.kernel_calls())
+    delta = [{k: a[k] - b[k] for k in a if a[k] != b[k]} for a, b in zip(after, before)]
+    rows.append([m, delta, sqnr_db(x.float() @ weight.T + bias, y)])
+print(json.dumps(rows))
+"""
+
+
+def test_int8_gemv_routing_in_tritons_cpu_interpreter():
+    """The CPU twin of the int8 layer's CUDA routing (``test_int8_gemv_kernel_serves_decode_rows``): under Triton's
+    interpreter a bf16 ``Int8Linear`` with ``cuda_kernel="gemv"`` sends up to 8 rows to the GEMV kernel and more to the
+    tl.dot kernel, each counted as a kernel run (not its reference), within the int8 weights' rounding."""
+    pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", ROUTING_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(m, gemv, tl_dot, layer) for m, (gemv, tl_dot, layer), _ in rows] == [
+        (1, {"triton": 1}, {}, {"w8_gemv": 1}),
+        (8, {"triton": 1}, {}, {"w8_gemv": 1}),
+        (9, {}, {"triton": 1}, {"int8_weight_mm": 1}),
+    ]
+    assert all(db > 40 for *_, db in rows), rows  # as on CUDA: int8 weights and a bf16 output, bias included
+
+
 def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
     """Triton compiles both kernels to cubin with its bundled ptxas and no device (fp8 weights for sm_90 only), and,
     given 16-byte aligned pointers (what Triton specializes a launch on for torch's allocations), reads the weights
