@@ -30,7 +30,6 @@ ROWS = {
     "cpu-fast (int4 g32, int8 head, int8 activations where the CPU has VNNI/AVX2)": CPU_FAST,
     "activations: float": {**CPU_FAST, "activations": "float"},
     "group_size: 64": {**CPU_FAST, "group_size": 64},
-    "group_size: 128": {**CPU_FAST, "group_size": 128},
     "head in fp32 (include_lm_head: false)": {**CPU_FAST, "include_lm_head": False, "share_embedding": False},
     "int8 weights (method: int8, int8 head)": {"method": "int8", "include_lm_head": True},
 }
