@@ -25,8 +25,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow and not real_model" -p no:cacheprovider
 
+# ruff, then infopt's floors (.importlinter: imports only point down, no loops; tests/test_layering.py runs them too)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,6 +2,7 @@
 
 import sys
 
+import pytest
 import torch
 
 import infopt
@@ -51,3 +52,19 @@ def test_step_seconds_include_the_warm_up_the_user_waited_for():
     if sys.platform.startswith("linux"):  # the process's memory around the apply, read from /proc
         assert m.infopt.rss_before > 0 and m.infopt.rss_after > 0
         assert "process memory (RSS) while applying" in str(m.infopt)
+
+
+def test_the_gate_can_ask_for_the_originals_chat_answers(default_tokenizer):
+    """min_answers: the share of the built-in chat questions answered token for token as the original does."""
+    from infopt.core.errors import RecipeError
+    from infopt.eval import gate_failures
+
+    m = infopt.optimize(tiny_model("llama"), [{"kvcache": "static"}], gate={"min_answers": 1.0},
+                        tokenizer=default_tokenizer)
+    assert m.infopt.gate["answers"] == 1.0  # a lossless step keeps every answer of a tiny model
+    assert "answers=1" in str(m.infopt)
+    with pytest.raises(RecipeError, match=r"min_answers=75 is out of range.*Did you mean 0.75\?"):
+        infopt.optimize(tiny_model("llama"), [{"kvcache": "static"}], gate={"min_answers": 75})
+    figures = {"kl": 0.0, "top1": 1.0, "ppl": 1.0, "ppl_ref": 1.0, "answers": 0.625}
+    assert gate_failures(figures, {"min_answers": 0.75}) == ["chat answers identical 0.625 < min_answers 0.75"]
+    assert gate_failures(figures, {"min_answers": 0.5}) == []

@@ -19,6 +19,7 @@ from . import optimize
 from .core.introspect import param_bytes
 from .eval import compare, reference_logits
 from .eval.answers import CHAT_PROMPTS, answer_agreement, chat_ids, reference_answers
+from .models import load_default
 
 __all__ = ["main", "measure_decode", "interleaved_rates", "SPREAD_WARNING"]
 
@@ -80,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers", type=int, default=len(CHAT_PROMPTS),
                    help=f"built-in chat questions whose greedy answers are compared (0-{len(CHAT_PROMPTS)})")
     args = p.parse_args(argv)
-
-    from .models import load_default
 
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu", flush=True)

@@ -17,11 +17,18 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_model
 from torch import nn
 
+from ._version import __version__
+from .compile.saved import COMPILED_DIR, load_steps, save_steps, skipping_warmup, steps_fit
+from .compile.step import Compile, warmup
 from .core.errors import CheckpointError
 from .core.integrity import MANIFEST_FILE, verify_async, verify_manifest, write_manifest
+from .core.save_hook import install_save_hook, register_save_writer
 from .optimize import optimize
+from .quantize.int8 import saving_compact
+from .quantize.serialize import restore_saved_names
 from .recipe import Recipe
 
 __all__ = ["save_optimized", "load_optimized", "load", "install_save_hook", "write_manifest", "RECIPE_FILE",
@@ -49,8 +56,6 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None, *, c
     Raises:
         ValueError: the model was not optimized with :func:`infopt.optimize`.
     """
-    from safetensors.torch import save_model
-
     report = model.__dict__.get("infopt")
     if report is None:
         raise ValueError("save_optimized needs a model optimized with infopt.optimize(); use save_pretrained otherwise")
@@ -62,14 +67,10 @@ def save_optimized(model: nn.Module, directory: str | Path, tokenizer=None, *, c
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     _write_recipe(model, out)
-    from .quantize.int8 import saving_compact
-
     with saving_compact():  # tensors rebuilt from others at load (a shared embedding) are not written
         save_model(model, str(out / WEIGHTS_FILE))
     _normal_mode(out / WEIGHTS_FILE)
     if compiled:
-        from .compile.saved import COMPILED_DIR, save_steps
-
         if save_steps(model, out):
             _normal_mode(*(out / COMPILED_DIR).iterdir())
     _write_readme(model, out, how="infopt.save_optimized")
@@ -86,8 +87,6 @@ def _seal(folder: Path, files: list[Path]) -> None:
 
 def _write_readme(model: nn.Module, out: Path, *, how: str) -> None:
     """A README saying what the folder is and how to load it, unless the folder has a README of the user's own."""
-    from ._version import __version__
-
     path = out / README_FILE
     if path.is_file() and not path.read_text(errors="replace").startswith(_README_MARK):
         return
@@ -138,116 +137,24 @@ def _normal_mode(*paths: Path) -> None:
             p.chmod(mode)
 
 
-def _written_since(folder: Path, before: dict[str, int]) -> list[Path]:
-    """Safetensors files in ``folder`` created or rewritten since ``before`` (name -> mtime_ns) was taken."""
-    if not folder.is_dir():
-        return []
-    return [p for p in folder.glob("*.safetensors") if before.get(p.name) != p.stat().st_mtime_ns]
-
-
-def _mtimes(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.safetensors")} if folder.is_dir() else {}
-
-
 def _write_recipe(model: nn.Module, out: Path) -> None:
     report = model.__dict__["infopt"]
     (out / RECIPE_FILE).write_text(Recipe(report.applied_steps()).to_yaml())
     (out / META_FILE).write_text(json.dumps({"dtype": str(next(model.parameters()).dtype)}))
 
 
-def install_save_hook(model: nn.Module, *, step: str = "optimize", quantize_config=None) -> None:
-    """Make ``model.save_pretrained(dir)`` load back everywhere: it writes a ``quantization_config``
-    (``quant_method: "infopt"``) into ``config.json`` when the model has quantized layers, so plain
-    ``from_pretrained`` (with ``import infopt``) rebuilds them, and the recipe, so :func:`load` rebuilds the
-    whole optimized model.
-
-    Called by :func:`infopt.optimize` and :func:`infopt.quantize.quantize_` (once per model: a later call only
-    adds ``quantize_config`` to the configs recorded); undone with the rest of the model's changes.
-
-    Args:
-        model: the model whose ``save_pretrained`` is wrapped (on the instance).
-        step: the step the wrapping is recorded under.
-        quantize_config: a quantize step config applied to the model, listed in the ``quantization_config``.
-    """
-    from .core.patch import wrap_method
-
-    installed = model.__dict__.get("save_pretrained")
-    configs = getattr(installed, "infopt_configs", None)
-    if configs is not None:
-        if quantize_config is not None:
-            configs.append((step, quantize_config))
-        return
-    configs = [] if quantize_config is None else [(step, quantize_config)]
-
-    def make(original):
-        def save_pretrained(save_directory, *args, **kwargs):
-            from .quantize.serialize import quantization_config_for, with_placeholders
-
-            if any(getattr(m, "infopt_expert_parallel", False) for m in model.modules()):
-                from .core.errors import CheckpointError
-
-                raise CheckpointError(
-                    "save_pretrained cannot write an expert-parallel model: this rank holds only its slice of the "
-                    "experts. Save before sharding, or infopt.undo(model) first"
-                )
-            if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
-                from .core.errors import CheckpointError
-
-                # transformers rewrites MoE expert tensors into its checkpoint layout as it saves (3D -> per expert),
-                # which per-expert quantized layers do not have; refuse rather than write a folder that cannot load
-                raise CheckpointError(
-                    "save_pretrained cannot write quantized mixture-of-experts experts (transformers converts expert "
-                    "weights to its checkpoint layout when saving); use infopt.save_optimized(model, dir) and "
-                    "infopt.load_optimized(dir), or quantize with experts=False"
-                )
-            qc = quantization_config_for(model, _live_configs(model, configs))
-            config = model.config
-            previous = config.__dict__.get("quantization_config", _UNSET)
-            if qc is not None:
-                config.quantization_config = qc
-                # each quantized layer's dense key gets a tensor no float layer fits: a loader that does not know
-                # infopt refuses the folder instead of initialising those layers at random
-                state = kwargs.get("state_dict")
-                if state is None:
-                    from .quantize.int8 import saving_compact
-
-                    with saving_compact():  # a shared embedding is rebuilt from its head's codes at load
-                        state = model.state_dict()
-                kwargs["state_dict"] = with_placeholders(model, state)
-            out = Path(save_directory)
-            before = _mtimes(out)
-            try:
-                result = original(save_directory, *args, **kwargs)
-            finally:
-                if qc is not None:
-                    if previous is _UNSET:
-                        del config.quantization_config
-                    else:
-                        config.quantization_config = previous
-            _normal_mode(*_written_since(out, before))
-            if model.__dict__.get("infopt") is not None:
-                _write_recipe(model, out)
-            if out.is_dir() and (out / "config.json").is_file():  # (not on a rank that does not write)
-                _write_readme(model, out, how="save_pretrained")
-                _seal(out, _pretrained_files(out))
-            return result
-
-        save_pretrained.__doc__ = getattr(original, "__doc__", None)
-        save_pretrained.infopt_configs = configs
-        return save_pretrained
-
-    wrap_method(model, "save_pretrained", make, step=step)
+def _finish_pretrained_save(model: nn.Module, out: Path, written: list[Path]) -> None:
+    """After a hooked ``save_pretrained`` (:func:`install_save_hook`): the weights readable as any file is, then
+    the recipe, a README and the manifest beside transformers' files."""
+    _normal_mode(*written)
+    if model.__dict__.get("infopt") is not None:
+        _write_recipe(model, out)
+    if out.is_dir() and (out / "config.json").is_file():  # (not on a rank that does not write)
+        _write_readme(model, out, how="save_pretrained")
+        _seal(out, _pretrained_files(out))
 
 
-_UNSET = object()
-
-
-def _live_configs(model: nn.Module, configs: list) -> list:
-    """The quantize configs (of ``(step, config)`` pairs) whose swaps are still in place: a failed step's go."""
-    from .core.patch import get_handle
-
-    live = {r.step for r in get_handle(model).records if r.kind == "swap" and not r.undone}
-    return [c for step, c in configs if step in live]
+register_save_writer(_finish_pretrained_save)
 
 
 def _pretrained_files(d: Path) -> list[Path]:
@@ -313,10 +220,7 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu",
         >>> [s.key for s in model.infopt.steps]
         ['quantize:int8']
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from .quantize.serialize import restore_saved_names
 
     d = Path(directory)
     if not d.exists():
@@ -351,8 +255,6 @@ def load_optimized(directory: str | Path, *, device: str | torch.device = "cpu",
         model = _blank_model(config, dtype).to(device).eval()
         if (d / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(str(d), local_files_only=True)
-        from .compile.saved import COMPILED_DIR, load_steps, skipping_warmup, steps_fit
-
         saved_steps = (d / COMPILED_DIR).is_dir()
         # the compile step warms up after the weights are in (below), or loads the folder's steps when trusted
         use_saved = trust_compiled and saved_steps and steps_fit(model, d)
@@ -393,8 +295,6 @@ def _manifest_names(d: Path) -> list[str] | None:
 def _finish_compile(model: nn.Module, d: Path, *, use_saved: bool, saved_steps: bool, trust_compiled: bool,
                     load_steps) -> None:
     """Give a loaded model with a ``compile`` step its decode graphs: the folder's (trusted), or warmed up here."""
-    from .compile.step import Compile, warmup
-
     report = model.__dict__.get("infopt")
     step = next((s for s in report.steps if s.key == "compile"), None) if report is not None else None
     if step is None:

@@ -7,10 +7,13 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers as tf
 
+from .core.caches import cache_dir as kind_dir
 from .core.errors import MissingBackendError
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "load_default_tokenizer",
     "load_model",
     "random_model",
+    "register_quantized_loader",
     "RANDOM_FAMILIES",
     "tiny_model",
 ]
@@ -41,8 +45,6 @@ _DONE_MARKER = ".infopt-converted"
 def cache_dir() -> Path:
     """Where infopt keeps converted models: ``$INFOPT_CACHE_DIR/models``, else ``~/.cache/infopt/models``
     (:mod:`infopt.core.caches`)."""
-    from .core.caches import cache_dir as kind_dir
-
     return kind_dir("models")
 
 
@@ -175,10 +177,37 @@ def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device 
         'Int4Linear'
     """
     if quantized:
-        from .quantize.community import load_quantized
-
-        return load_quantized(default_gguf_path(), dtype=dtype, device=device)
+        if not _QUANTIZED_LOADERS:  # (import infopt registers infopt.quantize.community's)
+            raise RuntimeError("load_default(quantized=True) needs infopt.quantize.community, which registers its "
+                               "loader when imported; import infopt first")
+        return _QUANTIZED_LOADERS[-1](default_gguf_path(), dtype=dtype, device=device)
     return load_model(default_model_dir(), dtype=dtype, device=device)
+
+
+_QUANTIZED_LOADERS: list[Callable[..., tuple]] = []
+
+
+def register_quantized_loader(load: Callable[..., tuple]) -> Callable[..., tuple]:
+    """Give :func:`load_default` the loader of community quantized checkpoints it calls with ``quantized=True``.
+
+    :func:`infopt.quantize.community.load_quantized` registers itself when its module is imported (``import
+    infopt`` imports it): this module sits below :mod:`infopt.quantize`, so it does not import it.
+
+    Args:
+        load: called as ``load(gguf_path, dtype=..., device=...)``, returning ``(model, tokenizer)``.
+
+    Returns:
+        ``load``, so this works as a decorator.
+
+    Example:
+        >>> from infopt.quantize.community import load_quantized
+        >>> register_quantized_loader(load_quantized) is load_quantized, _QUANTIZED_LOADERS[-1] is load_quantized
+        (True, True)
+    """
+    if load in _QUANTIZED_LOADERS:
+        _QUANTIZED_LOADERS.remove(load)
+    _QUANTIZED_LOADERS.append(load)
+    return load
 
 
 def load_default_tokenizer():
@@ -197,8 +226,6 @@ _DEFAULT_VOCAB = 49152  # the default tokenizer's vocabulary, so tiny models can
 
 def _tiny_config(arch: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, vocab_size: int,
                  max_positions: int):
-    import transformers as tf
-
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     llama_like = dict(
         hidden_size=hidden_size,
@@ -304,8 +331,6 @@ RANDOM_FAMILIES: dict[str, str] = {
 
 
 def _random_config(family: str):
-    import transformers as tf
-
     common = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=4096)
     if family == "qwen2":
         return tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=12,

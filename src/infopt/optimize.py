@@ -9,14 +9,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .core.availability import require
-from .core.errors import IncompatibleModelError, QualityGateError, RecipeError
+from .core.errors import IncompatibleModelError, InfoptError, QualityGateError, RecipeError
 from .core.introspect import inspect_model, param_bytes
 from .core.patch import get_handle, set_attr
 from .core.patch import undo as _undo_patches
+from .core.save_hook import install_save_hook
 from .core.step import TRANSFORMS, ApplyContext, StepConfig
-from .generate import routing_stats
+from .generate import decoder_for, routing_stats, tensors_bytes
+from .models import load_default_tokenizer
 from .recipe import PRESETS, Recipe, check_gate, check_rules
 
 __all__ = ["optimize", "undo", "validate", "explain", "resident_bytes", "OptimizationReport", "StepReport"]
@@ -151,6 +154,14 @@ class OptimizationReport:
         return "\n".join(lines)
 
 
+def _chat_tokenizer(tokenizer):
+    """The tokenizer the chat-answer gate uses: the given one, else the embedded default model's (which only suits
+    models sharing its vocabulary and chat template)."""
+    if tokenizer is not None:
+        return tokenizer
+    return load_default_tokenizer()
+
+
 def process_rss() -> int | None:
     """This process's resident memory in bytes (Linux ``/proc/self/statm``), or None where it cannot be read."""
     try:
@@ -176,8 +187,6 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
         >>> list(resident_bytes(m))
         ['weights and buffers', 'static KV cache (kept for the next call)']
     """
-    from .generate import decoder_for, tensors_bytes
-
     seen: set = set()
     out = {"weights and buffers": tensors_bytes([*model.parameters(), *model.buffers()], seen)}
     dec = decoder_for(model)
@@ -208,8 +217,6 @@ def _check_materialized(model: nn.Module) -> None:
     """Raise :class:`IncompatibleModelError` when some of the model's tensors hold no data: on the meta device
     (built under ``torch.device("meta")``, ``init_empty_weights``, or offloaded by accelerate) or lazy
     (``nn.LazyLinear`` before its first forward). Steps would otherwise fail midway with torch's own errors."""
-    from torch.nn.parameter import is_lazy
-
     empty = [(n, "lazy" if is_lazy(t) else "meta") for n, t in _named_tensors(model) if is_lazy(t) or t.is_meta]
     if not empty:
         return
@@ -297,8 +304,6 @@ def _validate(model: nn.Module, recipe: Any):
 
 def _preset_fits(model: nn.Module, info, name: str) -> bool:
     """True when every step of preset ``name`` passes its checks on ``model`` (nothing is changed)."""
-    from .core.errors import InfoptError
-
     steps = Recipe.parse(name).steps
     try:
         for step in steps:
@@ -320,7 +325,9 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         model: a transformers causal LM.
         recipe: step configs, a dict ``{"steps": [...]}``, a YAML/JSON path, or a preset name.
         gate: quality limits (``{"max_kl": 0.01, "min_top1": 0.98}``), overriding the recipe's own gate.
-            Measured against the model's own logits from before the recipe was applied.
+            Measured against the model's own logits from before the recipe was applied. ``min_answers`` (0..1) also
+            asks that share of the built-in chat questions (:data:`infopt.eval.CHAT_PROMPTS`) be answered as the
+            original answers them (greedy, 32 tokens; the tokenizer needs a chat template).
         gate_text: text to measure the gate on (default: :func:`infopt.eval.default_text`).
         tokenizer: the model's tokenizer, used to encode ``gate_text`` and text calibration data
             (default: the embedded default model's tokenizer, which only suits models sharing its vocabulary).
@@ -352,10 +359,13 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     r, fallbacks, info = _validate(model, recipe)
     gate = gate if gate is not None else r.gate
     reference = None
+    answers = None
     if gate:
         from . import eval as ev
 
         reference = ev.reference_logits(model, text=gate_text, tokenizer=tokenizer)
+        if "min_answers" in gate:  # the original's greedy answers to the built-in chat questions, before any change
+            answers = ev.reference_answers(model, _chat_tokenizer(tokenizer))
 
     handle = get_handle(model)
     mark = len(handle.records)
@@ -391,14 +401,15 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     if new_report:
         set_attr(model, model, "infopt", report, step="optimize")
         if callable(getattr(model, "save_pretrained", None)):
-            from .io import install_save_hook
-
             install_save_hook(model)
 
     if gate:
         from . import eval as ev
 
         figures = ev.compare(model, reference)
+        if answers is not None:
+            agreement = ev.answer_agreement(model, _chat_tokenizer(tokenizer), answers)
+            figures["answers"] = agreement.rate
         report.gate = figures
         failed = ev.gate_failures(figures, gate)
         if failed:
@@ -489,8 +500,6 @@ def _defaults(cls: type[StepConfig]) -> dict[str, Any]:
     """Each field's default as the config holds it: read from a default-built config, so a default its
     ``__post_init__`` turns into a config (``SelfDraft.quantize="int4"``) compares with the built value; the
     declared defaults for a class that needs some field set (``Parallel``)."""
-    from .core.errors import InfoptError
-
     try:
         built = cls()
     except (InfoptError, TypeError):

@@ -400,7 +400,8 @@ class Recipe:
 
 
 _GATE_KEYS = {"max_kl": "mean KL divergence, nats/token", "min_top1": "top-1 agreement, 0..1",
-              "max_ppl_ratio": "perplexity / reference perplexity"}
+              "max_ppl_ratio": "perplexity / reference perplexity",
+              "min_answers": "share of the built-in chat questions answered as the original does, 0..1"}
 
 
 def check_gate(gate: Any) -> None:
@@ -434,6 +435,10 @@ def check_gate(gate: Any) -> None:
         if k == "min_top1" and not 0 <= v <= 1:
             hint = f" Did you mean {v / 100:g}?" if 1 < v <= 100 else ""
             raise RecipeError(f"gate min_top1={v!r} is out of range: top-1 agreement is a fraction from 0 to 1.{hint}")
+        if k == "min_answers" and not 0 <= v <= 1:
+            hint = f" Did you mean {v / 100:g}?" if 1 < v <= 100 else ""
+            raise RecipeError(f"gate min_answers={v!r} is out of range: the share of identical chat answers is a "
+                              f"fraction from 0 to 1 (0.75: six of the eight built-in questions).{hint}")
         if k == "max_ppl_ratio" and v < 1:
             hint = f" Did you mean {1 + v:g}?" if 0 < v < 0.5 else ""
             raise RecipeError(f"gate max_ppl_ratio={v!r} is out of range: it is optimized / original perplexity, so "

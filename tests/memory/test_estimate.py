@@ -14,7 +14,7 @@ import infopt.memory as memory
 from infopt.core.errors import InfoptError
 from infopt.core.introspect import param_bytes
 from infopt.memory import KNOWN_CONFIGS, GpuFit, MemoryInputError, arch_spec, estimate_memory
-from infopt.memory.cli import format_estimate
+from infopt.cli.memory import format_estimate
 from infopt.models import TINY_ARCHS, tiny_model
 
 
@@ -332,7 +332,7 @@ def cli(monkeypatch):
     import infopt.cli
 
     # only this package's plugin: the others (eval, bench) are built and tested elsewhere
-    monkeypatch.setattr(infopt.cli, "_PLUGINS", ("infopt.memory.cli",))
+    monkeypatch.setattr(infopt.cli, "_PLUGINS", ("infopt.cli.memory",))
     return infopt.cli.main
 
 
@@ -379,7 +379,8 @@ def test_cli_bad_value_exit_code(cli, capsys):
 def test_all_names_exist_and_docstring_examples_run():
     for name in memory.__all__:
         assert getattr(memory, name) is not None, name
-    from infopt.memory import arch, cli, estimate
+    from infopt.cli import memory as cli
+    from infopt.memory import arch, estimate
 
     for mod in (arch, estimate, cli):
         failed, attempted = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import paged
 from .registry import register_attention
 
 __all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward", "static_cache_attention", "KV_LEN_KWARG"]
@@ -64,8 +65,6 @@ _STATIC_BLOCK = 16  # keys per block in the paged kernel's view of a static cach
 
 
 def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
-    from . import paged
-
     return (query.device.type == "cpu" and not dropout and getattr(module, "is_causal", True)
             # a window comes as the layer's attribute (Gemma 3) or as the call's keyword (Mistral): the kernel reads
             # every key up to kv_len, so only full-attention layers may use it

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compile.decoder import isolated_compile, mode_options, module_signature, weak_backend
+
 log = logging.getLogger("infopt.batching")
 
 __all__ = ["CompiledStep", "EngineCompileStats"]
@@ -85,8 +87,6 @@ class CompiledStep:
         self._fn = self._new_fn()
 
     def _new_fn(self):
-        from ..compile.decoder import _weak_backend, isolated_compile, module_signature
-
         kw = {}
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
         if skip is not None:
@@ -94,7 +94,7 @@ class CompiledStep:
             # a 2-core CPU for a 30-layer model; __call__ compares module_signature instead (about 0.5 ms)
             kw["options"] = {"guard_filter_fn": skip}
             self._signature = module_signature(self.model)
-        return isolated_compile(self._forward, name="engine_step", backend=_weak_backend(self), dynamic=True,
+        return isolated_compile(self._forward, name="engine_step", backend=weak_backend(self), dynamic=True,
                                 fullgraph=True, **kw)
 
     def _forward(self, input_ids, position_ids, keep, step):
@@ -104,8 +104,6 @@ class CompiledStep:
 
     def _compiler(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
-
-        from ..compile.decoder import mode_options
 
         t0 = time.perf_counter()
         fn = compile_fx(gm, example_inputs, config_patches=mode_options("default", self._device, False))
@@ -122,8 +120,6 @@ class CompiledStep:
                  ) -> torch.Tensor:
         """The step's logits, as the model returns them."""
         if self._signature is not None:
-            from ..compile.decoder import module_signature
-
             if module_signature(self.model) != self._signature:  # what the skipped module guards would catch
                 log.info("the model changed since the engine's step was compiled (a parameter's dtype, shape or "
                          "device, a training flag, a hook or the config): compiling it again")

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention.backends import set_backend_
 from ..attention.paged import PAGED_IMPL, load_cpu_kernel
-from ..core.introspect import inspect_model
+from ..core.introspect import inspect_model, text_config
+from ..core.patch import record_custom
 from ..generate import takes_logits_to_keep
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
@@ -37,7 +39,6 @@ def _prepare_for_compile(model: nn.Module, pack: bool) -> int:
     ``pack``, route every linear of the model's dtype through ``infopt::packed_linear`` on a prepacked weight (both
     recorded: undo restores the model). Returns how many linears (and fused groups) were packed."""
     from ..compile import fuse, packed
-    from ..core.patch import record_custom
 
     groups = fuse.fuse_projections_(model)
     if groups:
@@ -97,8 +98,6 @@ class EngineCore:
         info = inspect_model(model)
         kv.check(model, info, (kv,))
         if model.config._attn_implementation != PAGED_IMPL:
-            from ..attention.backends import set_backend_
-
             set_backend_(model, "paged", step="batching")
         packing = bool(packable if prepack is None else prepack)
         # a compiled step calls the packed weights through a custom operator (the eager engine's packed forwards
@@ -109,8 +108,7 @@ class EngineCore:
         else:
             self.prepacked = prepack_linears_(model) if packing else 0
         self.model = model
-        max_positions = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
-                                "max_position_embeddings", None)
+        max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
         num_blocks = kv.num_blocks
         if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
             num_blocks = max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..kvcache.paged import Paged
 from .core import DEFAULT_KV_BUDGET, CoreEvent, EngineCore
@@ -239,8 +240,6 @@ class Engine:
         compiled = self.core.compiled
         if compiled is None or compiled.warmed_up:
             return
-        from tqdm.auto import tqdm
-
         vocab = self.core.vocab_size or 2
         ids = [[1 % vocab, 2 % vocab], [3 % vocab, 4 % vocab]]
         sp = SamplingParams(max_new_tokens=2, ignore_eos=True)

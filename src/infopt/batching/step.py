@@ -11,7 +11,7 @@ from torch import nn
 from ..core.introspect import ModelInfo
 from ..core.patch import ModelSlot, record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..generate import LoopPart, Unsupported, set_part
+from ..generate import LoopPart, Unsupported, set_part, tensors_bytes
 from ..kvcache.paged import Paged
 from .engine import Engine
 from .params import SamplingParams
@@ -95,8 +95,6 @@ class EnginePart(LoopPart):
         self.engine, self.key = engine, key
 
     def resident(self, seen: set) -> dict[str, int]:
-        from ..generate import tensors_bytes
-
         pool = getattr(self.engine.cache, "pool", None)
         n = tensors_bytes([*getattr(pool, "keys", ()), *getattr(pool, "values", ())], seen)
         return {"batching engine KV pool": n} if n else {}

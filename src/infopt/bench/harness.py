@@ -12,9 +12,17 @@ import time
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
+from .._version import __version__
+from ..batching import SamplingParams, batching_engine
+from ..compile import compile_stats
 from ..core.introspect import inspect_model, param_bytes
+from ..optimize import optimize, undo
+from ..recipe import Recipe
 from .report import METRICS, BenchResult
 from .workloads import WORKLOADS, Request, make_workload
 
@@ -77,10 +85,6 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         >>> machine_info()["device"]
         'cpu'
     """
-    import transformers
-
-    from .._version import __version__
-
     device = torch.device(device)
     cpu = platform.processor() or platform.machine()
     try:
@@ -232,8 +236,6 @@ BATCH_WORKLOADS = ("batch", "throughput")  # served as batches (padded / engine)
 
 def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
     """Every request submitted at time 0 to the model's batching engine (:func:`infopt.batching.enable_`)."""
-    from ..batching import SamplingParams, batching_engine
-
     engine = batching_engine(model)
     if engine is None:
         raise ValueError("mode 'engine' needs a model with the batching step applied (recipe stage 'batching')")
@@ -261,8 +263,6 @@ def _run_engine(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
 def _run_hf_continuous(model: nn.Module, requests: list[Request]) -> dict[str, Any]:
     """transformers' own continuous batching (``generate_batch``'s manager), every request submitted at time 0
     with its own ``max_new_tokens`` and end-of-sequence disabled, for the same fixed work as the other modes."""
-    from transformers import GenerationConfig
-
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in requests), eos_token_id=-1,
                           pad_token_id=model.generation_config.pad_token_id)
     before = model.config._attn_implementation
@@ -320,8 +320,6 @@ def run_requests(model: nn.Module, requests: list[Request], *, mode: str = "sequ
 
 @torch.inference_mode()
 def _run_generate(model, requests, mode, batch_size, pad_token_id, progress, desc):
-    from tqdm.auto import tqdm
-
     device = _model_device(model)
     out: list[dict[str, Any] | None] = [None] * len(requests)
     size = 1 if mode == "sequential" else batch_size
@@ -413,8 +411,6 @@ def _timed(model, requests, mode, pad, progress, desc):
 
 def _compile_figures(model: nn.Module) -> dict | None:
     """The compile step's counters for the optimized run (graphs, seconds, compiles after warm-up), or None."""
-    from ..compile import compile_stats
-
     stats = compile_stats(model)
     return None if stats is None else stats.as_dict()
 
@@ -473,9 +469,6 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
         The result dict (see docs/bench.md): machine, model, workload, recipe, baseline, optimized, ratios,
         quality, exact_greedy; a :class:`~infopt.bench.report.BenchResult`, which prints as a table.
     """
-    from ..optimize import optimize, undo
-    from ..recipe import Recipe
-
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r}; allowed: {', '.join(WORKLOADS)}")
     if repeats < 1:

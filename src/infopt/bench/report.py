@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +155,6 @@ class BenchResult(dict):
         return format_table(self)
 
     def _repr_html_(self) -> str:
-        from html import escape
-
         cols, rows = _metric_rows(self)
         head = "".join(f"<th>{escape(c)}</th>" for c in ["", *cols])
         body = "".join("<tr><th style='text-align:left'>" + escape(label) + "</th>"

@@ -25,11 +25,15 @@ default) by deleting the packages used longest ago when a new one is written.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import logging
 import os
+import platform
+import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -37,12 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
+from torch.export.graph_signature import InputKind, InputSpec
+
+from .._version import __version__
+from ..core.caches import cache_dir, limit_bytes, prune, touch
 
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig", "local_key", "find_indexed", "index_package"]
+           "prune_cache", "tensor_sig", "local_key", "find_indexed", "index_package", "fingerprint"]
 
 
 def aot_available() -> bool:
@@ -59,8 +68,6 @@ def aot_available() -> bool:
 def aot_cache_dir() -> Path:
     """Where packages are cached: ``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``
     (:mod:`infopt.core.caches`)."""
-    from ..core.caches import cache_dir
-
     return cache_dir("aoti")
 
 
@@ -78,9 +85,6 @@ def _writable(folder: Path) -> Path:
     except OSError as e:
         reason = f"{type(e).__name__}: {e}"
     if not _SCRATCH:
-        import atexit
-        import shutil
-
         _SCRATCH.append(Path(tempfile.mkdtemp(prefix="infopt-aoti-")))
         atexit.register(shutil.rmtree, _SCRATCH[0], True)
         log.warning("infopt compile: the AOTInductor package cache %s cannot be written (%s); this process keeps its "
@@ -91,16 +95,12 @@ def _writable(folder: Path) -> Path:
 
 def cache_limit_bytes() -> int:
     """How much the package cache may hold: ``$INFOPT_CACHE_AOTI_MB`` megabytes, default 2048."""
-    from ..core.caches import limit_bytes
-
     return limit_bytes("aoti")
 
 
 def prune_cache(folder: Path, keep: Path | None = None) -> list[Path]:
     """Delete the packages in ``folder`` used longest ago (by modification time, which a load refreshes) until the
     rest fit in :func:`cache_limit_bytes`; ``keep`` is never deleted. Returns the files deleted."""
-    from ..core.caches import prune
-
     return prune(folder, "aoti", keep=() if keep is None else (keep,))
 
 
@@ -143,8 +143,6 @@ def _constants_as_buffers(ep) -> None:
     buffers, such as a fused projection group's weight) into non-persistent buffers, in place: AOTInductor keeps a
     buffer's name, so the package asks for it by that name and gets the model's tensor, where a constant would be
     renamed ``_tensor_constantN`` and have to be packaged."""
-    from torch.export.graph_signature import InputKind, InputSpec
-
     specs = ep.graph_signature.input_specs
     for i, spec in enumerate(specs):
         if spec.kind == InputKind.CONSTANT_TENSOR:
@@ -308,6 +306,23 @@ def tensor_sig(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
 
 
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What a compiled step assumes beyond its shape (a saved step's manifest, :mod:`infopt.compile.saved`; a
+    package's key here): the versions that produced it, the CPU's ISA and the model's dtype and device type."""
+    p = next(model.parameters())
+    dtype = getattr(model, "dtype", p.dtype)  # the model's float dtype, the same before and after quantizing
+    # the saved bytecode is the compile step's own code and its graph passes: a change to them (within one version
+    # number, during development) must not run a stale step
+    here = Path(__file__).parent
+    source = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("decoder.py", "passes.py", "aot.py"))
+                            ).hexdigest()[:16]
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
+            "source": source,
+            "python": list(sys.version_info[:2]), "machine": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(dtype),
+            "device": p.device.type}
+
+
 # -- the package index: a step found by describing the model, without an export ------------------------------------
 _SOURCE_HASH: list[str] = []
 
@@ -420,8 +435,6 @@ def find_indexed(model: nn.Module, lkey: str) -> AotStep | None:
                 log.info("infopt compile: the indexed package %s did not load (%s: %s); exporting instead", package,
                          type(e).__name__, e)
                 continue
-            from ..core.caches import touch
-
             touch(package, index)
             return step
     return None

@@ -24,9 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention import paged
+from ..attention.gqa import GQA_SDPA_IMPL, KV_LEN_KWARG
 from ..core.compat import CACHE_KWARG
 from ..generate import Forward, decoder_for, rollback, static_length
-from .aot import cache_slots, tensor_sig
+from . import aot  # by module: a test replaces aot.export_step
+from .aot import (
+    aot_available,
+    cache_slots,
+    find_indexed,
+    fingerprint,
+    index_package,
+    local_key,
+    tensor_sig,
+)
 
 log = logging.getLogger("infopt.compile")
 
@@ -40,7 +51,7 @@ MAX_TOKENS = 16
 model's first pass over the prompt) change width from call to call and run eagerly, like the prompt."""
 
 __all__ = ["CompileStats", "CompiledForwards", "CompiledForward", "compile_stats", "mode_options", "isolated_compile",
-           "token_bucket"]
+           "token_bucket", "weak_backend"]
 
 
 @dataclass
@@ -177,12 +188,30 @@ def module_signature(model: nn.Module) -> int:
     return hash(tuple(parts))
 
 
-def _weak_backend(forward: CompiledForward):
-    """The dynamo backend of ``forward``'s graphs, holding it weakly.
+def weak_backend(forward):
+    """The dynamo backend of ``forward``'s graphs, holding it weakly: it calls ``forward._compiler(gm,
+    example_inputs)`` (a :class:`CompiledForward`, or the batching engine's compiled step).
 
     Dynamo keeps every backend it was given in a process-wide table (``eval_frame.cached_backends``), so a
     bound ``forward._compiler`` there would keep the forward, its model and its graphs alive after the user drops
     the model; this small function is all that stays.
+
+    Args:
+        forward: the object whose ``_compiler`` compiles each graph.
+
+    Returns:
+        The backend, to pass to ``torch.compile(..., backend=)``.
+
+    Example:
+        >>> class Owner:
+        ...     def _compiler(self, gm, example_inputs):
+        ...         return gm.forward
+        >>> owner = Owner()
+        >>> backend = weak_backend(owner)
+        >>> del owner
+        >>> backend(None, [])
+        Traceback (most recent call last):
+        RuntimeError: the model this decode step was compiled for has been garbage-collected
     """
     ref = weakref.ref(forward)
 
@@ -249,21 +278,16 @@ class CompiledForward(Forward):
         self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
         # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
         # the GQA backend on CPU they then read only those keys, in place, on the C++ kernel
-        from ..attention import paged
-        from ..attention.gqa import GQA_SDPA_IMPL
-
         self._pass_kv_len = (self._device.type == "cpu"
                              and getattr(model.config, "_attn_implementation", None) == GQA_SDPA_IMPL
                              and any(p.kind is inspect.Parameter.VAR_KEYWORD
                                      for p in inspect.signature(type(model).forward).parameters.values())
-                             and paged._cpu_ready())
+                             and paged.load_cpu_kernel())
 
     # -- the compiled function ---------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
         kw = {"logits_to_keep": input_ids.shape[1]} if self.keeps else {}
         if attention_mask is None and self._pass_kv_len:
-            from ..attention.gqa import KV_LEN_KWARG
-
             kw[KV_LEN_KWARG] = cache_position[-1:] + 1
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
                          attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: cache}, **kw)
@@ -308,16 +332,11 @@ class CompiledForward(Forward):
         can; :mod:`infopt.compile.aot`)."""
         if getattr(self.config, "aot", False) is False:
             return False
-        from .aot import aot_available
-
         return aot_available()
 
     def _build_aot(self, key: tuple, args: tuple):
         """The shape ``key`` as an AOTInductor package for the call ``args`` (exported, compiled or loaded from the
         disk cache), or None where that failed (recorded in the stats; the caller compiles the shape instead)."""
-        from .aot import export_step, find_indexed, index_package, local_key
-        from .saved import fingerprint
-
         t0 = time.perf_counter()
         options, fp = step_options(self.config, self._device), fingerprint(self.model)
         lkey = local_key(self, key, args, options, fp)
@@ -336,7 +355,7 @@ class CompiledForward(Forward):
                 self.stats.compiles_after_warmup += 1
             return step
         try:
-            step, seconds, cached = export_step(self, key, args, options, fp)
+            step, seconds, cached = aot.export_step(self, key, args, options, fp)
             index_package(self.model, step, lkey)
         except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
@@ -392,7 +411,7 @@ class CompiledForward(Forward):
                 if self._signature is None:
                     self._signature = module_signature(self.model)
             fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
-                                  backend=_weak_backend(self), fullgraph=self.config.fullgraph,
+                                  backend=weak_backend(self), fullgraph=self.config.fullgraph,
                                   dynamic=self.config.dynamic, **kw)
             if key not in self._fns:
                 self.stats.shapes.append(_shape_name(key))
@@ -556,7 +575,7 @@ class GuardFreeStep:
             b, k, length, padded = self.key
             # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)
             fn = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
-                                  backend=_weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
+                                  backend=weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
                                   options={"guard_filter_fn": _drop_all_guards})
             out = fn(*args)
             self.fn, self._args_sig = fn, sig

@@ -40,7 +40,10 @@ import weakref
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
+from ..quantize.int4 import Int4Linear
+from ..quantize.int8 import Int8Linear
 from .packed import usable as packed_usable
 from .packed import wants_grad
 
@@ -143,8 +146,6 @@ class FusedGroup:
                 self.refuses += 1
             elif self._member_versions() != self._versions:  # written in place: tell the buffer's readers (a
                 # packed copy of it checks the buffer's version)
-                from torch.autograd.graph import increment_version
-
                 for t in self._fused_tensors():
                     increment_version(t)
                 self._versions = self._member_versions()
@@ -213,9 +214,6 @@ class QuantizedFusedGroup(FusedGroup):
 def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
     """The code and scale buffers of a quantized layer that :class:`QuantizedFusedGroup` fuses, or None for a layer
     it does not take."""
-    from ..quantize.int4 import Int4Linear
-    from ..quantize.int8 import Int8Linear
-
     if type(m) is Int8Linear and m.activations == "float" and m.group_size is None:
         return ("weight_int8", "weight_scale")
     if type(m) is Int4Linear and m.layout == "gemv" and m.in_perm is None and m.weight_dense is None:
@@ -226,9 +224,6 @@ def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
 def _like(first: nn.Module, out_features: int, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None
           ) -> nn.Module:
     """A layer of ``first``'s class and settings with ``out_features`` outputs whose buffers are ``tensors``."""
-    from ..quantize.int4 import Int4Linear
-    from ..quantize.int8 import Int8Linear
-
     if isinstance(first, Int8Linear):
         new = Int8Linear(first.in_features, out_features, bias=bias is not None, dtype=first.out_dtype,
                          compute_dtype=first.compute_dtype, device="meta")

@@ -37,22 +37,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
 import json
 import logging
 import os
-import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
+
+from ..generate import decoder_for, rollback
+from ..kvcache.static import StaticCaches
+from . import decoder as decoder_module
+from .aot import AotStep, fingerprint, load_saved
+from .decoder import (
+    CompiledForward,
+    CompiledForwards,
+    GuardFreeStep,
+    _drop_all_guards,
+    _shape_name,
+    canonical_args,
+    module_signature,
+    step_options,
+)
 
 log = logging.getLogger("infopt.compile")
 
@@ -81,27 +95,6 @@ def warmup_skipped() -> bool:
     return _SKIP_WARMUP.get()
 
 
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """What a saved step assumes beyond its shape: the versions that produced it, the CPU's ISA and the model's
-    dtype and device type."""
-    import transformers
-
-    from .. import __version__
-
-    p = next(model.parameters())
-    dtype = getattr(model, "dtype", p.dtype)  # the model's float dtype, the same before and after quantizing
-    # the saved bytecode is the compile step's own code and its graph passes: a change to them (within one version
-    # number, during development) must not run a stale step
-    here = Path(__file__).parent
-    source = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("decoder.py", "passes.py", "aot.py"))
-                            ).hexdigest()[:16]
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "infopt": __version__,
-            "source": source,
-            "python": list(sys.version_info[:2]), "machine": platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(dtype),
-            "device": p.device.type}
-
-
 def _step_name(key: tuple) -> str:
     b, k, length, padded = key
     return f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}"
@@ -125,10 +118,6 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     A shape that cannot be compiled ahead of time is left out with a warning; the loaded model compiles it as
     before.
     """
-    from ..generate import decoder_for, rollback
-    from ..kvcache.static import StaticCaches
-    from .decoder import CompiledForward, CompiledForwards, _drop_all_guards, step_options
-
     dec = decoder_for(model)
     if dec is None or not isinstance(dec.forwards, CompiledForwards) or not isinstance(dec.cache, StaticCaches):
         return []
@@ -165,8 +154,6 @@ def save_steps(model: nn.Module, directory: str | Path) -> list[str]:
     token = 0 if token is None or isinstance(token, list) else int(token)
     written: dict[str, list] = {}
     packages: dict[str, dict] = {}
-    from tqdm.auto import tqdm
-
     # each shape compiles ahead of time (tens of seconds on two cores), then a child process builds their kernels
     bar = tqdm(total=len(keys) + 1, desc="infopt save: compiling decode steps ahead of time", unit="step")
     for key in keys:
@@ -212,10 +199,6 @@ def _save_package(model: nn.Module, step, dest: Path) -> dict | None:
     """Copy the AOTInductor package a shape runs (``Compile(aot=...)``) to ``dest``; returns what loading it needs
     (:meth:`~infopt.compile.aot.AotStep.saved_form`), or None where the shape runs no package or its weights are not
     all the model's named tensors."""
-    import shutil
-
-    from .aot import AotStep
-
     fn = getattr(step, "fn", None)
     if not getattr(step, "aot", False) or not isinstance(fn, AotStep) or fn.path is None or not fn.path.is_file():
         return None
@@ -298,9 +281,6 @@ def _restore_kernels(folder: Path) -> int:
 def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
     """Install the saved AOTInductor package ``path`` as shape ``key``'s step; False, with a warning, where it does
     not load (the saved ``torch.compile`` step serves the shape then)."""
-    from .aot import load_saved
-    from .decoder import GuardFreeStep, _shape_name, canonical_args
-
     try:
         aot = load_saved(fwd.model, path, form)
     except Exception as e:  # noqa: BLE001 - a package that does not load leaves the saved compiled step in charge
@@ -310,8 +290,6 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
     if fwd._signature is None:
         # the package reads these very tensors: the per-call module check must see one of them replaced (and drop
         # the package for an export over the new ones), where a graph would simply read the new tensor
-        from .decoder import module_signature
-
         fwd._signature = module_signature(fwd.model)
     step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device))
     # called with the step's arguments, as a package built in this process is; loaded: made for the saved cache
@@ -343,10 +321,6 @@ def steps_fit(model: nn.Module, directory: str | Path) -> bool:
 def load_steps(model: nn.Module, directory: str | Path) -> int:
     """Load the steps :func:`save_steps` wrote into ``model``'s compiled forward (check :func:`steps_fit` first).
     Returns how many were loaded; a step that does not load is compiled on its first call, with a warning."""
-    from ..generate import decoder_for
-    from . import decoder as decoder_module
-    from .decoder import CompiledForward, GuardFreeStep, _shape_name, canonical_args
-
     folder = Path(directory) / COMPILED_DIR
     dec = decoder_for(model)
     fwd = dec.forward_for(model) if dec is not None else None

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from ..attention.backends import set_backend_
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..generate import decoder_for, set_part, uncounted
-from .decoder import CompiledForwards, CompileStats, compile_stats
+from ..generate import decoder_for, rollback, set_part, uncounted
+from ..kvcache.static import BUCKET, StaticCaches, bucket_length, static_max_length
+from .aot import aot_available
+from .decoder import CompiledForwards, CompileStats, compile_stats, token_bucket
+from .saved import warmup_skipped
 
 __all__ = ["Compile", "compile_", "warmup"]
 
@@ -23,9 +30,6 @@ _MODES = ("default", "reduce-overhead", "max-autotune")
 
 def _cxx_compiler() -> str | None:
     """Path of the C++ compiler inductor would use on CPU ($CXX, g++, clang++, c++), or None."""
-    import os
-    import shutil
-
     for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
         path = shutil.which(name) if name else None
         if path:
@@ -141,8 +145,6 @@ class Compile(StepConfig):
                 "Use mode 'default' (or 'max-autotune') on CPU"
             )
         if self.aot is True:
-            from .aot import aot_available
-
             why = [w for w, bad in (
                 (f"the model is on {info.device.type}, not the CPU", info.device.type != "cpu"),
                 (f"backend is {self.backend!r}, not 'inductor'", self.backend != "inductor"),
@@ -200,8 +202,6 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     Raises:
         ValueError: ``model`` has no ``compile`` step.
     """
-    from ..kvcache.static import BUCKET, bucket_length, static_max_length
-
     stats = compile_stats(model)
     if stats is None:
         raise ValueError("the model has no compile step; optimize it with a recipe containing compile first")
@@ -211,8 +211,6 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     device = next(model.parameters()).device
     token = model.generation_config.bos_token_id
     token = 0 if token is None or isinstance(token, list) else int(token)
-    from tqdm.auto import tqdm
-
     spec = decoder_for(model).speculative is not None
     new = 3  # two decode steps: the second shows a call of the same shape does not compile again
     cache_lengths = [bucket_length(min(n, limit), limit) for n in lengths]
@@ -245,9 +243,6 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
 def _width_plan(model: nn.Module, batch_sizes, cache_lengths) -> list[tuple[nn.Module, int, int, list[int]]]:
     """``(module, batch, cache length, widths)`` for every verify width a speculative round can use (one graph per
     token bucket) and the draft model's one- and two-token steps; empty without a static cache."""
-    from ..kvcache.static import StaticCaches
-    from .decoder import token_bucket
-
     dec = decoder_for(model)
     if not isinstance(dec.cache, StaticCaches):
         return []
@@ -262,8 +257,6 @@ def _width_plan(model: nn.Module, batch_sizes, cache_lengths) -> list[tuple[nn.M
 def _warm_widths(model: nn.Module, plan, token: int, done=lambda: None) -> None:
     """Compile the widths of :func:`_width_plan` by calling the forwards directly on the static caches real calls
     will reuse, and time each graph (the speculative loop's draft-length choice reads the timings)."""
-    from ..generate import rollback
-
     dec = decoder_for(model)
     device = next(model.parameters()).device
     for mod, b, length, widths in plan:
@@ -287,8 +280,6 @@ def _warm_widths(model: nn.Module, plan, token: int, done=lambda: None) -> None:
 def _median_seconds(step, args: tuple, k: int, device: torch.device, repeats: int = 3) -> float:
     """Median wall time of ``step(*args)`` (a ``k``-token step on the cache ``args[-1]``, rolled back after each
     run)."""
-    from ..generate import rollback
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step(*args)  # a graph's second call may still compile (its guards see the cache filled once)
     rollback(args[-1], k)
@@ -353,16 +344,12 @@ def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
 def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
     info = ctx.info or inspect_model(model)
     if model.config._attn_implementation == "sdpa" and info.device.type == "cpu" and info.gqa_groups > 1:
-        from ..attention.backends import set_backend_
-
         set_backend_(model, "sdpa_gqa", step=config.key)
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "
                          "step would otherwise copy the cache once per query group, every layer and token)")
     compile_(model, config)
     _fuse(model, config, ctx)
     _pack(model, config, ctx, info)
-    from .saved import warmup_skipped
-
     if ctx.rebuild and warmup_skipped():
         return  # infopt.load warms up (or loads trusted steps) once the saved weights are in, and notes which
     if not (config.warmup_batch_sizes and config.warmup_lengths):

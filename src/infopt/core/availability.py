@@ -7,6 +7,8 @@ import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
+
 from .errors import MissingBackendError
 
 __all__ = ["Backend", "BACKENDS", "is_available", "require", "lazy_import", "cuda_available"]
@@ -98,6 +100,4 @@ def lazy_import(module: str, *, feature: str | None = None) -> ModuleType:
 
 def cuda_available() -> bool:
     """True when torch sees a CUDA device. Imports torch, never initializes a CUDA context itself."""
-    import torch
-
     return torch.cuda.is_available()

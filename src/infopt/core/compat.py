@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import transformers
+from packaging.version import Version
+
 __all__ = ["CACHE_KWARG", "CACHE_KWARGS", "cache_from", "transformers_version"]
 
 
 def transformers_version() -> tuple[int, ...]:
     """The installed transformers' release numbers, ``(5, 24, 0)``."""
-    import transformers
-    from packaging.version import Version
-
     return Version(transformers.__version__).release
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .caches import cache_dir as kind_dir
+
 __all__ = ["KERNELS", "load", "status", "build_all", "cache_dir", "register_fake_once"]
 
 _log = logging.getLogger("infopt.extensions")
@@ -50,8 +52,6 @@ _STATE: dict[str, bool | str] = {}  # name -> True (loaded) or the reason it is 
 def cache_dir() -> Path:
     """Where built kernels are kept: ``$INFOPT_CACHE_DIR/extensions``, else ``~/.cache/infopt/extensions``
     (:mod:`infopt.core.caches`)."""
-    from .caches import cache_dir as kind_dir
-
     return kind_dir("extensions")
 
 

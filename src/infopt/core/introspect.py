@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .errors import IncompatibleModelError
 
@@ -18,6 +19,7 @@ __all__ = [
     "linear_fqns",
     "context_length",
     "attention_window",
+    "text_config",
 ]
 
 
@@ -134,9 +136,28 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
-def _text_config(config):
+def text_config(config, *, decoder: bool = False):
+    """The part of a model config that describes its text decoder: ``config.get_text_config()`` where the config
+    has that method (a multimodal config nests it: Gemma 3's ``text_config``), else ``config`` itself.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (or any object: returned as it is without ``get_text_config``).
+        decoder: ask for the decoder's side only (``get_text_config(decoder=True)``: no ``text_encoder``, and an old
+            encoder-decoder config's ``decoder_*`` fields): what transformers' caches read.
+
+    Returns:
+        The text config.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> config = tiny_model("llama").config
+        >>> text_config(config) is config, text_config(config, decoder=True) is config, text_config(3)
+        (True, True, 3)
+    """
     get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
+    if not callable(get):
+        return config
+    return get(decoder=True) if decoder else get()
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -147,7 +168,7 @@ def context_length(model: nn.Module) -> int | None:
         >>> context_length(tiny_model("gpt2", max_positions=128))
         128
     """
-    tc = _text_config(model.config)
+    tc = text_config(model.config)
     n = getattr(tc, "max_position_embeddings", None) or getattr(tc, "n_positions", None)
     return int(n) if n else None
 
@@ -163,9 +184,7 @@ def attention_window(model: nn.Module) -> int | None:
         >>> attention_window(tiny_model("gemma3")), attention_window(tiny_model("llama"))
         (64, None)
     """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    tc = text_config(model.config, decoder=True)
     _, per_layer = get_layer_types_and_kwargs(tc)
     if isinstance(per_layer, dict):  # older transformers (5.17): one mapping for every layer kind
         per_layer = [per_layer]
@@ -197,7 +216,7 @@ def inspect_model(model: nn.Module) -> ModelInfo:
             f"{type(model).__name__} has no `.config`; infopt works on Hugging Face transformers causal LMs "
             f"(AutoModelForCausalLM). Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    tc = _text_config(config)
+    tc = text_config(config)
     model_type = getattr(tc, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:

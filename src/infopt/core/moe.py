@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import IncompatibleModelError
+from .introspect import text_config
 
 __all__ = ["MoEBlock", "moe_blocks", "is_moe", "is_experts_module", "require_dense", "moe_param_counts"]
 
@@ -120,9 +121,7 @@ def moe_blocks(model: nn.Module) -> tuple[MoEBlock, ...]:
         >>> b.experts_fqn, b.router_fqn, b.shared_fqns, b.num_experts, b.top_k
         ('model.layers.0.mlp.experts', 'model.layers.0.mlp.gate', ('model.layers.0.mlp.shared_expert',), 4, 2)
     """
-    config = getattr(model, "config", None)
-    get = getattr(config, "get_text_config", None)
-    tc = get() if callable(get) else config
+    tc = text_config(getattr(model, "config", None))
     layer_prefixes = tuple(n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n.endswith("layers"))
     out = []
     found: list[str] = []

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 __all__ = [
@@ -197,8 +198,6 @@ def _spill_params(model: nn.Module, old: nn.Module, handle: PatchHandle, fqn: st
     the model still uses them, so spilling them would free nothing. Tensors that are all zeros (a blank model
     being rebuilt by :func:`infopt.load`) are not written: undo makes them again.
     """
-    from safetensors.torch import load_file, save_file
-
     old_ids = {id(t) for t in list(old.parameters()) + list(old.buffers())}
     still_used: set[int] = set()
     for name, p in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):

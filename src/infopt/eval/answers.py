@@ -33,7 +33,22 @@ CHAT_PROMPTS: tuple[str, ...] = (
 
 
 def chat_ids(tokenizer, question: str) -> torch.Tensor:
-    """``[1, S]`` token ids of ``question`` as a user turn in the tokenizer's chat template, ready for the answer."""
+    """``question`` as a user turn in the tokenizer's chat template, ready for the answer.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        question: the user's message.
+
+    Returns:
+        ``[1, S]`` token ids, ending with the template's assistant header.
+
+    Example:
+        >>> from infopt.models import load_default_tokenizer
+        >>> tok = load_default_tokenizer()
+        >>> ids = chat_ids(tok, "Hi")
+        >>> ids.shape[0], tok.decode(ids[0]).rstrip().endswith("assistant")
+        (1, True)
+    """
     msgs = [{"role": "user", "content": question}]
     enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return enc["input_ids"]
@@ -80,8 +95,21 @@ def reference_answers(model: nn.Module, tokenizer, prompts: Sequence[str] = CHAT
     """The original model's greedy answers and, for each generated token, its top-2 logit margin: what
     :func:`answer_agreement` compares against (record before optimizing in place).
 
+    Args:
+        model: the original model.
+        tokenizer: its tokenizer (with a chat template).
+        prompts: the questions (default :data:`CHAT_PROMPTS`).
+        max_new_tokens: answer length recorded.
+
     Returns:
         Per prompt, ``(generated ids [n], margins [n])``.
+
+    Example:
+        >>> from infopt.models import tiny_model, load_default_tokenizer
+        >>> (ids, margins), = reference_answers(tiny_model(), load_default_tokenizer(), CHAT_PROMPTS[:1],
+        ...                                     max_new_tokens=3)
+        >>> ids.shape == margins.shape == (3,), bool((margins >= 0).all())
+        (True, True)
     """
     out = []
     for q in prompts:

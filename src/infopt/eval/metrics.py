@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.errors import IncompatibleModelError
+from ..models import load_default_tokenizer
 from .windows import Window, measure, model_vocab, window_layout
 
 __all__ = [
@@ -43,8 +46,6 @@ def default_text(max_chars: int = 60_000) -> str:
         >>> len(default_text(100)), "assert" in default_text()
         (100, True)
     """
-    from pydoc_data.topics import topics
-
     parts = [topics[k].strip() for k in sorted(topics)]
     return "\n\n".join(parts)[:max_chars]
 
@@ -127,8 +128,6 @@ def encode_text(text: str | os.PathLike | None, tokenizer=None, *, max_tokens: i
 def tokenize(body: str, tokenizer, max_tokens: int) -> torch.Tensor:
     # body: the resolved text (never re-read as a path); ids: [1, min(T, max_tokens)]
     if tokenizer is None:
-        from ..models import load_default_tokenizer
-
         tokenizer = load_default_tokenizer()
     ids = tokenizer(body, return_tensors="pt")["input_ids"]
     if ids.shape[-1] == 0:
@@ -192,8 +191,6 @@ def _check_ids(model: nn.Module, input_ids: torch.Tensor, what: str = "the model
     vocab = model_vocab(model)
     top = int(input_ids.max())
     if top >= vocab:
-        from ..core.errors import IncompatibleModelError
-
         raise IncompatibleModelError(f"token id {top} is outside the vocabulary of {what} ({vocab}); pass the "
                                      "model's own tokenizer")
 
@@ -321,8 +318,6 @@ def check_reference(model: nn.Module, reference: Reference) -> None:
         >>> check_reference(tiny_model(), Reference(torch.tensor([[1, 2]]), torch.zeros(1, 2, 49152)))
     """
     if model_vocab(model) != reference.vocab:
-        from ..core.errors import IncompatibleModelError
-
         raise IncompatibleModelError(
             f"the reference has logits over {reference.vocab} tokens but the model's vocabulary is "
             f"{model_vocab(model)}; compute the reference from the same model (before optimizing)")
@@ -336,7 +331,8 @@ def gate_failures(figures: dict[str, float], gate: dict[str, float]) -> list[str
 
     Args:
         figures: from :func:`compare`, or ``EvalResult.to_dict()``.
-        gate: ``{"max_kl": ..., "min_top1": ..., "max_ppl_ratio": ...}`` (any subset).
+        gate: ``{"max_kl": ..., "min_top1": ..., "max_ppl_ratio": ..., "min_answers": ...}`` (any subset;
+            ``min_answers`` reads ``figures["answers"]``, the share of identical chat answers).
 
     Returns:
         One line per missed limit.
@@ -352,4 +348,6 @@ def gate_failures(figures: dict[str, float], gate: dict[str, float]) -> list[str
         out.append(f"top-1 agreement {figures['top1']:.4f} < min_top1 {gate['min_top1']}")
     if "max_ppl_ratio" in gate and figures["ppl"] / figures["ppl_ref"] > gate["max_ppl_ratio"]:
         out.append(f"perplexity ratio {figures['ppl'] / figures['ppl_ref']:.4f} > max_ppl_ratio {gate['max_ppl_ratio']}")
+    if "min_answers" in gate and figures["answers"] < gate["min_answers"]:
+        out.append(f"chat answers identical {figures['answers']:.3g} < min_answers {gate['min_answers']}")
     return out

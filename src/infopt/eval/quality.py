@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._version import __version__
+from ..core.errors import IncompatibleModelError
+from ..models import load_default_tokenizer
 from .metrics import Reference, _check_ids, check_reference, resolve_text, tokenize
 from .store import load_reference, reference_meta, save_reference
 from .windows import MAX_WINDOW, Window, measure, model_context, model_vocab, window_layout
@@ -134,8 +137,6 @@ def _check_context(model: nn.Module, layout: tuple[Window, ...]) -> None:
 def _tokenizer(tokenizer):
     if tokenizer is not None:
         return tokenizer
-    from ..models import load_default_tokenizer
-
     return load_default_tokenizer()
 
 
@@ -243,8 +244,6 @@ def evaluate(
         kind = f"stored {str(ref.logits.dtype).removeprefix('torch.')}"
     else:
         if ref_model is not None and model_vocab(ref_model) != model_vocab(model):
-            from ..core.errors import IncompatibleModelError
-
             raise IncompatibleModelError(f"the reference model's vocabulary ({model_vocab(ref_model)}) differs from "
                                          f"the model's ({model_vocab(model)}); compare a model with its own original")
         tokenizer, _, ids = _encode_checked(model, text, tokenizer, max_tokens)
@@ -301,8 +300,6 @@ def _build(model: nn.Module, ids: torch.Tensor, window: int, stride: int, dtype:
         store[0, pos:pos + lp.shape[0]] = lp.to(dtype)
 
     fig = measure(model, ids, layout, sink=sink)
-    from .._version import __version__
-
     meta = {**identity, "logprobs": True, "nll": fig["nll"], "ppl": fig["ppl"], "infopt": __version__}
     return Reference(input_ids=ids.cpu(), logits=store, window=window, stride=stride, meta=meta)
 
@@ -310,8 +307,6 @@ def _build(model: nn.Module, ids: torch.Tensor, window: int, stride: int, dtype:
 def _check_unoptimized(model: nn.Module) -> None:
     report = model.__dict__.get("infopt")
     if report is not None and getattr(report, "steps", None):
-        from ..core.errors import IncompatibleModelError
-
         raise IncompatibleModelError(
             "the model is already optimized (model.infopt lists " + ", ".join(s.key for s in report.steps)
             + "); a reference must come from the original. Compute it before infopt.optimize, or call "

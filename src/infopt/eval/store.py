@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
 from .metrics import Reference
 
 __all__ = ["save_reference", "load_reference", "reference_meta", "FORMAT"]
@@ -43,8 +46,6 @@ def save_reference(reference: Reference, path: str | os.PathLike) -> Path:
         >>> load_reference(p).logits.dtype
         torch.float16
     """
-    from safetensors.torch import save_file
-
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {
@@ -90,8 +91,6 @@ def reference_meta(path: str | os.PathLike) -> dict[str, Any]:
         >>> reference_meta(p)["tokens"]
         2
     """
-    from safetensors import SafetensorError, safe_open
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"reference file '{p}' does not exist")
@@ -130,8 +129,6 @@ def load_reference(path: str | os.PathLike) -> Reference:
         >>> torch.equal(back.logits, ref.logits), back.window, back.stride
         (True, 2, 1)
     """
-    from safetensors.torch import load_file
-
     data = reference_meta(path)
     tensors = load_file(str(path))
     missing = {"input_ids", "logits"} - set(tensors)

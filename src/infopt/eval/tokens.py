@@ -7,8 +7,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
-__all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical", "decode_path_logits"]
+from ..generate import Forward, decoder_for, parse_call, positions_of
+
+__all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical", "decode_path_logits",
+           "prompt_ids"]
 
 Prompt = str | torch.Tensor | Sequence[int]
 
@@ -17,8 +21,24 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
 
 
-def _prompt_ids(prompts: Prompt | Sequence[Prompt], tokenizer) -> list[torch.Tensor]:
-    # each prompt -> [1, S] int64; one string / tensor / id list counts as one prompt, a [B, S] tensor as B
+def prompt_ids(prompts: Prompt | Sequence[Prompt], tokenizer) -> list[torch.Tensor]:
+    """Each prompt as ``[1, S]`` int64 token ids: one string, 1-d tensor or id list counts as one prompt, a
+    ``[B, S]`` tensor as ``B``.
+
+    Args:
+        prompts: a prompt or a list of them (strings, token-id lists, tensors).
+        tokenizer: encodes the string prompts; may be None when there are none.
+
+    Returns:
+        One ``[1, S]`` tensor per prompt.
+
+    Raises:
+        ValueError: an empty list, a string without a tokenizer, or a tensor of more than 2 dimensions.
+
+    Example:
+        >>> [tuple(t.shape) for t in prompt_ids([[1, 2, 3], torch.zeros(2, 4, dtype=torch.long)], None)]
+        [(1, 3), (1, 4), (1, 4)]
+    """
     if isinstance(prompts, (str, torch.Tensor)) or _is_ids(prompts):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -85,7 +105,7 @@ def greedy_outputs(model: nn.Module, prompts: Prompt | Sequence[Prompt], max_new
     if isinstance(pad, (list, tuple)):
         pad = pad[0]
     out = []
-    for ids in _prompt_ids(prompts, tokenizer):
+    for ids in prompt_ids(prompts, tokenizer):
         ids = ids.to(device)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=pad)
@@ -197,7 +217,7 @@ def assert_token_identical(model_a: nn.Module, model_b: nn.Module, prompts: Prom
         >>> m = tiny_model()
         >>> assert_token_identical(m, copy.deepcopy(m), [[1, 17, 400, 23]], max_new_tokens=8)
     """
-    ids = _prompt_ids(prompts, tokenizer)
+    ids = prompt_ids(prompts, tokenizer)
     a = greedy_outputs(model_a, ids, max_new_tokens)
     b = greedy_outputs(model_b, ids, max_new_tokens)
     assert_same_tokens(a, b, tokenizer=tokenizer, names=("model_a", "model_b"),
@@ -229,8 +249,6 @@ def decode_path_logits(model: nn.Module, input_ids: torch.Tensor, continuation: 
         >>> logits.shape[0], torch.equal(logits.argmax(-1), out[0, 3:])
         (4, True)
     """
-    from ..generate import Forward, decoder_for, parse_call, positions_of
-
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"decode_path_logits takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
     cont = continuation.reshape(-1).to(input_ids.device)
@@ -242,8 +260,6 @@ def decode_path_logits(model: nn.Module, input_ids: torch.Tensor, continuation: 
     if dec is not None:
         cache, forward = dec.open_cache(call), dec.forward_for()
     else:
-        from transformers import DynamicCache
-
         cache, forward = DynamicCache(config=model.config), Forward(model)
     try:
         # each row copied at once: a step replayed as a CUDA graph returns the graph's own output buffer, which the

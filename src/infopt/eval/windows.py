@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.introspect import context_length
+from ..core.introspect import context_length, text_config
 
 __all__ = ["Window", "window_layout", "window_logits", "measure", "model_context", "model_vocab", "CHUNK"]
 
@@ -85,7 +85,7 @@ def model_context(model: nn.Module) -> int | None:
 
 def model_vocab(model: nn.Module) -> int:
     """Width of the model's logits (``config.vocab_size``)."""
-    return int(model.config.get_text_config().vocab_size)
+    return int(text_config(model.config).vocab_size)
 
 
 def _keeps_logits(model: nn.Module) -> bool:

@@ -10,6 +10,8 @@ import inspect
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from ..core.compat import CACHE_KWARG
 
@@ -28,8 +30,6 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 def static_length(cache) -> int | None:
     """The fixed length of a cache whose layers are all static (what a compiled step needs), else None."""
-    from transformers.cache_utils import StaticLayer
-
     layers = getattr(cache, "layers", None)
     if not layers or not all(isinstance(layer, StaticLayer) for layer in layers):
         return None
@@ -88,8 +88,6 @@ class Forward:
 
 def croppable(cache) -> bool:
     """True when every layer of ``cache`` can drop its newest tokens (dynamic or static full-attention layers)."""
-    from transformers.cache_utils import DynamicLayer, StaticLayer
-
     return all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers)
 
 
@@ -107,9 +105,6 @@ def full_length_dynamic_cache(config):
         >>> [type(layer).__name__ for layer in cache.layers], croppable(cache)
         (['DynamicLayer', 'DynamicLayer'], True)
     """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
     cache = DynamicCache(config=config)
     cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
@@ -124,8 +119,6 @@ def rollback(cache, n: int) -> None:
     """
     if n <= 0:
         return
-    from transformers.cache_utils import StaticLayer
-
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from ..core.compat import CACHE_KWARG
 from ..core.patch import ModelSlot, record_custom, wrap_method
@@ -208,8 +209,6 @@ class Decoder:
             return self.cache.open(call, slots)
         if rollback:
             return full_length_dynamic_cache(self.model.config)
-        from transformers import DynamicCache
-
         return DynamicCache(config=self.model.config)
 
     def close_cache(self, call: GenerateCall, out) -> None:

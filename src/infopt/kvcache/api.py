@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..core.errors import IncompatibleModelError, RecipeError
+from ..core.introspect import text_config
 from ..core.step import StepConfig
 from ..generate import CachePart, Unsupported
 
@@ -98,9 +100,7 @@ def require_full_attention(model: nn.Module, what: str, *, windows: bool = False
         windows: also accept sliding-window and chunked layers, for a cache that keeps every token in every layer
             (the model's mask then keeps each query to its window, as transformers builds it over cache slots).
     """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    tc = text_config(model.config, decoder=True)
     types, _ = get_layer_types_and_kwargs(tc)  # how transformers' own caches read the layer structure
     allowed = ("full_attention", "sliding_attention", "chunked_attention") if windows else ("full_attention",)
     other = sorted({t for t in types if t not in allowed})

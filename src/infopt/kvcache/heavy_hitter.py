@@ -8,12 +8,14 @@ from typing import ClassVar
 import torch  # noqa: F401  (the docstring examples use it)
 from torch import nn
 
+from ..attention.backends import set_backend_
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import FAMILIES, ModelInfo, inspect_model
 from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import Unsupported, set_part
 from .api import FreshCache, register_use, require_full_attention
+from .heavy_hitter_cache import HeavyHitterCache, attention_weights_hook
 
 __all__ = ["HeavyHitter", "use_"]
 
@@ -86,8 +88,6 @@ class HeavyHitter(StepConfig):
     def new_cache(self, model: nn.Module):
         """A fresh :class:`~infopt.kvcache.heavy_hitter_cache.HeavyHitterCache` for ``model`` (its forward needs
         the attention hooks :func:`use_` installs)."""
-        from .heavy_hitter_cache import HeavyHitterCache
-
         return HeavyHitterCache(model.config, self.budget, self.recent)
 
 
@@ -123,14 +123,10 @@ def use_(model: nn.Module, config: HeavyHitter, *, step: str | None = None) -> n
         >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False).shape
         torch.Size([1, 23])
     """
-    from .heavy_hitter_cache import attention_weights_hook
-
     info = inspect_model(model)
     config.check(model, info, (config,))
     key = step or config.key
     if model.config._attn_implementation != "eager":
-        from ..attention.backends import set_backend_
-
         set_backend_(model, "eager", step=key)
     for module in _attention_modules(model, info):
         register_hook(model, module, attention_weights_hook, kind="forward", step=key, with_kwargs=True)

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.compat import cache_from
+from ..core.introspect import text_config
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["HeavyHitterCache", "HeavyHitterLayer", "attention_weights_hook"]
@@ -134,7 +135,7 @@ class HeavyHitterCache(Cache):
     """
 
     def __init__(self, config, budget: int, recent: int):
-        tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        tc = text_config(config, decoder=True)
         super().__init__(layers=[HeavyHitterLayer(budget, recent) for _ in range(tc.num_hidden_layers)])
         self.budget, self.recent = budget, recent
 

@@ -15,12 +15,13 @@ from typing import ClassVar
 
 from torch import nn
 
+from ..attention.backends import set_backend_
 from ..attention.paged import FLASH_PAGE_MULTIPLE, PAGED_IMPL
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
-from ..core.introspect import ModelInfo, _text_config, inspect_model
+from ..core.introspect import ModelInfo, inspect_model, text_config
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..generate import CachePart, Unsupported, decoder_for, set_part
+from ..generate import CachePart, Unsupported, decoder_for, set_part, tensors_bytes
 from .api import register_use, require_full_attention
 from .blocks import OutOfBlocks
 from .paged_cache import PaddedPagedCache, PagedCache
@@ -90,7 +91,7 @@ class Paged(StepConfig):
                 "so the paged attention backend cannot read its cache; use kvcache static"
             )
         require_full_attention(model, "kvcache paged", windows=True)  # the paged kernels apply sliding windows
-        if getattr(_text_config(model.config), "attn_logit_softcapping", None) is not None:
+        if getattr(text_config(model.config), "attn_logit_softcapping", None) is not None:
             raise IncompatibleModelError(
                 f"{type(model).__name__} soft-caps attention logits, which the paged attention kernels do not "
                 "implement; use kvcache static"
@@ -119,8 +120,6 @@ class PagedPart(CachePart):
         self._caches: dict[int, PagedCache] = {}  # per open call (calls may come from several threads)
 
     def resident(self, seen: set) -> dict[str, int]:
-        from ..generate import tensors_bytes
-
         n = tensors_bytes([*self.pool.keys, *self.pool.values], seen)
         return {"paged KV pool": n} if n else {}
 
@@ -189,8 +188,6 @@ def use_paged_(model: nn.Module, config: Paged | None = None, *, step: str | Non
     config.check(model, info, (config,))
     key = step or config.key
     if model.config._attn_implementation != PAGED_IMPL:
-        from ..attention.backends import set_backend_
-
         set_backend_(model, "paged", step=key)
     set_part(model, "cache", PagedPart(model, config, key), step=key)
     return model

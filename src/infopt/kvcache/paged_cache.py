@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention.paged import PAGED_IMPL, PagedAttentionMetadata, PagedStep, bind
 from ..core.compat import CACHE_KWARG
 from ..core.errors import IncompatibleModelError
+from ..core.introspect import inspect_model
 from .blocks import BlockAllocator, BlockStateError, OutOfBlocks
 from .manager import KVBlockManager, SeqBlocks
 from .pool import KVBlockPool
@@ -139,8 +140,6 @@ class PagedCache(Cache):
     def for_model(cls, model: nn.Module, num_blocks: int, block_size: int = 16, *,
                   prefix_caching: bool = True) -> PagedCache:
         """A cache with its own pool of ``num_blocks`` blocks sized for ``model`` (see :func:`num_blocks_for_budget`)."""
-        from ..core.introspect import inspect_model
-
         info = inspect_model(model)
         pool = KVBlockPool(info.num_layers, num_blocks, block_size, prefix_caching=prefix_caching)
         return cls(pool, config=model.config, device=info.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..core.introspect import inspect_model
 from .blocks import BlockAllocator, OutOfBlocks
 
 __all__ = ["KVBlockPool", "num_blocks_for_budget"]
@@ -28,8 +29,6 @@ def num_blocks_for_budget(model: nn.Module, budget_bytes: int, block_size: int =
         >>> num_blocks_for_budget(tiny_model(), 2**20, 16)  # K,V x 2 layers x 2 heads x 16 dims x 4 B = 512 B/token
         128
     """
-    from ..core.introspect import inspect_model
-
     per_token = inspect_model(model).kv_bytes_per_token
     return max(0, int(budget_bytes) // (per_token * block_size))
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.introspect import text_config
 from ..quantize.fp8 import dequantize_fp8, quantize_fp8
 from ..quantize.primitives import (
     choose_qparams,
@@ -326,7 +327,7 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(self, config, quantized: Quantized):
-        tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        tc = text_config(config, decoder=True)
         q = quantized
         layers = [QuantizedKVLayer(q.bits, q.group_size, q.residual_length, q.axis_key, q.axis_value, q.dtype)
                   for _ in range(tc.num_hidden_layers)]

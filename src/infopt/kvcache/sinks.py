@@ -14,6 +14,7 @@ from ..core.patch import register_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import set_part
 from .api import FreshCache, register_use, require_full_attention
+from .sinks_cache import SinkCache, position_hook, rope_inv_freq
 
 __all__ = ["Sinks", "use_", "SUPPORTED_ROPE_TYPES"]
 
@@ -72,8 +73,6 @@ class Sinks(StepConfig):
                             f"an integer from 0 to window - 1 = {self.window - 1} (StreamingLLM uses 4)")
 
     def check(self, model, info: ModelInfo, steps) -> list[str]:
-        from .sinks_cache import rope_inv_freq
-
         require_full_attention(model, "kvcache.Sinks")
         try:
             _, rope_type = rope_inv_freq(model)
@@ -97,8 +96,6 @@ class Sinks(StepConfig):
     def new_cache(self, model: nn.Module):
         """A fresh :class:`~infopt.kvcache.sinks_cache.SinkCache` for ``model``. Forward calls with it need the
         position hook :func:`use_` installs (or ``make_room`` + ``position_ids`` by hand)."""
-        from .sinks_cache import SinkCache, rope_inv_freq
-
         return SinkCache(model.config, self.window, self.num_sink_tokens, rope_inv_freq(model)[0])
 
 
@@ -129,8 +126,6 @@ def use_(model: nn.Module, config: Sinks, *, step: str | None = None) -> nn.Modu
         >>> m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False).shape
         torch.Size([1, 23])
     """
-    from .sinks_cache import position_hook
-
     info = inspect_model(model)
     config.check(model, info, (config,))
     key = step or config.key

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.compat import cache_from
+from ..core.introspect import text_config
 from .api import BatchMappedLayer, CacheBytes, cache_bytes, tensor_bytes
 
 __all__ = ["SinkCache", "SinkLayer", "rerotate", "rope_inv_freq", "position_hook"]
@@ -212,7 +213,7 @@ class SinkCache(Cache):
     """
 
     def __init__(self, config, window: int, num_sink_tokens: int, inv_freq: torch.Tensor):
-        tc = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        tc = text_config(config, decoder=True)
         super().__init__(layers=[SinkLayer(window, num_sink_tokens, inv_freq) for _ in range(tc.num_hidden_layers)])
         self.window, self.num_sink_tokens = window, num_sink_tokens
         self._next_start = 0

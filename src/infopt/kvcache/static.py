@@ -8,10 +8,13 @@ from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from ..core.errors import IncompatibleModelError
 from ..core.introspect import context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..generate import CachePart, Unsupported, decoder_for, set_part
+from ..generate import CachePart, Unsupported, decoder_for, set_part, tensors_bytes
 from .api import register_use
 
 __all__ = ["Static", "StaticCaches", "StaticAllocation", "use_", "bucket_length", "static_max_length",
@@ -63,8 +66,6 @@ class Static(StepConfig):
     def check(self, model, info, steps):
         limit = context_length(model)
         if limit is not None and self.max_length is not None and self.max_length > limit:
-            from ..core.errors import IncompatibleModelError
-
             raise IncompatibleModelError(
                 f"kvcache.Static(max_length={self.max_length}) exceeds the model's {limit} positions; "
                 f"use max_length <= {limit}"
@@ -118,9 +119,6 @@ def full_length_static_cache(config, length: int):
         >>> [type(layer).__name__ for layer in cache.layers], cache.get_max_length()
         (['StaticLayer', 'StaticLayer'], 256)
     """
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-
     cache = StaticCache(config=config, max_cache_len=length)
     cache.layers = [StaticLayer(max_cache_len=length) if type(layer) is StaticSlidingWindowLayer else layer
                     for layer in cache.layers]
@@ -211,8 +209,6 @@ class StaticCaches(CachePart):
         return self._get(model, batch, slots)
 
     def resident(self, seen: set) -> dict[str, int]:
-        from ..generate import tensors_bytes
-
         tensors = [t for _, cache in list(self._held.values()) for layer in getattr(cache, "layers", ())
                    for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         n = tensors_bytes(tensors, seen)

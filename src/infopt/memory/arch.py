@@ -11,7 +11,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
+
 from ..core.errors import InfoptError
+from ..core.introspect import text_config
+from ..models import default_model_dir
 
 __all__ = [
     "MemoryInputError",
@@ -237,8 +241,6 @@ def load_known_config(name: str) -> dict:
 
 def _default_config() -> tuple[dict, str]:
     """The embedded default model's config.json, without loading its weights (shipped copy if not converted)."""
-    from ..models import default_model_dir
-
     try:
         path = default_model_dir(convert=False) / "config.json"
     except FileNotFoundError:
@@ -269,7 +271,6 @@ def _config_from_dict(d: Mapping) -> Any:
     clean = {k: v for k, v in d.items() if not str(k).startswith("_")}
     if "model_type" not in clean:
         return clean
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if clean["model_type"] not in CONFIG_MAPPING:
@@ -322,24 +323,24 @@ def resolve_config(config_or_model: Any) -> tuple[Any, str, str | None]:
         else:
             raise bad_input("model", s, f"'default', a known name ({', '.join(KNOWN_CONFIGS)}), or an existing "
                                         "config.json / model folder")
-        return _text_config(_config_from_dict(d)), name, dtype
+        return _decoder_config(_config_from_dict(d)), name, dtype
     if isinstance(obj, Mapping):
-        return _text_config(_config_from_dict(obj)), str(obj.get("_name_or_path") or obj.get("model_type") or
+        return _decoder_config(_config_from_dict(obj)), str(obj.get("_name_or_path") or obj.get("model_type") or
                                                           "config dict"), dtype
     if hasattr(obj, "model_type") and hasattr(obj, "to_dict"):  # a transformers PreTrainedConfig
         name = getattr(obj, "name_or_path", "") or obj.model_type
-        return _text_config(obj), name, dtype
+        return _decoder_config(obj), name, dtype
     raise bad_input("config_or_model", type(obj).__name__,
                     "a transformers PreTrainedConfig, a model with .config, a dict, a config.json path, "
                     f"'default' or one of {', '.join(KNOWN_CONFIGS)}")
 
 
-def _text_config(cfg: Any) -> Any:
+def _decoder_config(cfg: Any) -> Any:
+    """:func:`infopt.core.introspect.text_config` (the decoder's side), for a raw ``config.json`` dict too."""
     if isinstance(cfg, Mapping):  # a raw dict (unknown model_type): a multimodal one nests the decoder
         text = cfg.get("text_config")
         return text if isinstance(text, Mapping) and "hidden_size" not in cfg else cfg
-    get = getattr(cfg, "get_text_config", None)
-    return get(decoder=True) if callable(get) else cfg
+    return text_config(cfg, decoder=True)
 
 
 _MISSING = object()

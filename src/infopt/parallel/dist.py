@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..core.errors import IncompatibleModelError
 
@@ -14,8 +16,6 @@ __all__ = ["require_not_parallel", "require_process_group", "world_size", "rank"
 
 def require_process_group(what: str) -> None:
     """Raise :class:`IncompatibleModelError` unless ``torch.distributed`` has an initialized default process group."""
-    import torch.distributed as dist
-
     if not dist.is_available():
         raise IncompatibleModelError(f"{what} needs torch.distributed, which this torch build does not include")
     if not dist.is_initialized():
@@ -40,15 +40,11 @@ def require_not_parallel(model: nn.Module, what: str) -> None:
 
 def world_size() -> int:
     """World size of the default process group (1 when none is initialized)."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank() -> int:
     """Rank in the default process group (0 when none is initialized)."""
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -63,9 +59,6 @@ def resolve_mesh(mesh: Any, model: nn.Module, what: str):
     Raises:
         IncompatibleModelError: no process group, a mesh that is not 1-D, or a model on a device the backend cannot use.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     require_process_group(what)
     device = next(model.parameters()).device
     backend = dist.get_backend()

@@ -28,9 +28,11 @@ The other ranks' experts are freed (kept in a temporary file for :func:`infopt.u
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
@@ -154,8 +156,6 @@ def plan_expert_parallel(model: nn.Module, world: int) -> EPPlan:
 def _local_experts(experts: nn.Module, start: int, stop: int) -> nn.Module:
     """Experts ``[start, stop)`` of ``experts`` as a module of the same kind, holding copies of only their tensors
     (the original can then be freed) and running the same forward on local expert ids ``0 .. stop-start-1``."""
-    import copy
-
     if isinstance(experts, QuantizedExperts):
         return QuantizedExperts([copy.deepcopy(m) for m in experts.gate_up_proj[start:stop]],
                                 [copy.deepcopy(m) for m in experts.down_proj[start:stop]], experts.act_fn,
@@ -237,8 +237,6 @@ class ExpertParallel(nn.Module):
         return self.local(rows, local_ids.unsqueeze(1), like.new_ones(rows.shape[0], 1))
 
     def _all_to_all(self, hidden_states, top_k_index, top_k_weights):
-        import torch.distributed as dist
-
         t, k = top_k_index.shape
         h = hidden_states.shape[-1]
         world, group = self.world, self.group
@@ -272,8 +270,6 @@ class ExpertParallel(nn.Module):
         return out[:t]
 
     def _all_reduce(self, hidden_states, top_k_index, top_k_weights):
-        import torch.distributed as dist
-
         k = top_k_index.shape[1]
         ids = top_k_index.reshape(-1)  # [T*k]
         pairs = ((ids >= self.start) & (ids < self.stop)).nonzero().squeeze(1)  # this rank's (token, slot) pairs

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 __all__ = ["launch", "free_port"]
 
@@ -34,8 +36,6 @@ def free_port() -> int:
 
 def _rank_main(rank: int, fn: Callable[..., Any], nprocs: int, backend: str, port: int, args: tuple,
                threads: int | None, out_dir: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     if threads is not None:
@@ -105,8 +105,6 @@ def launch(fn: Callable[..., Any], nprocs: int = 2, backend: str = "gloo", *, ar
                 f"launch(backend='nccl', nprocs={nprocs}) needs one CUDA device per process; "
                 f"{torch.cuda.device_count()} visible. Use nprocs<={torch.cuda.device_count()}"
             )
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="infopt-launch-") as out_dir:
         try:
             mp.spawn(_rank_main, args=(fn, nprocs, backend, free_port(), tuple(args), threads, out_dir, timeout_s),

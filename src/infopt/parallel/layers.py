@@ -14,6 +14,7 @@ and scales, custom kernels), so those are sliced here:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -135,8 +136,6 @@ class RowParallel(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         y = self.inner(x)  # [..., out], this rank's partial sum
         dist.all_reduce(y, group=self.group)
         return y + self.bias if self.bias is not None else y
@@ -156,8 +155,6 @@ class GatherOutput(nn.Module):
         return self.inner.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         y = self.inner(x).contiguous()  # [..., V/N]
         parts = [torch.empty_like(y) for _ in range(self.world)]
         dist.all_gather(parts, y, group=self.group)
@@ -190,8 +187,6 @@ class VocabParallelEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         local = ids - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [..., D]

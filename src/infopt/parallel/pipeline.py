@@ -21,11 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..core.compat import cache_from
 from ..core.errors import IncompatibleModelError
-from ..core.introspect import ModelInfo, _text_config, inspect_model
+from ..core.introspect import ModelInfo, inspect_model, text_config
 from ..core.patch import set_attr, swap_module
 from .dist import local_bytes, require_not_parallel, require_process_group
 from .tensor import TP_FAMILIES
@@ -101,8 +102,6 @@ class _Slot(nn.Module):
             self.attention_type = attention_type
 
     def _run_stage(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        import torch.distributed as dist
-
         seq = hidden.shape[1]
         cache = cache_from(kwargs)
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
@@ -133,8 +132,6 @@ class _Slot(nn.Module):
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        import torch.distributed as dist
-
         if self.stage_layers is not None:
             hidden_states = self._run_stage(hidden_states, kwargs)
         elif self.placeholder:
@@ -172,7 +169,7 @@ def check_pipeline(model: nn.Module, stages: int, info: ModelInfo | None = None)
         raise IncompatibleModelError(
             f"pipeline_parallel_: {stages} stages for {info.num_layers} decoder layers; use at most {info.num_layers}"
         )
-    layer_types = set(getattr(_text_config(model.config), "layer_types", None) or ())
+    layer_types = set(getattr(text_config(model.config), "layer_types", None) or ())
     if len(layer_types) > 1:
         raise IncompatibleModelError(
             f"pipeline_parallel_ runs a stage's layers with one attention mask, but this model mixes layer types "
@@ -209,8 +206,6 @@ def pipeline_parallel_(model: nn.Module, stages: int | None = None, *, micro_bat
         >>> pipeline_parallel_(model, stages=2)  # doctest: +SKIP
         >>> model.generate(ids, max_new_tokens=16, do_sample=False)  # doctest: +SKIP
     """
-    import torch.distributed as dist
-
     require_process_group("pipeline_parallel_")
     require_not_parallel(model, "pipeline_parallel_")
     world, rank = dist.get_world_size(), dist.get_rank()

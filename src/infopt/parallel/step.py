@@ -9,8 +9,10 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .dist import require_not_parallel, require_process_group, world_size
-from .expert import DISPATCH
+from .dist import local_bytes, require_not_parallel, require_process_group, world_size
+from .expert import DISPATCH, expert_parallel_, plan_expert_parallel
+from .pipeline import check_pipeline, pipeline_parallel_
+from .tensor import plan_tensor_parallel, tensor_parallel_
 
 __all__ = ["Parallel"]
 
@@ -100,8 +102,6 @@ class Parallel(StepConfig):
                 f"launch with torchrun --nproc-per-node {self.size}, or write {{parallel: {{{mode}: {world}}}}}"
             )
         if self.tensor is not None:
-            from .tensor import plan_tensor_parallel
-
             for s in steps:  # bitsandbytes / smoothquant are refused by recipe RULES before this runs
                 if s.stage == "quantize" and getattr(s, "act_order", False) and getattr(s, "bits", 4) == 4:
                     raise IncompatibleModelError(
@@ -114,12 +114,8 @@ class Parallel(StepConfig):
                 _check_row_groups(model, tp, group)
             return []
         if self.expert is not None:
-            from .expert import plan_expert_parallel
-
             plan_expert_parallel(model, world)
             return []
-        from .pipeline import check_pipeline
-
         check_pipeline(model, world, info)
         return []
 
@@ -137,22 +133,14 @@ def _check_row_groups(model: nn.Module, tp, group: int) -> None:
 
 @register_transform(Parallel)
 def _apply(model: nn.Module, config: Parallel, ctx: ApplyContext) -> None:
-    from .dist import local_bytes
-
     before = local_bytes(model)
     if config.tensor is not None:
-        from .tensor import tensor_parallel_
-
         tensor_parallel_(model, vocab_parallel=config.vocab_parallel, dtensor=config.dtensor, step=config.key)
         what = f"tensor parallel over {config.tensor} ranks"
     elif config.expert is not None:
-        from .expert import expert_parallel_
-
         expert_parallel_(model, dispatch=config.dispatch, step=config.key)
         what = f"expert parallel over {config.expert} ranks ({config.dispatch})"
     else:
-        from .pipeline import pipeline_parallel_
-
         pipeline_parallel_(model, config.pipeline, micro_batches=config.micro_batches, step=config.key)
         what = f"pipeline parallel over {config.pipeline} stages"
     after = local_bytes(model)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..core.introspect import FAMILIES, ModelInfo, _text_config, inspect_model
+from ..core.introspect import FAMILIES, ModelInfo, inspect_model, text_config
 from ..core.moe import require_dense
 from ..core.patch import set_attr, swap_module
 from .dist import divisors, is_bnb_module, local_bytes, require_not_parallel, resolve_mesh
@@ -136,7 +136,7 @@ def plan_tensor_parallel(model: nn.Module, world: int, plan: Any = "auto", vocab
         )
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise IncompatibleModelError(f"tensor parallel size {world!r} must be a positive integer")
-    tc = _text_config(model.config)
+    tc = text_config(model.config)
     inter = int(getattr(tc, "intermediate_size", 0) or 0)
     sizes = {"num_attention_heads": info.num_heads, "num_key_value_heads": info.num_kv_heads}
     if inter:

@@ -26,11 +26,14 @@ from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model, param_bytes
 from ..core.moe import moe_blocks
 from ..core.patch import swap_module
+from ..core.save_hook import install_save_hook
 from ..core.step import ApplyContext, StepConfig, register_transform
+from .calibration import calibration_ids
+from .calibration_cache import cached_plan
 from .experts import EXPERT_QUANTIZERS, experts_targets
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
-           "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES"]
+           "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES", "SHARED_EMBEDDINGS", "register_shared_embedding"]
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes the fused int4 kernels accept (and the ones grouped configs suggest)."""
@@ -56,6 +59,26 @@ class Target:
 QUANTIZERS: dict[type[StepConfig], Callable[[nn.Module, Any, bool], nn.Module]] = {}
 # config type -> plan(model, config, targets, calibration, rebuild) -> {fqn: replacement}
 CALIBRATED: dict[type[StepConfig], Callable[..., dict[str, nn.Module]]] = {}
+
+
+SHARED_EMBEDDINGS: list[type[nn.Module]] = []
+"""Embedding classes that read a quantized output head's codes (``share_embedding=True``), each with a
+``for_head(head, embedding) -> module | None``: :class:`~infopt.quantize.int8.SharedInt8Embedding`, listed by
+:func:`register_shared_embedding` beside its class (this module does not import the layers it swaps in)."""
+
+
+def register_shared_embedding(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator: list ``cls`` in :data:`SHARED_EMBEDDINGS`, so ``share_embedding=True`` builds it for a
+    head it accepts.
+
+    Example:
+        >>> from infopt.quantize.int8 import SharedInt8Embedding
+        >>> register_shared_embedding(SharedInt8Embedding) is SharedInt8Embedding, SHARED_EMBEDDINGS.count(SharedInt8Embedding)
+        (True, 1)
+    """
+    if cls not in SHARED_EMBEDDINGS:
+        SHARED_EMBEDDINGS.append(cls)
+    return cls
 
 
 def register_quantizer(config_cls: type[StepConfig]):
@@ -235,16 +258,12 @@ def quantize_(
     else:
         ids = None
         if not rebuild:
-            from .calibration import calibration_ids
-
             ids = calibration_ids(model, calibration, tokenizer=tokenizer,
                                   samples=getattr(config, "samples", 32), seq_len=getattr(config, "seq_len", 512))
         plan = CALIBRATED[type(config)]
         if rebuild:
             replacements = plan(model, config, targets, None, True)
         else:  # computed once per (weights, config, targets, ids): see calibration_cache
-            from .calibration_cache import cached_plan
-
             replacements, _ = cached_plan(model, config, targets, ids,
                                           lambda: (plan(model, config, targets, ids, False), {}),
                                           rebuild=lambda: plan(model, config, targets, None, True))
@@ -253,8 +272,6 @@ def quantize_(
     for fqn, new in replacements.items():
         swap_module(model, fqn, new, step=step or config.key, keep_original=keep_original)
     if callable(getattr(model, "save_pretrained", None)):
-        from ..io import install_save_hook
-
         # save_pretrained then writes the quantization_config that plain from_pretrained rebuilds the layers from
         install_save_hook(model, step=step or config.key, quantize_config=config)
     return model
@@ -262,15 +279,17 @@ def quantize_(
 
 def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]) -> dict[str, nn.Module]:
     """``{embedding fqn: SharedInt8Embedding}`` when the new head is an :class:`Int8Linear` built from a head tied to
-    an embedding it can stand in for; else nothing (the embedding keeps its weight)."""
-    from .int8 import SharedInt8Embedding
-
+    an embedding it can stand in for (one of :data:`SHARED_EMBEDDINGS` accepts it); else nothing (the embedding
+    keeps its weight)."""
     embed = model.get_submodule(info.embed_fqn)
     old_head = model.get_submodule(info.lm_head_fqn)
     if embed is None or getattr(old_head, "weight", None) is not getattr(embed, "weight", None):
         return {}  # not tied
-    shared = SharedInt8Embedding.for_head(replacements.get(info.lm_head_fqn), embed)
-    return {} if shared is None else {info.embed_fqn: shared}
+    for cls in SHARED_EMBEDDINGS:
+        shared = cls.for_head(replacements.get(info.lm_head_fqn), embed)
+        if shared is not None:
+            return {info.embed_fqn: shared}
+    return {}
 
 
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
@@ -294,9 +313,7 @@ def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
                 f"{type(config).__name__} quantizes linear layers only (int8/int4 weight-only also quantize experts)"
             ctx.notes.append(f"the {len(blocks)} MoE experts modules stay in float ({why})")
     if getattr(config, "share_embedding", False):
-        from .int8 import SharedInt8Embedding
-
-        shared = isinstance(model.get_input_embeddings(), SharedInt8Embedding)
+        shared = isinstance(model.get_input_embeddings(), tuple(SHARED_EMBEDDINGS))
         ctx.stats["embedding_shared"] = shared
         ctx.notes.append("the input embedding reads the int8 head's codes" if shared else
                          "share_embedding: the embedding keeps its weight (the head is not tied to it, or the "

@@ -34,7 +34,7 @@ from torch import nn
 from ..core.availability import lazy_import
 from ..core.errors import MissingBackendError
 from ..core.step import StepConfig, bad_field, register_step
-from .api import register_quantizer
+from .api import quantize_targets, register_quantizer
 
 __all__ = ["BnbInt8", "BnbNF4", "NF4_BLOCKSIZES", "nf4_linear_class", "make_bnb_int8", "make_bnb_nf4"]
 
@@ -124,8 +124,6 @@ class BnbNF4(StepConfig):
         """Report the layers bitsandbytes' fused CPU kernel cannot take (they run its generic path)."""
         if info.device.type != "cpu":
             return []
-        from .api import quantize_targets
-
         odd = [t.fqn for t in quantize_targets(model, self)
                if t.weight.shape[0] % 32 or t.weight.shape[1] % self.blocksize]
         if not odd:

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from ..core.errors import RecipeError
+from ..core.introspect import text_config
+from ..models import load_default_tokenizer
 
 __all__ = ["calibration_text", "calibration_ids", "EVAL_CHARS"]
 
@@ -33,7 +35,7 @@ def calibration_text() -> str:
 
 
 def _vocab(model: nn.Module) -> int:
-    return int(model.config.get_text_config().vocab_size)
+    return int(text_config(model.config).vocab_size)
 
 
 def _chunks(ids: torch.Tensor, samples: int, seq_len: int) -> torch.Tensor:
@@ -84,8 +86,6 @@ def calibration_ids(model: nn.Module, calibration: Any = None, *, tokenizer: Any
         text = calibration_text() if calibration is None else (
             calibration if isinstance(calibration, str) else "\n\n".join(calibration))
         if tokenizer is None:
-            from ..models import load_default_tokenizer
-
             tokenizer = load_default_tokenizer()
             if len(tokenizer) > vocab:
                 raise RecipeError(

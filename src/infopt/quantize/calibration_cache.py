@@ -37,7 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .._version import __version__
+from ..core.caches import cache_dir, calibration_mode, prune, touch
 
 __all__ = ["CalibrationCache", "CACHE", "ENV_VAR", "weights_fingerprint", "cache_key", "cached_plan"]
 
@@ -115,8 +119,6 @@ def cache_key(model: nn.Module, config: Any, targets: list, ids: torch.Tensor | 
         ...     m, GPTQ(group_size=64), [], torch.zeros(1, 4, dtype=torch.long))
         True
     """
-    from .._version import __version__
-
     h = hashlib.sha256()
     h.update(weights_fingerprint(model).encode())
     h.update(type(config).__qualname__.encode())
@@ -174,8 +176,6 @@ class CalibrationCache:
         """``"off"``, ``"memory"`` or ``"disk"`` (from the constructor, else :data:`ENV_VAR`)."""
         if self._mode is not None:
             return self._mode
-        from ..core.caches import calibration_mode
-
         return calibration_mode()
 
     @property
@@ -183,8 +183,6 @@ class CalibrationCache:
         """The disk cache folder."""
         if self._directory is not None:
             return Path(self._directory).expanduser()
-        from ..core.caches import cache_dir
-
         return cache_dir("calibration")
 
     def clear(self) -> None:
@@ -244,16 +242,12 @@ class CalibrationCache:
         return d / f"{key}.safetensors", d / f"{key}.json"
 
     def _save(self, key: str, plan: dict[str, nn.Module], extra: dict[str, Any]) -> None:
-        from safetensors.torch import save_file
-
         weights, meta = self._paths(key)
         weights.parent.mkdir(parents=True, exist_ok=True)
         state = {}
         for fqn, mod in plan.items():
             for k, v in mod.state_dict().items():
                 state[f"{fqn}::{k}"] = v.detach().cpu().contiguous()
-        from ..core.caches import prune
-
         tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")  # hidden: pruning leaves it alone
         save_file(state, str(tmp))
         os.replace(tmp, weights)  # readers never see half a file
@@ -263,13 +257,9 @@ class CalibrationCache:
 
     def _load(self, key: str, rebuild: Callable[[list[str]], dict[str, nn.Module]]
               ) -> tuple[dict[str, nn.Module], dict[str, Any]] | None:
-        from safetensors.torch import load_file
-
         weights, meta = self._paths(key)
         if not (weights.exists() and meta.exists()):
             return None
-        from ..core.caches import touch
-
         touch(weights, meta)  # used now: pruned last
         info = json.loads(meta.read_text())
         plan = rebuild(list(info["modules"]))

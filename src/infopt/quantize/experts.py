@@ -24,6 +24,7 @@ expert tensors into its checkpoint layout as it saves, which per-expert quantize
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import weakref
 from collections.abc import Callable
@@ -212,8 +213,6 @@ def experts_targets(model: nn.Module, config, filter_fn=None, include=None, excl
     Raises:
         IncompatibleModelError: an experts module whose layout infopt cannot replace (the reason is named).
     """
-    import fnmatch
-
     if type(config) not in EXPERT_QUANTIZERS or not getattr(config, "experts", False):
         return []
     out = []

@@ -19,10 +19,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from .int4 import Int4Linear
+from .int8 import Int8Linear
 from .primitives import unpack_int4
 
 __all__ = ["export_gptq", "gptq_tensors", "dequantize_gptq", "load_gptq_state", "unpack_words"]
@@ -129,13 +131,9 @@ def export_gptq(model: nn.Module, directory: str | Path, tokenizer=None) -> Path
         >>> (export_gptq(m, tempfile.mkdtemp()) / "quantize_config.json").is_file()
         True
     """
-    from safetensors.torch import save_file
-
     layers = {n: mod for n, mod in model.named_modules() if isinstance(mod, Int4Linear)}
     if not layers:
         raise IncompatibleModelError("export_gptq found no Int4Linear layer; quantize with int4, gptq or awq first")
-    from .int8 import Int8Linear
-
     other = [n for n, mod in model.named_modules() if isinstance(mod, Int8Linear)]
     if other:
         raise IncompatibleModelError(
@@ -177,8 +175,6 @@ def export_gptq(model: nn.Module, directory: str | Path, tokenizer=None) -> Path
 def load_gptq_state(directory: str | Path) -> dict[str, torch.Tensor]:
     """Read a GPTQ-layout checkpoint written by :func:`export_gptq` (or another tool) into a dense fp32 state dict:
     every ``<fqn>.qweight`` group becomes ``<fqn>.weight``. For checking an export without a GPTQ backend."""
-    from safetensors.torch import load_file
-
     raw = load_file(str(Path(directory) / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     prefixes = {k[: -len(".qweight")] for k in raw if k.endswith(".qweight")}

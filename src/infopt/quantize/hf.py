@@ -21,16 +21,21 @@ it only once transformers' loader is imported (:func:`infopt.core.import_hooks.a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..core.errors import CheckpointError, IncompatibleModelError
+from ..core.integrity import verify_manifest
+from .int8 import SharedInt8Embedding
 from .serialize import (
     FORMAT_VERSION,
+    KINDS,
     QUANT_METHOD,
     build_layer,
     check_checkpoint,
@@ -88,8 +93,6 @@ def _safetensors_header(files: list[str] | None) -> dict[str, tuple[tuple[int, .
     """``{key: (shape, dtype name)}`` over the checkpoint files, or None when they are not all safetensors."""
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
-    from safetensors import safe_open
-
     header = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
@@ -154,10 +157,6 @@ class InfoptHfQuantizer(HfQuantizer):
                 self._conv1d.add(name)
         if checkpoint_files:
             # every file the save listed (config, weights) as it was written: a changed value is refused by name
-            from pathlib import Path
-
-            from ..core.integrity import verify_manifest
-
             verify_manifest(Path(checkpoint_files[0]).parent)
         header = _safetensors_header(checkpoint_files)
         if header is not None:
@@ -220,8 +219,6 @@ class InfoptHfQuantizer(HfQuantizer):
     def _dequantize(self, model, dtype=None):
         """Replace every infopt layer with a float ``nn.Linear`` (``Conv1D`` where the model had one) holding its
         dequantized weight, in ``dtype``."""
-        from .serialize import KINDS
-
         for name, mod in list(model.named_modules()):
             if type(mod) not in KINDS.values():
                 continue
@@ -247,8 +244,6 @@ class InfoptHfQuantizer(HfQuantizer):
 def _share_embedding(model: nn.Module, head: nn.Module) -> None:
     """Let the embedding read the int8 head's codes again (it was saved as their float values, so lookups are
     unchanged) and free its float weight."""
-    from .int8 import SharedInt8Embedding
-
     shared = SharedInt8Embedding.for_head(head, model.get_input_embeddings())
     if shared is not None:
         model.set_input_embeddings(shared)

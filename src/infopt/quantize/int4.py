@@ -37,6 +37,7 @@ from ..core.step import StepConfig, bad_field, register_step
 from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
+from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
@@ -167,8 +168,6 @@ class Int4WeightOnly(StepConfig):
     def head_config(self) -> StepConfig | None:
         """The config the output head is quantized with (see ``lm_head_bits``)."""
         if self.lm_head_bits == 8:
-            from .int8 import Int8WeightOnly
-
             return Int8WeightOnly(activations=self.activations, include_lm_head=self.include_lm_head,
                                   share_embedding=self.share_embedding,
                                   cuda_kernel="gemv" if self.cuda_kernel == "gemv" else "tl_dot")

@@ -17,7 +17,7 @@ from torch import nn
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.step import StepConfig, bad_field, register_step
 from . import a8
-from .api import register_quantizer
+from .api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
 from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
@@ -147,12 +147,8 @@ class Int8WeightOnly(StepConfig):
     def check(self, model, info, steps):
         check_experts_shapes(model, self, self.group_size, out_multiple=16 if self.activations == "int8" else 1)
         if self.group_size is not None:
-            from .api import check_group_size
-
             check_group_size(model, self, self.group_size, alternative="group_size=None for one scale per channel")
         if self.activations == "int8":
-            from .api import quantize_targets
-
             for t in quantize_targets(model, self):
                 out_f, in_f = t.weight.shape
                 if out_f % 16 or in_f % 4:
@@ -457,6 +453,7 @@ class Int8Linear(KeepsFormat):
                 f"compute_dtype={self.compute_dtype}{g}{act}")
 
 
+@register_shared_embedding
 class SharedInt8Embedding(KeepsFormat):
     """An input embedding that reads its rows from the int8 output head it is tied to, so one int8 copy serves both
     (``share_embedding``): a lookup is ``codes[id] * scale[id]`` in fp32, cast to the model's dtype, times the

@@ -23,6 +23,8 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import StepConfig, bad_field
 from .api import KERNEL_GROUP_SIZES, Target, check_group_size
+from .int4 import Int4Linear
+from .int8 import Int8Linear
 from .primitives import choose_qparams, dequantize, group_block, quantize
 
 __all__ = [
@@ -115,12 +117,8 @@ def build_quantized(grid: Grid, codes: torch.Tensor, scales: torch.Tensor, zeros
         per_channel: one scale per output row (8 bits: the fused int8 kernel's layout).
     """
     if grid.bits == 4:
-        from .int4 import Int4Linear
-
         return Int4Linear.from_codes(codes.to(torch.uint8), scales.float(), zeros.to(torch.uint8),
                                      group_size=group_size, bias=bias, in_perm=in_perm, dtype=dtype)
-    from .int8 import Int8Linear
-
     if in_perm is not None:
         raise ValueError("Int8Linear has no input permutation; un-permute the codes first")
     q = (codes - 127).to(torch.int8)

@@ -26,8 +26,11 @@ from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model, param_bytes
 from ..core.patch import get_handle, record_custom, swap_module
+from ..core.save_hook import install_save_hook
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from .api import Target, check_group_size, quantize_targets, register_calibrated
+from .calibration import calibration_ids
+from .calibration_cache import cached_plan
 from .int4 import Int4Linear, quantize_int4_grouped
 from .int8 import Int8Linear, quantize_int8_per_channel
 from .layerwise import check_calibrated_config, check_calibrated_model
@@ -467,8 +470,6 @@ def convert_qat_(model: nn.Module) -> nn.Module:
         layer.train(model.get_submodule(fqn).training)  # the original's mode, now that the flags are restored
         swap_module(model, fqn, layer, step=layers[fqn].config.key, keep_original=layers[fqn].keep_original)
     if callable(getattr(model, "save_pretrained", None)):
-        from ..io import install_save_hook
-
         for c in configs:
             install_save_hook(model, step=c.key, quantize_config=c)
     return model
@@ -612,8 +613,6 @@ def _plan(model: nn.Module, config: QAT, targets: list[Target], calibration: tor
 
 @register_transform(QAT)  # replaces the generic transform register_calibrated installed: it also reports the losses
 def _apply(model: nn.Module, config: QAT, ctx: ApplyContext) -> None:
-    from .calibration import calibration_ids
-
     before = param_bytes(model)
     targets = quantize_targets(model, config)
     if not targets:
@@ -623,16 +622,12 @@ def _apply(model: nn.Module, config: QAT, ctx: ApplyContext) -> None:
     if ctx.rebuild:
         real, stats = _run(model, config, targets, ids, True)
     else:  # trained once per (weights, config, targets, ids): see calibration_cache
-        from .calibration_cache import cached_plan
-
         real, stats = cached_plan(model, config, targets, ids, lambda: _run(model, config, targets, ids, False),
                                   rebuild=lambda: _run(model, config, targets, None, True)[0])
     for fqn, layer in real.items():
         layer.train(model.get_submodule(fqn).training)
         swap_module(model, fqn, layer, step=config.key, keep_original="disk")
     if callable(getattr(model, "save_pretrained", None)):
-        from ..io import install_save_hook
-
         install_save_hook(model, step=config.key, quantize_config=config)
     after = param_bytes(model)
     ctx.stats.update(modules_quantized=len(real), weight_bytes_before=before, weight_bytes_after=after, **stats)

@@ -38,21 +38,24 @@ This module needs no part of transformers; :mod:`infopt.quantize.hf` plugs it in
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._version import __version__
 from ..core.errors import CheckpointError
+from ..core.save_hook import register_save_preparer
 from .int4 import Int4Linear
 from .int8 import CUDA_KERNELS as INT8_CUDA_KERNELS
-from .int8 import Int8Linear, SharedInt8Embedding
+from .int8 import Int8Linear, SharedInt8Embedding, saving_compact
 from .w8a8 import W8A8Linear
 
 __all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
            "build_layer", "finish_layer", "check_spec", "check_checkpoint", "placeholder", "is_placeholder",
-           "with_placeholders", "restore_saved_names", "MOVED_SUFFIX"]
+           "with_placeholders", "restore_saved_names", "MOVED_SUFFIX", "quantized_save"]
 
 QUANT_METHOD = "infopt"
 """The ``quant_method`` infopt registers with transformers."""
@@ -115,8 +118,6 @@ def quantization_config_for(model: nn.Module, configs: Iterable[Any] = ()) -> di
         >>> qc["quant_method"], len(qc["modules"]), qc["modules"]["model.layers.0.mlp.up_proj"]["kind"]
         ('infopt', 6, 'int8')
     """
-    from .._version import __version__
-
     modules = {}
     for fqn, mod in model.named_modules():
         spec = layer_spec(mod)
@@ -346,3 +347,69 @@ def restore_saved_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     for key in [k for k in out if k.endswith(MOVED_SUFFIX)]:
         out[key[: -len(MOVED_SUFFIX)]] = out.pop(key)
     return out
+
+
+_UNSET = object()
+
+
+@register_save_preparer
+@contextlib.contextmanager
+def quantized_save(model: nn.Module, configs: list, kwargs: dict[str, Any]):
+    """Around ``save_pretrained`` of a model with infopt's save hook (:func:`infopt.core.save_hook.install_save_hook`):
+    refuse what transformers' layout cannot hold, and while transformers writes, give the config the
+    ``quantization_config`` of :func:`quantization_config_for` and the state dict a :func:`placeholder` for each
+    quantized layer's float weight.
+
+    Args:
+        model: the model being saved.
+        configs: the quantize step configs applied whose layers are still in place.
+        kwargs: ``save_pretrained``'s keyword arguments; ``state_dict`` is set here when the model has quantized
+            layers.
+
+    Raises:
+        CheckpointError: the model is sharded by expert parallelism, or has quantized mixture-of-experts experts.
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> from infopt.quantize import Int8WeightOnly, quantize_
+        >>> model, kwargs = quantize_(tiny_model(), Int8WeightOnly()), {}
+        >>> with quantized_save(model, [], kwargs):
+        ...     model.config.quantization_config["quant_method"], is_placeholder(kwargs["state_dict"][
+        ...         "model.layers.0.mlp.up_proj.weight"])
+        ('infopt', True)
+        >>> hasattr(model.config, "quantization_config")
+        False
+    """
+    if any(getattr(m, "infopt_expert_parallel", False) for m in model.modules()):
+        raise CheckpointError(
+            "save_pretrained cannot write an expert-parallel model: this rank holds only its slice of the "
+            "experts. Save before sharding, or infopt.undo(model) first"
+        )
+    if any(getattr(m, "is_infopt_experts", False) for m in model.modules()):
+        # transformers rewrites MoE expert tensors into its checkpoint layout as it saves (3D -> per expert),
+        # which per-expert quantized layers do not have; refuse rather than write a folder that cannot load
+        raise CheckpointError(
+            "save_pretrained cannot write quantized mixture-of-experts experts (transformers converts expert "
+            "weights to its checkpoint layout when saving); use infopt.save_optimized(model, dir) and "
+            "infopt.load_optimized(dir), or quantize with experts=False"
+        )
+    qc = quantization_config_for(model, configs)
+    config = model.config
+    previous = config.__dict__.get("quantization_config", _UNSET)
+    if qc is not None:
+        config.quantization_config = qc
+        # each quantized layer's dense key gets a tensor no float layer fits: a loader that does not know
+        # infopt refuses the folder instead of initialising those layers at random
+        state = kwargs.get("state_dict")
+        if state is None:
+            with saving_compact():  # a shared embedding is rebuilt from its head's codes at load
+                state = model.state_dict()
+        kwargs["state_dict"] = with_placeholders(model, state)
+    try:
+        yield
+    finally:
+        if qc is not None:
+            if previous is _UNSET:
+                del config.quantization_config
+            else:
+                config.quantization_config = previous

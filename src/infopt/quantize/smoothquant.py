@@ -33,10 +33,11 @@ from torch import nn
 from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 
 from ..core.errors import IncompatibleModelError
-from ..core.introspect import FAMILIES, inspect_model
+from ..core.introspect import FAMILIES, inspect_model, text_config
 from ..core.patch import swap_module
 from ..core.step import StepConfig, bad_field, register_step
 from .api import Target, quantize_targets, register_calibrated
+from .calibration import calibration_ids
 from .w8a8 import W8A8Linear, int_mm_supported
 
 __all__ = ["SmoothQuantW8A8", "SmoothGroup", "smooth_groups", "smooth_scales", "activation_absmax", "smooth_",
@@ -150,7 +151,7 @@ def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
     """
     info = inspect_model(model)
     fam = FAMILIES[info.model_type]
-    tc = model.config.get_text_config()
+    tc = text_config(model.config)
     d, g_rep = info.head_dim, info.gqa_groups
     q_rows, kv_rows = info.num_heads * d, info.num_kv_heads * d
     out: list[SmoothGroup] = []
@@ -442,8 +443,6 @@ def smooth_(model: nn.Module, calibration: Any = None, *, alpha: float = 0.5, sa
         >>> bool((smooth_(m, ids, seq_len=16)(ids).logits - ref).abs().max() < 1e-4)
         True
     """
-    from .calibration import calibration_ids
-
     config = SmoothQuantW8A8(alpha=alpha, samples=samples, seq_len=seq_len)
     targets = quantize_targets(model, config, None, include, exclude)
     ids = calibration_ids(model, calibration, tokenizer=tokenizer, samples=samples, seq_len=seq_len)

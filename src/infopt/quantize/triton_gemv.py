@@ -39,6 +39,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .primitives import unpack_int4
 from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
 __all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "GEMV_MAX_ROWS",
@@ -97,8 +98,6 @@ def w4_dequantize(qweight: torch.Tensor, scale_offset: torch.Tensor, group_size:
         >>> w4_dequantize(q, so, 2, torch.float32).tolist()
         [[0.5, 1.5]]
     """
-    from .primitives import unpack_int4
-
     so = scale_offset.to(dtype)
     codes = unpack_int4(qweight).to(dtype) - 8
     n = codes.shape[0]

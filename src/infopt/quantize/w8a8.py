@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import a8
+from .int8 import quantize_int8_per_channel
 from .primitives import KeepsFormat, dequantize
 
 __all__ = ["W8A8Linear", "quantize_per_token", "int_mm_supported", "fused_applies", "w8a8_steps", "KERNELS"]
@@ -169,8 +170,6 @@ class W8A8Linear(KeepsFormat):
         Returns:
             The quantized layer, on the weight's device.
         """
-        from .int8 import quantize_int8_per_channel
-
         out_f, in_f = weight.shape
         new = cls(in_f, out_f, bias=bias is not None, dtype=dtype or weight.dtype, input_scale=input_scale is not None,
                   device=weight.device)

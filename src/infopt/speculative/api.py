@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import IncompatibleModelError
-from ..core.introspect import attention_window, inspect_model
+from ..core.errors import IncompatibleModelError, RecipeError
+from ..core.introspect import attention_window, inspect_model, text_config
 from ..core.patch import STATE_PREFIX, ModelSlot, get_handle, record_custom
 from ..core.step import TRANSFORMS, ApplyContext, StepConfig, register_transform
-from ..generate import LoopPart, Unsupported, croppable, set_part, static_length
-from .config import DraftModel, PromptLookup, SelfDraft
+from ..generate import LoopPart, Unsupported, croppable, set_part, static_length, tensors_bytes
+from ..models import load_default
+from .config import DraftModel, PromptLookup, SelfDraft, check_draft_folder
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .loop import Controller, SpecStats, speculative_decode
 
@@ -51,13 +52,8 @@ def load_draft(draft: Any, *, device: str | torch.device = "cpu", dtype: torch.d
     if isinstance(draft, nn.Module):
         return draft
     if draft == "default":
-        from ..models import load_default
-
         return load_default(dtype=dtype, device=device)[0]
     from transformers import AutoModelForCausalLM
-
-    from ..core.errors import RecipeError
-    from .config import check_draft_folder
 
     folder = check_draft_folder(draft)  # a clear error for a name that is no local folder, before transformers
     try:
@@ -109,7 +105,7 @@ def build_self_draft(model: nn.Module, config: SelfDraft) -> tuple[nn.Module, in
             raise IncompatibleModelError(f"SelfDraft(num_layers=...) needs a decoder-layer list; {type(model).__name__} "
                                          "has none it recognises. Use SelfDraft(quantize=...) alone")
         del layers[config.num_layers:]
-        tc = draft.config.get_text_config(decoder=True) if hasattr(draft.config, "get_text_config") else draft.config
+        tc = text_config(draft.config, decoder=True)
         for attr in ("num_hidden_layers", "n_layer"):
             if hasattr(tc, attr):
                 setattr(tc, attr, config.num_layers)
@@ -161,7 +157,7 @@ def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, A
         if where != info.device:  # the draft reads the target's token and position tensors as they are
             raise IncompatibleModelError(f"the draft model is on {where} but the target on {info.device}; move the "
                                          f"draft there first: DraftModel(draft.to('{info.device}'))")
-        tv, dv = model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
+        tv, dv = text_config(model.config).vocab_size, text_config(draft.config).vocab_size
         if dv < tv:
             raise IncompatibleModelError(f"the draft model's vocabulary ({dv}) is smaller than the target's ({tv}); "
                                          "a draft model must share the target's tokenizer")
@@ -174,8 +170,6 @@ def _drafter(model: nn.Module, config: StepConfig) -> tuple[Drafter, dict[str, A
         return ModelDrafter(draft, draft_cost=_self_draft_cost(model, config), confidence=0.0,
                             prior_acceptance=SELF_DRAFT_PRIOR), {
             "draft_extra_bytes": extra}
-    from ..core.errors import RecipeError
-
     raise RecipeError(f"speculative.enable_ takes DraftModel, PromptLookup or SelfDraft; got {type(config).__name__}: "
                       f"{config!r}")
 
@@ -208,8 +202,6 @@ class SpeculativePart(LoopPart):
         self.window = window  # the model's narrowest attention window (tokens), None without one
 
     def resident(self, seen: set) -> dict[str, int]:
-        from ..generate import tensors_bytes
-
         draft = getattr(self.drafter, "draft", None)
         if not isinstance(draft, nn.Module):
             return {}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..core.errors import RecipeError
+from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.step import STEP_TYPES, StepConfig, bad_field, register_step
 
 __all__ = ["DraftModel", "PromptLookup", "SelfDraft", "ADAPTIVE_CAP", "check_draft_folder"]
@@ -220,8 +220,6 @@ class SelfDraft(_Speculative):
     def check(self, model, info, steps):
         n = getattr(info, "num_layers", None)
         if self.num_layers is not None and n is not None and self.num_layers > n:
-            from ..core.errors import IncompatibleModelError
-
             raise IncompatibleModelError(f"SelfDraft(num_layers={self.num_layers}) exceeds the model's {n} layers; "
                                          f"use num_layers <= {n}")
         return []

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..eval.tokens import _prompt_ids, assert_same_tokens, greedy_outputs
+from ..eval.tokens import assert_same_tokens, greedy_outputs, prompt_ids
 from .golden import UPDATE_HINT, GoldenMissingError, GoldenStore
 
 __all__ = ["assert_generates_same", "assert_quality", "assert_no_regression", "topk_kl", "TOP_K"]
@@ -57,7 +57,7 @@ def assert_generates_same(model: nn.Module, tokenizer, prompts, golden: GoldenSt
         ...     optimize_(model, recipe)
         ...     assert_generates_same(model, None, [[1, 17, 400]], infopt_golden, max_new_tokens=16)
     """
-    ids = _prompt_ids(prompts, tokenizer)
+    ids = prompt_ids(prompts, tokenizer)
     if golden.update:
         recorded = greedy_outputs(reference if reference is not None else model, ids, max_new_tokens)
         tensors = {f"prompt_{i:04d}": p[0] for i, p in enumerate(ids)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -12,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors.torch import load_file, save
+
+from .._version import __version__
 
 __all__ = ["GoldenStore", "GoldenMissingError", "EnvironmentMismatchWarning", "environment_record",
            "sanitize_test_id", "UPDATE_HINT"]
@@ -46,8 +51,6 @@ def sanitize_test_id(nodeid: str) -> str:
     """
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", nodeid.replace("::", "__")).strip("_.")
     if len(stem) > _MAX_STEM:
-        import hashlib
-
         stem = stem[:_MAX_STEM - 13] + "-" + hashlib.sha256(nodeid.encode()).hexdigest()[:12]
     return stem or "test"
 
@@ -69,10 +72,6 @@ def environment_record(device: str | torch.device = "cpu", dtype: torch.dtype | 
         >>> rec["device"], "torch" in rec
         ('cpu', True)
     """
-    import transformers
-
-    from .. import _version
-
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -82,7 +81,7 @@ def environment_record(device: str | torch.device = "cpu", dtype: torch.dtype | 
         "device": str(device),
         "device_name": name,
         "dtype": str(dtype or torch.get_default_dtype()).removeprefix("torch."),
-        "infopt": _version.__version__,
+        "infopt": __version__,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -155,8 +154,6 @@ class GoldenStore:
     def _load_tensors(self) -> dict[str, torch.Tensor]:
         if not self.tensor_path.is_file():
             return {}
-        from safetensors.torch import load_file
-
         return load_file(str(self.tensor_path))
 
     def has(self, section: str) -> bool:
@@ -195,8 +192,6 @@ class GoldenStore:
         out = {"env": self.env, "format": 1, "sections": sections}
         self.json_path.write_text(json.dumps(out, sort_keys=True, indent=2) + "\n", encoding="utf-8")
         if new:
-            from safetensors.torch import save
-
             # sorted keys, no metadata (it lives in the JSON): same tensors -> same bytes
             self.tensor_path.write_bytes(save({k: new[k] for k in sorted(new)}))
         elif self.tensor_path.exists():

@@ -8,6 +8,8 @@ from typing import Any
 from torch import nn
 
 from ..core.errors import IncompatibleModelError, InfoptError, MissingBackendError, RecipeError
+from ..optimize import optimize, undo, validate
+from ..quantize.calibration_cache import weights_fingerprint
 from ..recipe import Recipe, check_gate
 from .candidates import Candidate, as_candidates, default_candidates, quality_key
 from .result import Trial, TuneResult
@@ -77,8 +79,6 @@ def _estimate(c: Candidate, done: list[tuple[Candidate, float]]) -> float:
 
 
 def _check_restored(model: nn.Module, fingerprint: str, name: str) -> None:
-    from ..quantize.calibration_cache import weights_fingerprint
-
     if getattr(model, "infopt", None) is not None or weights_fingerprint(model) != fingerprint:
         raise InfoptError(f"after trying {name}, infopt.undo did not restore the model bit for bit; the tuner stops "
                           "rather than measure the next candidates on a changed model (please report it)")
@@ -87,7 +87,6 @@ def _check_restored(model: nn.Module, fingerprint: str, name: str) -> None:
 def _quality(model, tokenizer, recipe: Recipe, reference, calibration) -> dict[str, float]:
     """KL / top-1 of ``recipe``'s lossy steps alone (then undone): the cheap check before the speed run."""
     from .. import eval as ev
-    from ..optimize import optimize, undo
 
     steps = [s for s in recipe.steps if not s.lossless and s.stage != "compile"]
     optimize(model, steps, tokenizer=tokenizer, calibration=calibration)
@@ -147,8 +146,6 @@ def tune(model: nn.Module, tokenizer, workload: str = "decode", *, gate: Any = "
     """
     from ..bench import WORKLOADS, run_bench
     from ..eval import gate_failures, reference_logits
-    from ..optimize import undo, validate
-    from ..quantize.calibration_cache import weights_fingerprint
 
     if workload not in WORKLOADS:
         raise RecipeError(f"workload={workload!r}; allowed: {', '.join(WORKLOADS)}")

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ...core.errors import CheckpointError
+from ...core.introspect import text_config
 from ..api import KERNEL_GROUP_SIZES
 from ..export import unpack_words
 from ..int4 import Int4Linear
@@ -116,7 +117,7 @@ def finish_model(model: nn.Module, *, device: str | torch.device, source: str) -
         CheckpointError: a parameter the checkpoint did not provide (named).
     """
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     if getattr(text, "tie_word_embeddings", False) and head is not None and emb is not None and \
             isinstance(head, nn.Linear) and head.weight.is_meta and not emb.weight.is_meta:

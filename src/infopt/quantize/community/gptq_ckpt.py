@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from ...core.errors import CheckpointError
@@ -114,8 +115,6 @@ class SafetensorsFolder:
     """The tensors of ``model.safetensors`` or of the shards a ``model.safetensors.index.json`` lists, opened lazily."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = read_json(index).get("weight_map", {})

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ...core.errors import CheckpointError
+from ...core.save_hook import install_save_hook
+from ...models import register_quantized_loader
 from .common import LoadOptions, empty_model, finish_model, set_dense
 from .gptq_ckpt import AWQFormat, GPTQFormat, SafetensorsFolder, awq_layer, gptq_layer, read_quant_config
 
@@ -92,12 +95,11 @@ def _load_folder(folder: Path, method: str, opts: LoadOptions, *, with_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if (folder / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
         model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
     return model, tokenizer
 
 
+@register_quantized_loader  # what infopt.models.load_default(quantized=True) calls
 def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", tokenizer: bool = True, reference: bool = False):
     """Load a community quantized checkpoint onto infopt's int4/int8 layers, with no GPTQ/AWQ backend installed.
@@ -155,9 +157,7 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         model, tok = _load_folder(p, fmt, opts, with_tokenizer=tokenizer)
     model = finish_model(model, device=device, source=str(p))
     # save_pretrained then writes infopt's quantization_config, so plain from_pretrained (with import infopt) rebuilds
-    # these layers; imported here because io sits above quantize, as in quantize_
-    from ...io import install_save_hook
-
+    # these layers
     install_save_hook(model, step="load_quantized")
     model.infopt_source = {"path": str(p), "format": fmt, "seconds": round(time.perf_counter() - t0, 3)}
     log.info("loaded %s (%s) in %.1f s", p, fmt, model.infopt_source["seconds"])

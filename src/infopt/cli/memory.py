@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .arch import KNOWN_CONFIGS
-from .estimate import DTYPE_BITS, MemoryEstimate, estimate_memory
+from ..memory.arch import KNOWN_CONFIGS
+from ..memory.estimate import DTYPE_BITS, MemoryEstimate, estimate_memory
 
 __all__ = ["register", "format_estimate", "run"]
 

@@ -1,8 +1,11 @@
-"""The ``infopt`` command line: optimize, recipes, demo, version."""
+"""The ``infopt`` command line: optimize, recipes, demo, version; ``eval``, ``memory``, ``bench`` and ``tune`` from the
+modules beside this one (``infopt.cli.eval``, ...). The top floor: it imports the library, nothing imports it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import re
@@ -11,15 +14,18 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
+from .._version import __version__
+from ..core.errors import InfoptError, RecipeError, did_you_mean
+from ..core.step import STEP_TYPES, describe_fields
+from ..io import save_optimized
+from ..models import load_model
+from ..optimize import explain, optimize
+from ..recipe import PRESETS, Recipe, available_steps
 
 __all__ = ["main"]
 
 
 def _cmd_recipes(args) -> int:
-    from .core.errors import RecipeError
-    from .recipe import PRESETS, available_steps
-
     if args.name is not None:
         if args.fields is not None:
             raise RecipeError(f"give a preset name or --fields, not both: `infopt recipes {args.name}` prints the "
@@ -48,15 +54,12 @@ _WIDTH = 110
 
 def _source_results() -> Path:
     """benchmarks/results of the source checkout this package runs from (absent from an installed wheel)."""
-    return Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 
 
 def _print_recipe(name: str, results: str | None) -> int:
     """Print preset ``name`` (or a recipe file) as the YAML ``infopt.optimize`` reads, after comments giving its
     description and the figures measured for it, each with the results file it comes from."""
-    from .core.errors import RecipeError, did_you_mean
-    from .recipe import PRESETS, Recipe
-
     folder = Path(results) if results is not None else _source_results()
     shown = results if results is not None else "benchmarks/results"
     if name in PRESETS:
@@ -215,8 +218,6 @@ def _machine(d: dict) -> str:
 def _recipe_changes(recorded: list, recipe) -> list[str]:
     """How the steps a results file recorded differ from ``recipe``'s: steps added or dropped, fields whose value
     changed, and fields set now to a non-default value that the record does not have (added since)."""
-    from .core.errors import InfoptError
-
     then = {stage: body if isinstance(body, dict) else {}  # a shorthand ({attention: sdpa}) has no fields to compare
             for s in recorded if isinstance(s, dict) and len(s) == 1 for stage, body in s.items()}
     now = {s.stage: (s, s.to_dict()[s.stage]) for s in recipe.steps}
@@ -263,10 +264,6 @@ def _summary(doc: str | None) -> str:
 
 def _print_fields(which: str) -> int:
     """Each step's fields with their types and defaults, per stage and kind (all, one stage, or one kind)."""
-    from .core.errors import RecipeError, did_you_mean
-    from .core.step import STEP_TYPES, describe_fields
-    from .recipe import available_steps
-
     steps = available_steps()
     stage, _, kind = which.partition(":")
     if which and stage not in steps:
@@ -302,11 +299,6 @@ def _print_fields(which: str) -> int:
 
 
 def _cmd_optimize(args) -> int:
-    from .io import save_optimized
-    from .models import load_model
-    from .optimize import explain, optimize
-    from .recipe import Recipe
-
     recipe = Recipe.parse(args.recipe)  # a bad recipe fails before the model is loaded
     model, tok = load_model(args.model)
     if args.dry_run:  # validated against the model and described; nothing applied, nothing written
@@ -323,13 +315,13 @@ def _cmd_optimize(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import main as demo_main
+    from ..demo import main as demo_main  # (not loaded by import infopt; it loads the eval package)
 
     return demo_main(args.rest)
 
 
 # modules that add their own subcommands: each defines register(subparsers) setting `fn` on its parser
-_PLUGINS = ("infopt.eval.cli", "infopt.memory.cli", "infopt.bench.cli", "infopt.tuner.cli")
+_PLUGINS = ("infopt.cli.eval", "infopt.cli.memory", "infopt.cli.bench", "infopt.cli.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,9 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     d.set_defaults(fn=_cmd_demo, rest=[])
 
-    import importlib
-    import importlib.util
-
     for name in _PLUGINS:
         try:
             found = importlib.util.find_spec(name) is not None
@@ -382,14 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .core.errors import InfoptError
-
     try:
         return args.fn(args)
     except (InfoptError, FileNotFoundError, ValueError) as e:
         print(f"infopt: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,20 +5,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["register", "DTYPES"]
+import torch
+
+from ..models import load_model
+
+__all__ = ["register", "resolve_device", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Values of ``--dtype``: the dtype the model is loaded in."""
 
 
-def _device(name: str):
+def resolve_device(name: str) -> torch.device:
     """The torch device ``--device`` names (``auto``: CUDA when one is visible, else CPU).
+
+    Args:
+        name: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+
+    Returns:
+        The device.
 
     Raises:
         ValueError: a name torch does not parse, or a CUDA device on a machine without one.
-    """
-    import torch
 
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -31,19 +43,16 @@ def _device(name: str):
 
 
 def _run(args) -> int:
-    from .report import compare_runs, format_table
+    from ..bench.report import compare_runs, format_table  # infopt.bench is not loaded by import infopt
 
     if args.compare:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)
         print(compare_runs(a, b))
         return 0
-    import torch
+    from ..bench.harness import run_bench
+    from ..bench.report import append_csv, plot
 
-    from ..models import load_model
-    from .harness import run_bench
-    from .report import append_csv, plot
-
-    device = _device(args.device)
+    device = resolve_device(args.device)
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     if tok is None:
         raise FileNotFoundError(f"{args.model} has no tokenizer; the benchmark workloads need one")
@@ -64,7 +73,7 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from .workloads import WORKLOADS
+    from ..bench.workloads import WORKLOADS
 
     p = sub.add_parser("bench", help="benchmark a recipe against plain transformers on one workload")
     p.add_argument("--workload", default="decode", choices=list(WORKLOADS))

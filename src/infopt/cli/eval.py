@@ -9,6 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..core.errors import InfoptError
+from ..models import load_default_tokenizer, load_model
+from ..optimize import optimize
+from ..recipe import Recipe
+
 __all__ = ["register", "run"]
 
 
@@ -66,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["eval", "--recipe", "cpu-fast", "--max-tokens", "512"])  # doctest: +SKIP
         0
     """
-    from ..core.errors import InfoptError
-
     try:
         return _run(args)
     except InfoptError:
@@ -78,13 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..models import load_model
-    from ..optimize import optimize  # eval is a lower floor than optimize: imported only when the command runs
-    from ..recipe import Recipe
-    from .metrics import gate_failures
-    from .quality import evaluate, make_reference, reference_for
+    from ..eval.metrics import gate_failures  # infopt.eval is not loaded by import infopt: only when the command runs
+    from ..eval.quality import evaluate, make_reference, reference_for
 
     for name in ("max_tokens", "window", "stride"):
         v = getattr(args, name)
@@ -97,8 +97,6 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
     if tok is None:  # a folder without tokenizer files: the default model's, as encode_text would pick
-        from ..models import load_default_tokenizer
-
         tok = load_default_tokenizer()
     t_load = time.perf_counter() - t0
     opts = dict(tokenizer=tok, max_tokens=args.max_tokens, stride=args.stride, window=args.window)

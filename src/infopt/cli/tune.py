@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from ..models import load_model
+from ..tuner.search import tune
+from .bench import DTYPES, resolve_device
+
 __all__ = ["register"]
 
 
 def _run(args) -> int:
-    import torch
-
-    from ..bench.cli import _device
-    from ..models import load_model
-    from .search import tune
-
-    device = _device(args.device)
+    device = resolve_device(args.device)
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     if tok is None:
         raise FileNotFoundError(f"{args.model} has no tokenizer; the benchmark workloads need one")
@@ -37,8 +37,7 @@ def _run(args) -> int:
 
 
 def register(sub) -> None:
-    from ..bench.cli import DTYPES
-    from ..bench.workloads import WORKLOADS
+    from ..bench.workloads import WORKLOADS  # infopt.bench is not loaded by import infopt
 
     p = sub.add_parser("tune", help="find the fastest recipe within a quality gate on this machine")
     p.add_argument("--workload", default="decode", choices=list(WORKLOADS))
