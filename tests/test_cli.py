@@ -56,6 +56,7 @@ def test_console_script_entry_point():
     assert "presets:" in out.stdout
 
 
+@pytest.mark.slow
 def test_python_dash_m_infopt():
     out = subprocess.run([sys.executable, "-m", "infopt", "recipes"], capture_output=True, text=True, check=True)
     assert "presets:" in out.stdout and "--fields" in out.stdout

@@ -27,9 +27,17 @@ class _Page:
 _SESSIONS: dict[str, _Page] = {}
 
 
+# blocks that compile, tune or export take 5 to 60 s on 2 cores: `slow` (make test runs them, make test-fast not),
+# and so is every later block of the page, which would run them to catch up (_catch_up)
+_SLOW = re.compile(r"\btune\(|cpu-fast|Compile\(|compile_\(|\"throughput\"|make_reference\(")
+
+
 def _params():
+    slow_pages = set()
     for block in BLOCKS:
-        marks = []
+        if _SLOW.search(block.code) and block.marker not in ("skip", "real_model"):
+            slow_pages.add(block.page)
+        marks = [pytest.mark.slow] if block.page in slow_pages else []
         if block.marker == "real_model":
             marks.append(pytest.mark.real_model)
         if block.marker == "skip" and block.marker_error is None:

@@ -9,6 +9,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["quickstart.py", "recipe_file.py", "quantize_int4.py", "kvcache_prefix.py",
                                     "speculative_decoding.py", "batching_stream.py", "tp_generate.py"])
 def test_example_runs(script):

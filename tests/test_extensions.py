@@ -37,6 +37,7 @@ def test_unknown_kernel_name():
         extensions.load("nope")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(extensions._compiler() is None, reason="no C++ compiler on this machine")
 def test_builds_into_an_empty_cache_and_reuses_it(fresh_state):
     built = extensions._compiled("paged_attention")
@@ -66,6 +67,7 @@ def test_error_probe_raises_a_runtime_error(name):
     assert built.with_name(built.name + ".errors-ok").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(extensions._compiler() is None, reason="no C++ compiler on this machine")
 def test_a_kernel_whose_errors_crash_is_not_loaded(fresh_state, monkeypatch, caplog):
     """Where an error raised in the library ends the process (a torch built with other exception handling), the

@@ -132,6 +132,7 @@ def test_optimize_refuses_non_models():
         infopt.optimize(torch.nn.Linear(2, 2), [Attention("eager")])
 
 
+@pytest.mark.slow
 def test_cpu_lossless_is_token_identical(arch, prompt):
     m = tiny_model(arch)
     ref = m.generate(prompt, max_new_tokens=24, do_sample=False)

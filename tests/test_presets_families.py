@@ -123,6 +123,7 @@ def _check(preset: str, arch: str, compile_backend: str | None) -> None:
     assert torch.equal(m.generate(**CALLS[0], **GREEDY), plain[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", CPU_PRESETS)
 @pytest.mark.parametrize("arch", [a for a in DENSE if a not in INDUCTOR_FAMILIES])
 def test_preset_on_family(arch, preset):

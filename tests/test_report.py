@@ -15,6 +15,7 @@ from infopt.optimize import resident_bytes
 IDS = torch.tensor([[3, 17, 9, 41, 5]])
 
 
+@pytest.mark.slow
 def test_resident_counts_packed_copies_the_draft_and_the_kept_cache():
     m = infopt.optimize(tiny_model("llama"), "cpu-lossless")
     before = resident_bytes(m)

@@ -65,6 +65,7 @@ def compiled(compiled_once, tmp_path):
 
 
 # -- code in the folder ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_saved_steps
 def test_a_planted_pickle_runs_only_with_the_opt_in(compiled, tmp_path):
     folder, want = compiled
@@ -123,6 +124,7 @@ def _library_that_writes(marker, tmp_path):
     return lib.read_bytes()
 
 
+@pytest.mark.slow
 @needs_saved_steps
 @pytest.mark.skipif(not aot_available(), reason="torch without torch.export/AOTInductor constants API")
 def test_a_planted_shared_library_runs_only_with_the_opt_in(tmp_path, monkeypatch):
@@ -271,6 +273,7 @@ print(json.dumps({"infopt imported": "infopt" in sys.modules, "results": out}))
 """
 
 
+@pytest.mark.slow
 def test_plain_from_pretrained_without_infopt_refuses_every_saved_layout(tmp_path):
     """A process that never imports infopt: transformers skips the unknown quant_method with a warning, and would
     then fill the quantized projections at random; each layer's placeholder makes it refuse the folder instead."""

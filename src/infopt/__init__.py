@@ -8,6 +8,8 @@ Example:
     True
 """
 
+import importlib
+
 from . import attention, batching, compile, kvcache, parallel, quantize, speculative
 from ._version import __version__
 from .core.errors import (
@@ -52,3 +54,13 @@ __all__ = [
     "quantize",
     "speculative",
 ]
+
+# the measurement packages (quality, benchmarks, memory estimates, the demo, the pytest plugin's helpers) cost import
+# time that optimizing does not need: ``infopt.eval`` and the others load on first use
+_ON_FIRST_USE = ("eval", "bench", "memory", "demo", "testing", "tuner", "models", "generate", "core", "io", "recipe")
+
+
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'infopt' has no attribute {name!r}")

@@ -18,6 +18,7 @@ def test_eager_and_sdpa_same_greedy_tokens(arch, prompt):
     assert m.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.slow
 def test_flex_same_greedy_tokens_on_cpu(prompt):
     # flex attention compiles its kernel (about 15 s on 2 cores): one architecture is enough here
     m = tiny_model("llama")

@@ -178,6 +178,7 @@ def test_engine_forward_compiled_before_its_first_step(monkeypatch):
     assert [o.token_ids for o in outs] == eager
 
 
+@pytest.mark.slow
 def test_packed_step_forward_compiles_as_one_graph():
     """The engine's forward (layout as the paged_step keyword, K/V written and attended by the C++ kernel) traces
     into one graph: compile-ready, and the compiled step gives the eager tokens."""

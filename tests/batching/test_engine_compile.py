@@ -31,6 +31,7 @@ def _linear_forwards(model: nn.Module) -> int:
     return sum("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
 
 
+@pytest.mark.slow
 def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_serving():
     ref = tiny_model("llama")
     model = tiny_model("llama")
@@ -62,6 +63,7 @@ def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_
     assert model.config._attn_implementation != "infopt_paged"
 
 
+@pytest.mark.slow
 def test_a_hook_added_after_compiling_runs_in_the_next_steps():
     # dynamo's module guards are skipped; the engine's own per-step check must notice the change and compile again
     ref = tiny_model("llama")
@@ -110,6 +112,7 @@ def test_compile_must_be_a_bool(bad):
     assert model.config._attn_implementation != "infopt_paged"  # refused before anything changed
 
 
+@pytest.mark.slow
 def test_compiled_engine_on_the_reference_attention_matches_generate_greedy():
     # what a GPU without flash-attn runs: the reference paged attention inside the compiled graph, as one operator
     # (its per-step Python split cannot be traced with dynamic shapes: SDPA refused a symbolic is_causal)
@@ -132,6 +135,7 @@ def test_compiled_engine_on_the_reference_attention_matches_generate_greedy():
     assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
 
 
+@pytest.mark.slow
 def test_compiled_engine_on_the_device_matches_generate_greedy(device):
     ref = tiny_model("llama").to(device)
     model = tiny_model("llama").to(device)

@@ -194,6 +194,7 @@ def test_static_batcher_matches_generate():
                                            do_sample=False)[0, len(p):].tolist()
 
 
+@pytest.mark.slow
 def test_throughput_preset_is_exact_and_undoes():
     ref, model = tiny_model(), tiny_model()
     ids, mask = _batch()

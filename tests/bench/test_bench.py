@@ -68,6 +68,7 @@ def test_padded_and_sequential_serve_exact_lengths(tok):
     assert m_seq["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_run_bench_lossless_recipe_is_exact_and_reports_ratios(tok, tmp_path):
     m = tiny_model("llama", max_positions=2048)
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -134,6 +135,7 @@ def test_bandwidth_is_a_host_copy_rate_in_gb_per_s():
     assert own / 4 < figure < own * 4, (figure, own)
 
 
+@pytest.mark.slow
 def test_cli_bench_and_compare(tmp_path, tok, capsys):
     from infopt.cli import main
 
@@ -322,6 +324,7 @@ def test_bandwidth_figure_is_the_devices(device):
     assert measure_bandwidth(size_mb=64, repeats=3, device="cpu") < DEVICES["cuda"].min_copy_gbs
 
 
+@pytest.mark.slow
 def test_cli_bench_fast_preset_bf16(tmp_path, device):
     """``infopt bench`` with the device's fast preset (gpu-fast: CUDA graphs; cpu-fast: int4 and an inductor step) in
     bf16: the compiled step served the run, and the machine record is the device's."""

@@ -14,6 +14,8 @@ from infopt.generate import decoder_for
 from infopt.kvcache import Static
 from infopt.models import tiny_model
 
+pytestmark = pytest.mark.slow  # each test exports and compiles AOTInductor packages (15-50 s on 2 cores)
+
 needs_aot = pytest.mark.skipif(not aot_available(), reason="torch without torch.export/AOTInductor constants API")
 
 

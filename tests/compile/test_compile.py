@@ -57,6 +57,7 @@ def test_warmup_needs_compile_step(llama):
         warmup(llama)
 
 
+@pytest.mark.slow
 def test_compile_with_speculative_verifies_and_drafts_through_compiled_graphs():
     """compile + static + speculative: the verify widths and the draft model's steps run compiled graphs (one per
     token bucket), warmed while the recipe is applied; greedy output stays plain generate's."""
@@ -94,6 +95,7 @@ def _prompts():
     return [torch.randint(3, 1000, (1, n), generator=g) for n in (5, 11, 17)]
 
 
+@pytest.mark.slow
 def test_inductor_decode_token_identical_counts_and_undo():
     """The real thing: inductor compiles the decode step once at apply time; calls in the warmed bucket
     never compile again and stay token-identical to plain generate; a new bucket compiles once."""
@@ -119,6 +121,7 @@ def test_inductor_decode_token_identical_counts_and_undo():
                        ref.generate(_prompts()[0], max_new_tokens=5, do_sample=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_padded_batches_token_identical(backend):
     """Left-padded batches decode through the step with a fixed-width mask, as generate does."""
@@ -133,6 +136,7 @@ def test_padded_batches_token_identical(backend):
     assert stats.compiles_after_warmup == 1  # the padded graph was not warmed
 
 
+@pytest.mark.slow
 def test_warmup_function_covers_padded_and_lengths():
     m = tiny_model()
     infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", warmup_lengths=())])
@@ -196,6 +200,7 @@ def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch
     infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none
 
 
+@pytest.mark.slow
 def test_compiled_models_do_not_add_up_against_one_recompile_limit():
     """Each compiled model's graphs sit on a code object of their own: dynamo's process-wide
     ``accumulated_recompile_limit`` (256 graphs per code object) is not shared by every model a process compiles.
@@ -360,6 +365,7 @@ def test_a_graph_that_cannot_hold_falls_back_to_eager_with_one_warning(monkeypat
     assert all("recompile limit" in why for why in stats.eager_shapes.values())
 
 
+@pytest.mark.slow
 def test_a_shape_that_recompiles_past_its_budget_runs_eagerly(monkeypatch):
     """Under dynamo's default limit, infopt stops a shape after its second graph (MAX_GRAPHS_PER_SHAPE) rather than
     compiling every token up to the limit."""
@@ -433,6 +439,7 @@ def test_a_data_dependent_trace_falls_back_to_eager_with_one_warning(monkeypatch
     assert "DataDependent" in next(iter(stats.eager_shapes.values()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guards", ["per_call", "per_token"])
 def test_a_change_dynamo_module_guards_would_catch_is_caught_once_per_call(guards):
     # module_guards="per_call" skips dynamo's per-token guards on the modules; the check before each call's prompt
@@ -491,6 +498,7 @@ def test_cpu_steps_drop_inductors_size_asserts_only_with_the_per_call_check(guar
     assert "size_asserts" not in real(Compile(module_guards="per_call"), torch.device("cuda"))
 
 
+@pytest.mark.slow
 def test_cpu_steps_run_guard_free_and_move_to_guards_for_a_cache_they_were_not_compiled_for():
     """On CPU each decode shape is compiled ahead of time without dynamo's guards (GuardFreeStep); a call that
     brings a cache whose tensors differ from those it was compiled for (here the same values in another memory

@@ -89,6 +89,7 @@ def test_quantized_layers_without_a_fused_form_and_patched_layers_are_left_alone
     assert len(groups) == 2 * m2.config.num_hidden_layers - 1  # layer 0's q/k/v: a hook on k_proj
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compile_step_fuses_by_default_token_identical(dtype):
     # fp32: the fused groups also run on oneDNN's packed weights where the torch build has them
@@ -105,6 +106,7 @@ def test_compile_step_fuses_by_default_token_identical(dtype):
     assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
 
 
+@pytest.mark.slow
 def test_compiled_packed_fused_step_sees_weights_written_in_place():
     # the packed copy of a fused buffer is keyed on the buffer's version; a write through a layer's view bumps it
     # hidden 768: the fused q/k/v (1152 x 768) is large enough to be packed
@@ -231,6 +233,7 @@ def test_quantized_projections_fuse_into_one_layer_of_their_class(quant):
         assert "forward" not in q.__dict__ and torch.equal(m(IDS).logits, want)
 
 
+@pytest.mark.slow
 def test_compile_step_fuses_int8_projections_token_identical():
     ref, m = tiny_model(), tiny_model()
     infopt.optimize(ref, [{"quantize": {"method": "int8"}}])

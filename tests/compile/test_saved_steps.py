@@ -16,6 +16,8 @@ from infopt.compile.saved import COMPILED_DIR, KERNELS, MANIFEST, can_save_steps
 from infopt.core.integrity import write_manifest
 from infopt.models import tiny_model
 
+pytestmark = pytest.mark.slow  # each test compiles decode steps and saves or loads them
+
 # packed fp32 linears would keep the steps unsaved (their graphs name this process's packed weights; see
 # test_packed_models_keep_their_warm_up): these tests are about the saved steps
 RECIPE = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64], "pack_linears": False}}]}

@@ -325,6 +325,7 @@ def test_token_identical_catches_one_changed_token(base, tok):
         ev.assert_token_identical(base, other, PROMPTS[1:], max_new_tokens=10)
 
 
+@pytest.mark.slow
 def test_record_before_compare_after_on_one_object(tok):
     m = tiny_model("llama")
     before = ev.greedy_outputs(m, PROMPTS, 16, tokenizer=tok)

@@ -40,6 +40,7 @@ def engine_model():
     return infopt.optimize(tiny_model(), ENGINE)
 
 
+@pytest.mark.slow
 def test_throughput_fallbacks_are_logged_once_per_reason(caplog):
     m = infopt.optimize(tiny_model(), "throughput")
     with caplog.at_level(logging.WARNING, logger="infopt"):

@@ -11,10 +11,10 @@ import torch
 import transformers as tf
 
 import infopt.memory as memory
+from infopt.cli.memory import format_estimate
 from infopt.core.errors import InfoptError
 from infopt.core.introspect import param_bytes
 from infopt.memory import KNOWN_CONFIGS, GpuFit, MemoryInputError, arch_spec, estimate_memory
-from infopt.cli.memory import format_estimate
 from infopt.models import TINY_ARCHS, tiny_model
 
 

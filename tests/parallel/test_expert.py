@@ -21,6 +21,7 @@ def results():
     return launch(workers.ep_cases, nprocs=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_match_one_process(results, case):
     for rank, r in enumerate(results):
@@ -126,6 +127,7 @@ def test_bad_dispatch_is_refused_before_anything():
         expert_parallel_(tiny_model("mixtral"), dispatch="ring")
 
 
+@pytest.mark.slow
 def test_world_of_one_on_the_devices_backend(device):
     from tests.devices import DEVICES
 

@@ -14,6 +14,7 @@ from tests.conftest import assert_state_equal, state_snapshot
 from . import workers
 
 
+@pytest.mark.slow
 def test_failed_rank_error_carries_its_traceback():
     with pytest.raises(RuntimeError, match="rank1 failed") as e:
         launch(workers.raise_on_rank1, nprocs=2)

@@ -14,6 +14,7 @@ def results():
     return launch(workers.pipeline_cases, nprocs=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_two_stages_match_one_process(results, case):
     for rank, r in enumerate(results):

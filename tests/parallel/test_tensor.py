@@ -18,6 +18,7 @@ def tiny_results():
     return ranks[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TINY_CASES)
 def test_two_rank_tp_matches_one_process(tiny_results, case):
     r = tiny_results[case]
@@ -56,6 +57,7 @@ def refusal_results():
     return launch(workers.refusals_and_recipe, nprocs=2)[0]
 
 
+@pytest.mark.slow
 def test_heads_not_divisible_refused_with_sizes_that_work(refusal_results):
     r = refusal_results["refusals"]
     for key in ("heads", "heads_recipe"):
@@ -113,6 +115,7 @@ def test_default_model_three_ranks_fp32_and_int8(default_model):
         assert r["undo_logits_equal"] and r["undo_state_equal"], name
 
 
+@pytest.mark.slow
 def test_world_of_one_on_the_devices_backend(device):
     from tests.devices import DEVICES
 

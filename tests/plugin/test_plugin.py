@@ -177,6 +177,7 @@ def test_gpu_marker_and_device_parameters(pytester, monkeypatch, fake_gpus):
     res.stdout.no_fnmatch_line("*test_device?cuda*")
 
 
+@pytest.mark.slow
 def test_goldens_byte_identical_across_processes(pytester):
     _generate(pytester)
     pytester.makepyfile(test_q=QUALITY.format(gates="(0.5, 0.5)"))

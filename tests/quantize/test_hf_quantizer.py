@@ -304,6 +304,7 @@ def test_infopt_load_still_rebuilds_from_the_recipe(tmp_path, prompt):
     assert torch.equal(again(prompt).logits, ref)
 
 
+@pytest.mark.slow
 def test_import_registers_lazily():
     """``import infopt`` leaves transformers' quantizer registry unimported (it is slow to import) and registers
     with it as soon as anything imports it; in the other order, at once."""

@@ -179,6 +179,7 @@ print(json.dumps({"rows": res, "calls": kernel_calls()}))
 """
 
 
+@pytest.mark.slow
 def test_kernel_numerics_in_tritons_cpu_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA int8 kernel)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -275,6 +276,7 @@ def test_int8_linear_compiles_without_graph_breaks(device):
     assert _delta(before)[path] >= per_call
 
 
+@pytest.mark.slow
 def test_fast_decode_with_int8_weights_is_token_identical(device):
     """Int8 weights + static cache + the decode step compiled as the device's fast preset does (CUDA graphs on CUDA,
     inductor on CPU): the same greedy tokens as the int8 model run eagerly."""

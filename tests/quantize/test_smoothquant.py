@@ -300,6 +300,7 @@ def test_fused_cpu_kernel_gives_the_bits_of_the_torch_steps(m, k, n, bias, dtype
     assert y.dtype == dtype and torch.equal(y, ref)
 
 
+@pytest.mark.slow
 def test_w8a8_model_compiles_its_decode_step_and_keeps_its_tokens():
     """The kernel decision and the C++ kernels' loading stay out of the traced step: the step holds one graph
     (it used to fall back to eager on every call) and decodes the tokens of the uncompiled quantized model."""

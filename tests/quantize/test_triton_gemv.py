@@ -139,6 +139,7 @@ print(json.dumps({"rows": rows, "calls": kernel_calls()}))
 """
 
 
+@pytest.mark.slow
 def test_kernels_numerics_in_tritons_cpu_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -179,6 +180,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow
 def test_int8_gemv_routing_in_tritons_cpu_interpreter():
     """The CPU twin of the int8 layer's CUDA routing (``test_int8_gemv_kernel_serves_decode_rows``): under Triton's
     interpreter a bf16 ``Int8Linear`` with ``cuda_kernel="gemv"`` sends up to 8 rows to the GEMV kernel and more to the
@@ -198,6 +200,7 @@ def test_int8_gemv_routing_in_tritons_cpu_interpreter():
     assert all(db > 40 for *_, db in rows), rows  # as on CUDA: int8 weights and a bf16 output, bias included
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
     """Triton compiles both kernels to cubin with its bundled ptxas and no device (fp8 weights for sm_90 only), and,
     given 16-byte aligned pointers (what Triton specializes a launch on for torch's allocations), reads the weights
@@ -364,6 +367,7 @@ def test_fp8_weight_only_layer_takes_the_gemv_op_for_decode_rows():
         FP8Linear(16, 16, bias=False, activations="int8")
 
 
+@pytest.mark.slow
 def test_fast_decode_with_gemv_int4_weights_runs_the_op_and_matches_eager_greedy(device):
     """fp32: the device's fast decode path (a compiled step: CUDA graphs on CUDA, inductor on CPU) over gemv-layout
     int4 layers decodes the same greedy tokens as the same layers run eagerly, and the op ran (the Triton kernel in

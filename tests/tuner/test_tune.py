@@ -44,6 +44,7 @@ def kl_run():
     return m, tok, before, result
 
 
+@pytest.mark.slow
 def test_kl_gate_statuses(kl_run):
     _, _, _, r = kl_run
     status = {t.name: t.status for t in r.trials}
@@ -69,6 +70,7 @@ def test_model_left_as_it_was(kl_run):
     assert weights_fingerprint(m) == before
 
 
+@pytest.mark.slow
 def test_yaml_round_trips_through_optimize(kl_run, tmp_path, prompt):
     _, _, _, r = kl_run
     path = r.save_yaml(tmp_path / "tuned.yaml")
