@@ -5,7 +5,7 @@ import torch
 
 from infopt.generate import routing_stats
 from infopt.models import tiny_model
-from infopt.speculative import DraftModel, PromptLookup, Warp, enable_, stats, verify_sample, warp_logits
+from infopt.speculative import DraftModel, PromptLookup, Warp, enable_, stats, verify_sample
 
 # chi-square critical value at p = 0.001 for 7 degrees of freedom (8 categories)
 CHI2_CRIT_7DF = 24.32
@@ -70,16 +70,16 @@ def test_warp_matches_transformers_processors():
 
     scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     ref = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(20)(None, TemperatureLogitsWarper(0.7)(None, scores.clone())))
-    assert torch.equal(warp_logits(scores, Warp(temperature=0.7, top_k=20, top_p=0.8)), ref)
+    assert torch.equal(Warp(temperature=0.7, top_k=20, top_p=0.8).filter(scores), ref)
 
 
 def _marginal_second_token(model, prompt, warp):
     """Exact distribution of the second generated token: sum over first tokens x of p(x) p(. | x)."""
     with torch.no_grad():
-        p1 = warp_logits(model(prompt).logits[0, -1].float(), warp).softmax(-1)
+        p1 = warp.filter(model(prompt).logits[0, -1].float()).softmax(-1)
         V = p1.shape[0]
         ext = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2 = warp_logits(model(ext).logits[:, -1].float(), warp).softmax(-1)  # [V, V]
+        p2 = warp.filter(model(ext).logits[:, -1].float()).softmax(-1)  # [V, V]
     return p1, p1 @ p2
 
 

@@ -22,13 +22,13 @@ from ..attention.paged import PAGED_IMPL, load_cpu_kernel
 from ..core.introspect import inspect_model, text_config
 from ..core.patch import record_custom
 from ..generate import takes_logits_to_keep
+from ..generate.sampling import choose_tokens
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .compiled import CompiledStep
 from .params import SamplingParams
 from .prepack import packed_forwards, prepack_linears_, supported
-from .sampler import choose_tokens
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
 __all__ = ["EngineCore", "CoreEvent", "DEFAULT_KV_BUDGET"]

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..generate.sampling import make_generator
 from ..kvcache.paged import Paged
 from .core import DEFAULT_KV_BUDGET, CoreEvent, EngineCore
 from .params import RequestMetrics, RequestOutput, SamplingParams
-from .sampler import make_generator
 from .scheduler import SeqState
 
 __all__ = ["Engine", "RequestHandle", "DEFAULT_KV_BUDGET"]

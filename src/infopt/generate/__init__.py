@@ -18,9 +18,10 @@ from .router import (
     tensors_bytes,
     uncounted,
 )
+from .sampling import choose_tokens, filter_logits, make_generator
 
 __all__ = [
-    "BEAM_KWARGS", "CachePart", "Decoder", "Forward", "GenerateCall", "LoopPart", "RoutingStats", "Unsupported",
+    "BEAM_KWARGS", "CachePart", "choose_tokens", "filter_logits", "make_generator", "Decoder", "Forward", "GenerateCall", "LoopPart", "RoutingStats", "Unsupported",
     "croppable", "decoder_for", "full_length_dynamic_cache", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
     "rollback", "routing_stats", "sampling_field", "set_part", "static_length", "takes_logits_to_keep",
     "tensors_bytes", "uncounted",

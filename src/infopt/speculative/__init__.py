@@ -6,8 +6,8 @@ from .api import build_self_draft, enable_, load_draft, stats
 from .config import DraftModel, PromptLookup, SelfDraft
 from .drafters import Drafter, LookupDrafter, ModelDrafter, rollback
 from .loop import Controller, SpecStats, speculative_decode
-from .sampling import Warp, verify_greedy, verify_sample, warp_logits
+from .sampling import Warp, verify_greedy, verify_sample
 
 __all__ = ["enable_", "stats", "build_self_draft", "load_draft", "DraftModel", "PromptLookup", "SelfDraft",
            "Drafter", "LookupDrafter", "ModelDrafter", "rollback", "Controller", "SpecStats", "speculative_decode",
-           "Warp", "verify_greedy", "verify_sample", "warp_logits"]
+           "Warp", "verify_greedy", "verify_sample"]

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..generate import Forward, croppable, full_length_dynamic_cache, rollback
-from .sampling import warp_logits
 
 __all__ = ["Drafter", "LookupDrafter", "ModelDrafter", "rollback", "croppable"]
 
@@ -163,7 +162,7 @@ class ModelDrafter(Drafter):
                 tok = scores.argmax(dim=-1)
                 conf = scores.softmax(dim=-1).gather(1, tok[:, None]).squeeze(1) if self.confidence else None
             else:
-                q = warp_logits(scores, state.warp).softmax(dim=-1)
+                q = state.warp.filter(scores).softmax(dim=-1)
                 tok = torch.multinomial(q, 1).squeeze(-1)
                 probs.append(q)
                 conf = q.gather(1, tok[:, None]).squeeze(1) if self.confidence else None

@@ -18,7 +18,7 @@ import torch
 
 from ..generate import Forward, GenerateCall, Unsupported, positions_of, rollback
 from .drafters import Drafter
-from .sampling import Warp, verify_greedy, verify_sample, warp_logits
+from .sampling import Warp, verify_greedy, verify_sample
 
 __all__ = ["warp_of", "State", "Controller", "SpecStats", "speculative_decode"]
 
@@ -218,7 +218,7 @@ class State:
 def _pick(scores: torch.Tensor, warp: Warp | None) -> torch.Tensor:
     if warp is None:
         return scores.argmax(dim=-1)
-    return torch.multinomial(warp_logits(scores, warp).softmax(dim=-1), 1).squeeze(-1)
+    return torch.multinomial(warp.filter(scores).softmax(dim=-1), 1).squeeze(-1)
 
 
 @torch.no_grad()
@@ -313,7 +313,7 @@ def speculative_decode(call: GenerateCall, cache, forward: Forward, drafter: Dra
                 accepted, targets = verify_greedy(scores, draft, lengths)
                 bonus = targets[rows, accepted]
             else:
-                p = warp_logits(scores, warp).softmax(dim=-1)
+                p = warp.filter(scores).softmax(dim=-1)
                 accepted, bonus = verify_sample(p, q, draft, lengths)
             new = torch.cat([draft, bonus[:, None]], dim=1)
             new[rows, accepted] = bonus

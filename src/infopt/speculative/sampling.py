@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Warp", "warp_logits", "verify_greedy", "verify_sample"]
+from ..generate.sampling import filter_logits
+
+__all__ = ["Warp", "verify_greedy", "verify_sample"]
 
 
 @dataclass(frozen=True)
@@ -30,27 +32,14 @@ class Warp:
     top_k: int | None = None
     top_p: float = 1.0
 
+    def filter(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[..., V]`` (fp32) filtered by these settings: :func:`infopt.generate.sampling.filter_logits`.
 
-def warp_logits(scores: torch.Tensor, warp: Warp) -> torch.Tensor:
-    """Apply ``warp`` to fp32 ``scores`` ``[..., V]`` as transformers' logits warpers do (a new tensor).
-
-    Example:
-        >>> warp_logits(torch.tensor([[1.0, 2.0, 3.0]]), Warp(top_k=2))
-        tensor([[-inf, 2., 3.]])
-    """
-    if warp.temperature != 1.0:
-        scores = scores / warp.temperature
-    if warp.top_k:
-        k = min(int(warp.top_k), scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if warp.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= 1 - warp.top_p
-        remove[..., -1:] = False  # always keep the most likely token
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -float("inf"))
-    return scores
+        Example:
+            >>> Warp(top_k=2).filter(torch.tensor([[1.0, 2.0, 3.0]]))
+            tensor([[-inf, 2., 3.]])
+        """
+        return filter_logits(scores, self.temperature, self.top_k, self.top_p)
 
 
 def verify_greedy(scores: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
