@@ -57,7 +57,7 @@ __all__ = [
 
 # the measurement packages (quality, benchmarks, memory estimates, the demo, the pytest plugin's helpers) cost import
 # time that optimizing does not need: ``infopt.eval`` and the others load on first use
-_ON_FIRST_USE = ("eval", "bench", "memory", "demo", "testing", "tuner", "models", "generate", "core", "io", "recipe")
+_ON_FIRST_USE = ("eval", "bench", "memory", "demo", "testing")  # the others load with infopt
 
 
 def __getattr__(name: str):

@@ -154,14 +154,6 @@ class OptimizationReport:
         return "\n".join(lines)
 
 
-def _chat_tokenizer(tokenizer):
-    """The tokenizer the chat-answer gate uses: the given one, else the embedded default model's (which only suits
-    models sharing its vocabulary and chat template)."""
-    if tokenizer is not None:
-        return tokenizer
-    return load_default_tokenizer()
-
-
 def process_rss() -> int | None:
     """This process's resident memory in bytes (Linux ``/proc/self/statm``), or None where it cannot be read."""
     try:
@@ -359,13 +351,16 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
     r, fallbacks, info = _validate(model, recipe)
     gate = gate if gate is not None else r.gate
     reference = None
-    answers = None
+    answers = chat_tokenizer = None
     if gate:
         from . import eval as ev
 
         reference = ev.reference_logits(model, text=gate_text, tokenizer=tokenizer)
         if "min_answers" in gate:  # the original's greedy answers to the built-in chat questions, before any change
-            answers = ev.reference_answers(model, _chat_tokenizer(tokenizer))
+            # the given tokenizer, else the embedded default model's (which suits only models sharing its vocabulary
+            # and chat template)
+            chat_tokenizer = tokenizer if tokenizer is not None else load_default_tokenizer()
+            answers = ev.reference_answers(model, chat_tokenizer)
 
     handle = get_handle(model)
     mark = len(handle.records)
@@ -408,7 +403,7 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
 
         figures = ev.compare(model, reference)
         if answers is not None:
-            agreement = ev.answer_agreement(model, _chat_tokenizer(tokenizer), answers)
+            agreement = ev.answer_agreement(model, chat_tokenizer, answers)
             figures["answers"] = agreement.rate
         report.gate = figures
         failed = ev.gate_failures(figures, gate)

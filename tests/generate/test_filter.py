@@ -48,7 +48,7 @@ def test_the_engine_samples_from_the_filtered_distribution():
     over a 6-token vocabulary match those probabilities (chi-square, 5 degrees of freedom, p = 0.001)."""
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -3.0]])
     hot = SamplingParams(temperature=0.8, top_k=5, top_p=0.95)
-    p = filter_logits(logits[0] / 1.0, 0.8, 5, 0.95).softmax(-1)
+    p = filter_logits(logits[0], 0.8, 5, 0.95).softmax(-1)
     g = make_generator("cpu", 3)
     counts = torch.bincount(torch.tensor([choose_tokens(logits, [hot], [g], [None])[0] for _ in range(20_000)]),
                             minlength=6).double()
