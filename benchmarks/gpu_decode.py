@@ -47,6 +47,10 @@ QUANT = {
     "fp8-wo": {"method": "fp8", "activations": "none"},
     "int8-gemv": {"method": "int8", "cuda_kernel": "gemv"},
 }
+GEMLITE = {"int4-gemlite": 4}
+"""Benchmark-only recipes: every decoder projection replaced by a ``gemlite`` weight-only layer (int4 g64 on infopt's
+round-to-nearest codes), then ``gpu-fast``'s steps; q/k/v and gate/up stay separate (infopt's fusion takes its own
+layer classes only). A measurement of the package's kernels inside infopt's compiled step, not an infopt recipe."""
 FAST = [{"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}}, {"compile": {"mode": "reduce-overhead"}}]
 
 
@@ -59,6 +63,8 @@ def recipe_steps(name: str):
         return {"steps": [*FAST[:2], {"compile": {"mode": "reduce-overhead", "fuse_projections": False}}]}
     if name in QUANT:
         return {"steps": [{"quantize": QUANT[name]}]}
+    if name.startswith("gpu-fast+") and name.split("+", 1)[1] in GEMLITE:
+        return {"steps": FAST, "gemlite": GEMLITE[name.split("+", 1)[1]]}
     if name.startswith("gpu-fast+"):
         return {"steps": [{"quantize": QUANT[name.split("+", 1)[1]]}, *FAST]}
     return name  # a preset
@@ -70,6 +76,32 @@ SHAPES = {  # Llamas built from a config with random weights: speed only, their 
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
 }
+
+
+def gemlite_int4_(model, group_size: int = 64) -> int:
+    """Replace each decoder layer's projections by gemlite int4 layers (``GEMLITE``); returns how many."""
+    import os
+
+    import gemlite
+    from gemlite.helper import A16W4_HQQ_INT
+
+    from infopt.quantize.int4 import quantize_int4_grouped
+
+    name = torch.cuda.get_device_properties(0).name.lower()
+    h100 = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    if "h100" not in name and torch.cuda.get_device_capability() == (9, 0) and os.path.exists(h100):
+        gemlite.load_config(h100)  # an H200: the same sm_90 part, no tuned configs of its own
+    count = 0
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attr, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and child.bias is None:
+                    codes, scales, zeros = quantize_int4_grouped(child.weight.float(), group_size, zero_point="float")
+                    setattr(parent, attr, A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(
+                        codes.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16)))
+                    count += 1
+    torch.cuda.empty_cache()
+    return count
 
 
 def load(name: str, seed: int = 0):
@@ -192,9 +224,12 @@ def main() -> None:
 
     def summary(rows: list[dict]) -> dict:
         base = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "none"), None)
+        fast = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "gpu-fast"), None)
         for r in rows:
             if base and r.get("decode_tok_s"):
                 r["ratio_vs_plain"] = round(r["decode_tok_s"] / base, 2)
+            if fast and r.get("decode_tok_s"):
+                r["ratio_vs_gpu_fast"] = round(r["decode_tok_s"] / fast, 3)
         return {"machine": machine, "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
                 "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "recipes": args.recipes.split(","),
                 "rows": rows}
@@ -216,6 +251,9 @@ def main() -> None:
                     ref_logits = model(eval_ids).logits.float()
             steps = recipe_steps(name)
             t0 = time.perf_counter()
+            if isinstance(steps, dict) and "gemlite" in steps:
+                row["gemlite_layers"] = gemlite_int4_(model)
+                steps = {"steps": steps["steps"]}
             if steps is not None:
                 infopt.optimize(model, steps)
             row["apply_s"] = round(time.perf_counter() - t0, 1)
@@ -261,9 +299,10 @@ def main() -> None:
         if args.json:  # after each recipe: a run stopped by a time limit keeps the rows it measured
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    print(f"{'recipe':<16}{'tok/s':>9}{'ratio':>7}{'GB/s':>8}  identical  graphs  quality")
+    print(f"{'recipe':<22}{'tok/s':>9}{'ratio':>7}{'vs fast':>8}{'GB/s':>8}  identical  graphs  quality")
     for r in rows:
-        print(f"{r['recipe']:<16}{r.get('decode_tok_s', 'error'):>9}{r.get('ratio_vs_plain', ''):>7}"
+        print(f"{r['recipe']:<22}{r.get('decode_tok_s', 'error'):>9}{r.get('ratio_vs_plain', ''):>7}"
+              f"{r.get('ratio_vs_gpu_fast', ''):>8}"
               f"{r.get('weight_gbs', ''):>8}  {str(r.get('token_identical_to_plain', '')):>9}"
               f"  {r.get('cuda_graph_launches', ''):>6}  {r.get('quality', r.get('error', ''))}")
 

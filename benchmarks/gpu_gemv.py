@@ -1,8 +1,11 @@
 """Weight-only matrix-vector products on one CUDA GPU, one to a few rows: infopt's Triton GEMV kernels
 (:mod:`infopt.quantize.triton_gemv`) against cuBLAS bf16, torch's int4 kernel (tinygemm), infopt's int8 ``tl.dot``
-kernel and ``torch._scaled_mm`` (fp8 weights and activations), on the layer shapes of the 0.84B and 8B Llamas of
-``benchmarks/gpu_decode.py``; with ``--sweep``, the GEMV kernels' tiles too, to set
-:func:`~infopt.quantize.triton_gemv.gemv_tiles`.
+kernel and ``torch._scaled_mm`` (fp8 weights and activations), and, where the package ``gemlite`` is installed, its
+weight-only kernels (int4 grouped on the same codes, int8 and fp8 per channel), on the layer shapes of the 0.84B and
+8B Llamas of ``benchmarks/gpu_decode.py``; with ``--sweep``, the GEMV kernels' tiles too, to set
+:func:`~infopt.quantize.triton_gemv.gemv_tiles`. Each gemlite row also gives its SQNR against the float product of
+the same quantized weight (a check that the codes reached the kernel as meant) and whether two calls on one input
+give the same bits (its split-K kernels accumulate with atomics).
 
 Usage:
     python benchmarks/gpu_gemv.py --json gemv.json              # every kernel, rows 1 2 4 8
@@ -74,16 +77,61 @@ def weights(n: int, k: int, gs: int, device: str = "cuda"):
         s8 = w.abs().amax(1).clamp_min(1e-12) / 448
         out["fp8"] = ((w / s8[:, None]).to(torch.float8_e4m3fn), s8)
     codes, scales, zeros = quantize_int4_grouped(w, gs, zero_point="float")
+    s_b, z_b = scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float()
+    out["_int4_ref"] = ((codes.float().view(n, -1, gs) - z_b[..., None]) * s_b[..., None]).view(n, k)
     s16 = scales.to(torch.bfloat16).float()
     out["int4"] = (pack_int4(codes), torch.stack([s16, (8.0 - zeros) * s16], -1).to(torch.bfloat16).contiguous())
     layer = Int4Linear.from_codes(codes, scales, zeros, group_size=gs, dtype=torch.bfloat16)
     if layer.layout == "cuda_tinygemm":
         out["tinygemm"] = (layer.weight_packed, layer.scale_offset)
+    if gemlite_available() and device == "cuda":
+        from gemlite.helper import A16W4_HQQ_INT, A16W8_FP8, A16W8_INT8
+
+        # gemlite's grouped format is HQQ's, (code - zero) * scale: infopt's portable layout as it is
+        out["gemlite_int4"] = (A16W4_HQQ_INT(device=device, dtype=torch.bfloat16).from_weights(
+            codes.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16)),)
+        out["gemlite_int8"] = (A16W8_INT8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
+        if "fp8" in out:
+            out["gemlite_fp8"] = (A16W8_FP8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
     return out
 
 
+@functools.cache
+def gemlite_available() -> bool:
+    """Whether ``gemlite`` imports here (it needs a CUDA device); on an sm_90 part it has no tuned configs for (an
+    H200), its H100 configs are loaded so that no call autotunes."""
+    try:
+        import gemlite
+    except Exception:
+        return False
+    import os
+
+    name = torch.cuda.get_device_properties(0).name.lower()
+    h100 = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    if "h100" not in name and torch.cuda.get_device_capability() == (9, 0) and os.path.exists(h100):
+        gemlite.load_config(h100)
+    return True
+
+
 def nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
+    """Bytes of a format's tensors, or of a module's parameters and buffers (gemlite's layers)."""
+    total = 0
+    for t in ts:
+        if isinstance(t, torch.nn.Module):
+            total += sum(b.numel() * b.element_size() for b in itertools.chain(t.parameters(), t.buffers()))
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def reference_weight(fmt: str, ws: dict) -> torch.Tensor | None:
+    """The float weight a gemlite format's product is compared with, for its SQNR: the int4 codes' own values (so
+    the figure is the kernel's rounding alone), the unquantized weight for int8 and fp8 (their rounding included)."""
+    if fmt == "gemlite_int4":
+        return ws["_int4_ref"]
+    if fmt in ("gemlite_int8", "gemlite_fp8"):
+        return ws["bf16"][0].float()
+    return None
 
 
 def kernels(gs: int, tiles8=None, tiles4=None):
@@ -104,13 +152,23 @@ def kernels(gs: int, tiles8=None, tiles4=None):
         "gemv_int8": ("int8", lambda x, q, s: tg.launch_w8(x, q, s, tiles8)),
         "gemv_fp8": ("fp8", lambda x, q, s: tg.launch_w8(x, q, s, tiles8)),
         "gemv_int4": ("int4", lambda x, q, so: tg.launch_w4(x, q, so, gs, tiles4)),
+        "gemlite_int4": ("gemlite_int4", lambda x, layer: layer(x)),
+        "gemlite_int8": ("gemlite_int8", lambda x, layer: layer(x)),
+        "gemlite_fp8": ("gemlite_fp8", lambda x, layer: layer(x)),
     }
+
+
+def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return round(float(10 * torch.log10(ref.pow(2).sum() / (y.float() - ref).pow(2).sum().clamp_min(1e-30))), 1)
 
 
 def weight_sets(n: int, k: int, gs: int) -> list[dict]:
     """As many copies of the layer's weights (every format) as the bf16 one needs to leave L2."""
     one = weights(n, k, gs)
-    return [one] + [weights(n, k, gs) for _ in range(copies_for(nbytes(one["bf16"])) - 1)]
+    rest = [weights(n, k, gs) for _ in range(copies_for(nbytes(one["bf16"])) - 1)]
+    for ws in rest:  # the float reference serves the first copy's check only
+        ws.pop("_int4_ref", None)
+    return [one] + rest
 
 
 def measure(sets: list[dict], rows: list[int], gs: int, only=None, tiles8=None, tiles4=None) -> list[dict]:
@@ -128,7 +186,13 @@ def measure(sets: list[dict], rows: list[int], gs: int, only=None, tiles8=None, 
                 out.append({"kernel": name, "n": n, "k": k, "rows": m, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
             b = nbytes(sets[0][fmt])
-            out.append({"kernel": name, "n": n, "k": k, "rows": m, "us": round(us, 2), "gbs": round(b / us / 1e3, 1)})
+            row = {"kernel": name, "n": n, "k": k, "rows": m, "us": round(us, 2), "gbs": round(b / us / 1e3, 1)}
+            ref = reference_weight(fmt, sets[0])
+            if ref is not None:  # numerics of the kernel on this layer, and whether it repeats its bits
+                y1, y2 = fn(x, *sets[0][fmt]), fn(x, *sets[0][fmt])
+                row["sqnr_db"] = sqnr_db(y1, x.float() @ ref.t())
+                row["same_bits_twice"] = bool(torch.equal(y1, y2))
+            out.append(row)
     return out
 
 
@@ -141,6 +205,8 @@ of a few minutes, not yet run)."""
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", default="llama-8b,llama-1b")
+    p.add_argument("--layers", default=None, help="only these layers, e.g. gate_up,down,head (default: all)")
+    p.add_argument("--kernels", default=None, help="only these kernels, e.g. cublas_bf16,tinygemm_int4 (default: all)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--sweep", action="store_true", help="also the GEMV kernels' tile configurations, on --sweep-layers")
@@ -168,8 +234,11 @@ def main() -> None:
 
     for model in args.models.split(","):
         for layer, n, k in SHAPES[model]:
+            if args.layers and layer not in args.layers.split(","):
+                continue
             sets = weight_sets(n, k, args.group_size)
-            record(doc["rows"], measure(sets, args.rows, args.group_size), model=model, layer=layer)
+            only = args.kernels.split(",") if args.kernels else None
+            record(doc["rows"], measure(sets, args.rows, args.group_size, only=only), model=model, layer=layer)
             del sets
             torch.cuda.empty_cache()
             save()

@@ -116,7 +116,7 @@ def version(name):
     except md.PackageNotFoundError:
         return None
 env = {**machine_info("cuda"),
-       "packages": {n: version(n) for n in ("triton", "accelerate", "safetensors", "gguf", "bitsandbytes", "flash-attn",
+       "packages": {n: version(n) for n in ("triton", "accelerate", "safetensors", "gguf", "bitsandbytes", "flash-attn", "gemlite",
                                             "pytest", "pytest-xdist", "hypothesis")}}
 json.dump(env, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(env))
@@ -142,7 +142,7 @@ bench() {
                  --recipes "${GPU_LANE_1B_RECIPES:-none,gpu-fast,gpu-fast-unfused,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8}" \
                  --json "$RESULTS/decode-llama-1b.json" "${decode_extra[@]}" ;;
     decode-8b) run_stage bench-decode-8b "$PY" benchmarks/gpu_decode.py --model llama-8b \
-                 --recipes "${GPU_LANE_8B_RECIPES:-none,gpu-fast,gpu-fast+int4-gemv,gpu-fast+fp8-wo,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8-gemv}" \
+                 --recipes "${GPU_LANE_8B_RECIPES:-none,gpu-fast,gpu-fast+int4-gemlite,gpu-fast+int4-gemv,gpu-fast+fp8-wo,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8-gemv}" \
                  --json "$RESULTS/decode-llama-8b.json" "${decode_extra[@]}" ;;
     gemv) run_stage bench-gemv "$PY" benchmarks/gpu_gemv.py --json "$RESULTS/gemv.json" "${gemv_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \

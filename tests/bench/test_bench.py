@@ -320,8 +320,10 @@ def test_bandwidth_figure_is_the_devices(device):
 
     figure = measure_bandwidth(size_mb=256, repeats=5, device=device)
     assert figure > DEVICES[device].min_copy_gbs
-    # a host copy reaches tens of GB/s at most: under HBM's floor, so a CUDA figure above it is the GPU's own
-    assert measure_bandwidth(size_mb=64, repeats=3, device="cpu") < DEVICES["cuda"].min_copy_gbs
+    if device == "cuda":
+        # the GPU's own copy, not the host's: a 16-core host copies 64 MB at 255 GB/s (partly from its caches, above
+        # the CUDA floor), an H200 at about 4,000; HBM is several times any host's memory
+        assert figure > 3 * measure_bandwidth(size_mb=64, repeats=3, device="cpu")
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ converts to and from one portable layout when saved or loaded:
 - ``gemv``: the portable codes with bf16 ``(scale, offset)`` pairs ``[out, in // group_size, 2]`` (tinygemm's
   values, row-major), multiplied by infopt's Triton kernel at up to eight rows
   (:func:`infopt.quantize.triton_gemv.w4_gemv`) and dequantized to the activation dtype above that (prompts);
-  chosen with ``Int4WeightOnly(cuda_kernel="gemv")``. Not yet measured on a GPU; elsewhere it computes the kernel's
-  reference.
+  chosen with ``Int4WeightOnly(cuda_kernel="gemv")``. Slower than tinygemm on an H200 (17-23% of the copy bandwidth at
+  one row against 31-34%); elsewhere than CUDA it computes the kernel's reference.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
   weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
@@ -110,8 +110,9 @@ class Int4WeightOnly(StepConfig):
             ``"gemv"``: infopt's Triton matrix-vector kernel at one to eight rows, reading the packed codes once
             (the ``gemv`` layout, on any device: elsewhere than CUDA it computes the kernel's reference, slowly);
             an int8 head takes the 8-bit one (``Int8WeightOnly(cuda_kernel="gemv")``).
-            tinygemm read an 8B model's int4 weights at a quarter of an H200's copy bandwidth at one row; the GEMV
-            kernel is **not yet measured on a GPU** (``benchmarks/gpu_gemv.py``), so it is not the default.
+            On an H200, batch-1 decode of an 8B Llama: tinygemm 1.21x ``gpu-fast`` in bf16, the GEMV kernel 0.92x
+            (``benchmarks/gpu_gemv.py``: 31-34% against 17-23% of the copy bandwidth at one row; the fifth GPU lane
+            run), so tinygemm stays the default.
         experts: on a mixture-of-experts model, also quantize the experts (default True; they hold most of the
             weights): each expert's ``gate_up`` and ``down`` become :class:`Int4Linear` layers with their own
             scales (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in

@@ -21,10 +21,13 @@ what counts is keeping enough weight bytes in flight, so each program streams ``
 groups, so each group's scale multiplies a partial sum (``s * sum(c * x) + (offset - 8 s) * sum(x)``), not every
 weight.
 
-**Not yet measured on a GPU.** The kernels are checked here in Triton's CPU interpreter (numerics against the
-references) and compiled for sm_80 and sm_90 without a device; their speed, and the tile table below, are for the
-next GPU lane (``benchmarks/gpu_gemv.py`` sweeps the tiles against cuBLAS bf16, tinygemm and ``_scaled_mm``). Until
-then they are opt-in: nothing in infopt calls them by default.
+**Measured once on a GPU, and short of the mark.** On an H200 (the fifth GPU lane run,
+``benchmarks/results/gpu/2026-11-27-h200-fifth-run.json``), at one row on an 8B Llama's q/k/v and o layers, the
+8-bit kernel read its weights at 30-50% of the device's copy bandwidth (fp8 35-50%, int8 30-44%; cuBLAS bf16 59-75%)
+and the 4-bit one at 17-23% (tinygemm 31-34%); batch-1 decode of the 8B model: FP8 weight-only 1.015x ``gpu-fast``
+in bf16, int4 0.92x (tinygemm 1.21x). The tile table below was never swept on a device (``benchmarks/gpu_gemv.py
+--sweep``). The kernels are checked here in Triton's CPU interpreter (numerics against the references). They stay
+opt-in: nothing in infopt calls them by default.
 
 Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces each as one call and
 CUDA graphs capture its launch. Without Triton, on a CPU (unless ``TRITON_INTERPRET=1``), or for an activation dtype
