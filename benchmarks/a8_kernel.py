@@ -70,7 +70,7 @@ g = args.group
 for name, (n, k) in SHAPES.items():
     w = torch.randn(n, k)
     codes, scales, zeros = quantize_int4_grouped(w, g, zero_point="float")
-    weight, sm = a8.pack_int4(codes, scales, zeros)
+    weight, sm = a8.pack_blocked_int4(codes, scales, zeros)
     tp = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     so = torch.stack([scales.t(), ((8 - zeros) * scales).t()], -1).to(torch.bfloat16).contiguous()
     nbytes = n * k // 2 + n * (k // g) * 4  # codes + bf16 scale and min
@@ -87,7 +87,7 @@ for name, (n, k) in SHAPES.items():
 n, k = HEAD
 codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
 scale = torch.rand(n) * 0.01
-weight, wsum = a8.pack_int8(codes, g)
+weight, wsum = a8.pack_blocked_int8(codes, g)
 nbytes = n * k + n * 4 + n * (k // g) * 4
 for m in args.rows:
     x = torch.randn(m, k)

@@ -19,7 +19,7 @@ kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear ker
 
 def _int4(n, k, group=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return a8.pack_int4(*quantize_int4_grouped(torch.randn(n, k, generator=g), group, zero_point="float"))
+    return a8.pack_blocked_int4(*quantize_int4_grouped(torch.randn(n, k, generator=g), group, zero_point="float"))
 
 
 def _check(op, *args):
@@ -36,7 +36,7 @@ def test_quantized_linear_ops_match_their_fakes(rows, dtype):
     _check(torch.ops.infopt.int4_a8_linear.default, x, w, sm, 32)
     _check(torch.ops.infopt.int4_a8_linear_n.default, x, [w, w2], [sm, sm2], 32)
     codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
-    w8, wsum = a8.pack_int8(codes, 32)
+    w8, wsum = a8.pack_blocked_int8(codes, 32)
     _check(torch.ops.infopt.int8_a8_linear.default, x, w8, wsum, torch.rand(32) / 50, 32)
     if dtype == torch.float32:
         _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32) / 50)

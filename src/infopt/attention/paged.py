@@ -14,7 +14,7 @@ Kernels:
 - ``cpu``: infopt's C++ kernel (``infopt/csrc/paged_attention.cpp``, :mod:`infopt.core.extensions`) for fp32 and
   bf16 on CPU: reads K/V in place through the block tables (no gather, no repeat of K/V heads: each KV head is
   read once for its query group), splits the work over threads by sequence, KV head and query chunk (and by key
-  range when few sequences decode long contexts), online softmax in fp32.
+  range when few sequences decode long contexts, except inside :class:`fixed_key_order`), online softmax in fp32.
 - ``flash_attn``: on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's variable-length kernel
   reading the block table directly (its paged mode needs a block size that is a multiple of 256).
 - ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
@@ -39,7 +39,7 @@ from ..core.errors import IncompatibleModelError
 from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "load_cpu_kernel", "paged_attention_forward",
-           "register_paged_attention", "kernel_calls", "set_cpu_kernel"]
+           "register_paged_attention", "kernel_calls", "set_cpu_kernel", "fixed_key_order"]
 
 PAGED_IMPL = "infopt_paged"
 """The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
@@ -66,6 +66,31 @@ def kernel_calls() -> dict[str, int]:
 
 
 _USE_CPU_KERNEL = [True]
+
+
+class _KeySplit(threading.local):
+    on: bool = True  # the C++ kernel may split long key ranges over threads (flash-decoding)
+
+
+_KEY_SPLIT = _KeySplit()
+
+
+class fixed_key_order:
+    """Within this context (this thread), the C++ kernel sums every query row's keys in one order, never splitting a
+    row's keys into parts merged afterwards. The split depends on how many sequences share the call, so without
+    this a request's attention could round differently beside others (:mod:`infopt.batching.invariant`).
+
+    Example:
+        >>> with fixed_key_order():
+        ...     pass
+    """
+
+    def __enter__(self):
+        self._previous, _KEY_SPLIT.on = _KEY_SPLIT.on, False
+        return self
+
+    def __exit__(self, *exc):
+        _KEY_SPLIT.on = self._previous
 
 
 def set_cpu_kernel(enabled: bool) -> bool:
@@ -320,7 +345,7 @@ def _cpu_ready() -> bool:
         ready = extensions.load("paged_attention")
         if ready:
             @extensions.register_fake_once("infopt::paged_attention")
-            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0):
+            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0, split_keys=True):
                 return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
         _CPU_READY[0] = ready
     return _CPU_READY[0]
@@ -340,10 +365,13 @@ def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMet
 
 
 def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
-    return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window)
+    if _KEY_SPLIT.on:
+        return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window)
+    return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window,
+                    split_keys=False)
 
 
-def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
+def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None, **extra):
     # an operator taking the step's real tokens [n, H, D] grouped by sequence (the C++ kernel's contract)
     b, h, q, d = query.shape
     flat = query.transpose(1, 2).reshape(b * q, h, d)  # a view for packed steps ([1, H, N, D] from a transpose)
@@ -351,7 +379,7 @@ def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scal
         flat = flat[meta.token_index]
     scale = scaling if scaling is not None else d ** -0.5
     out = op(flat, key_pool, value_pool, meta.block_table, meta.query_start(), meta.kv_lens, float(scale),
-             int(window or 0))  # [n, H, Dv]
+             int(window or 0), **extra)  # [n, H, Dv]
     if meta.token_index is not None:
         full = out.new_zeros(b * q, h, out.shape[-1])
         full[meta.token_index] = out

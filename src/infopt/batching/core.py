@@ -27,6 +27,7 @@ from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
 from .compiled import CompiledStep
+from .invariant import check_invariant_model, invariant_steps
 from .params import SamplingParams
 from .prepack import packed_forwards, prepack_linears_, supported
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
@@ -80,7 +81,7 @@ class EngineCore:
 
     def __init__(self, model: nn.Module, *, max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None,
                  chunked_prefill: bool = True, prefill_chunk: int | None = None, max_skips: int = 16,
-                 prepack: bool | None = None, compile: bool = False):
+                 prepack: bool | None = None, compile: bool = False, batch_invariant: bool = False):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
@@ -92,6 +93,17 @@ class EngineCore:
                              "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
         if not isinstance(compile, bool):
             raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True or False")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"Engine batch_invariant={batch_invariant!r} is invalid; allowed: True or False")
+        if batch_invariant:
+            if compile:
+                raise ValueError("Engine batch_invariant=True runs its steps eagerly (a compiled step's matrix products "
+                                 "are Inductor's, sized by the batch); use compile=False")
+            if prepack:
+                raise ValueError("Engine batch_invariant=True multiplies the plain weights in fixed-size row blocks; "
+                                 "prepacked weights take oneDNN's own kernels: use prepack=None or False")
+            check_invariant_model(model)
+            packable = prepack = False
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
@@ -108,6 +120,7 @@ class EngineCore:
         else:
             self.prepacked = prepack_linears_(model) if packing else 0
         self.model = model
+        self.batch_invariant = batch_invariant
         max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
         num_blocks = kv.num_blocks
         if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
@@ -244,7 +257,11 @@ class EngineCore:
 
     def _eager(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        with packed_forwards() if self._packed_steps else contextlib.nullcontext():
+        if self.batch_invariant:
+            context = invariant_steps()
+        else:
+            context = packed_forwards() if self._packed_steps else contextlib.nullcontext()
+        with context:
             return self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
                               paged_step=step, **kwargs).logits
 

@@ -172,6 +172,11 @@ class Engine:
             the graphs. With ``prepack``, the linears run through a custom operator on the packed weights
             everywhere (recorded, undone by :func:`infopt.undo`). If compiling fails, the engine says so once and
             runs its steps eagerly.
+        batch_invariant: a request's logits are the same bits whatever shares its steps (alone, beside 63 others,
+            its prompt chunked otherwise, preempted and recomputed): matrix products in fixed blocks of rows and
+            one summation order per attention row (:mod:`infopt.batching.invariant`), so a served request
+            reproduces exactly from run to run. Eager steps on plain weights on a CPU (not with ``compile`` or
+            ``prepack=True``; float layers only); it costs throughput (``benchmarks/batch_invariant.py``).
 
     Attributes:
         core: the :class:`~infopt.batching.core.EngineCore` that runs the steps (its ``cache``, ``scheduler``,
@@ -179,7 +184,8 @@ class Engine:
         device: the model's device, where each step's inputs, logits and sampled requests' generators live.
 
     Raises:
-        ValueError: a non-positive size; IncompatibleModelError: a model the paged cache cannot serve.
+        ValueError: a non-positive size, ``batch_invariant`` with ``compile``, ``prepack=True``, a model off the CPU
+            or quantized layers; IncompatibleModelError: a model the paged cache cannot serve.
 
     Example:
         >>> import torch
@@ -193,10 +199,10 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
                  max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, batch_invariant: bool = False):
         self.core = EngineCore(model, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
                                chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips,
-                               prepack=prepack, compile=compile)
+                               prepack=prepack, compile=compile, batch_invariant=batch_invariant)
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling or SamplingParams()
         self._ids = itertools.count()

@@ -39,10 +39,13 @@ class Batching(StepConfig):
             a 1 GiB pool); a ``kvcache: {kind: paged}`` step in the same recipe supplies them instead.
         compile: run the engine's steps through one compiled forward (``Engine(compile=True)``): its graphs are
             compiled while the recipe is applied (a minute or so for a small model on a small CPU). ``"auto"``:
-            on CPU models (where it is measured), not elsewhere.
+            on CPU models (where it is measured) unless ``batch_invariant``, not elsewhere.
+        batch_invariant: each request's logits are the same bits whatever shares its steps, so a served request
+            reproduces exactly run to run (``Engine(batch_invariant=True)``: eager steps, CPU, float layers; it
+            costs throughput).
 
     Raises:
-        RecipeError: a non-positive size or a non-bool flag.
+        RecipeError: a non-positive size, a non-bool flag, or ``batch_invariant`` with ``compile: true``.
 
     Example:
         >>> Batching(max_seqs=32).to_dict()['batching']['max_seqs']
@@ -58,6 +61,7 @@ class Batching(StepConfig):
     num_blocks: int | None = None
     prefix_caching: bool = True
     compile: bool | str = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_seqs", "max_batch_tokens", "block_size"):
@@ -65,11 +69,14 @@ class Batching(StepConfig):
                 raise bad_field(self, name, getattr(self, name), "a positive integer")
         if self.num_blocks is not None and not _pos(self.num_blocks):
             raise bad_field(self, "num_blocks", self.num_blocks, "a positive integer, or null for a 1 GiB pool")
-        for name in ("chunked_prefill", "prefix_caching"):
+        for name in ("chunked_prefill", "prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
         if not isinstance(self.compile, bool) and self.compile != "auto":
             raise bad_field(self, "compile", self.compile, "true, false or auto")
+        if self.batch_invariant and self.compile is True:
+            raise bad_field(self, "compile", self.compile,
+                            "false or auto with batch_invariant: true (batch-invariant steps run eagerly)")
 
     def paged(self) -> Paged:
         return Paged(block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching)
@@ -168,9 +175,11 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     """
     config = config or Batching()
     key = step or config.key
-    compile = config.compile if isinstance(config.compile, bool) else next(model.parameters()).device.type == "cpu"
+    compile = config.compile if isinstance(config.compile, bool) else (
+        next(model.parameters()).device.type == "cpu" and not config.batch_invariant)
     engine = Engine(model, tokenizer, max_batch_tokens=config.max_batch_tokens, max_seqs=config.max_seqs,
-                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile)
+                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile,
+                    batch_invariant=config.batch_invariant)
     set_part(model, "engine", EnginePart(engine, key), step=key)
     _ENGINES[model] = engine
 

@@ -481,7 +481,7 @@ void merge(const Args& a, const std::vector<Item>& heads, const float* partial, 
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lens,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, bool split_keys) {
   TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu(),
               "infopt::paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 4 && value_pool.dim() == 4,
@@ -543,7 +543,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   const int64_t want = 4 * threads;
   for (const Item& it : base) {
     int64_t parts = 1;
-    if (static_cast<int64_t>(base.size()) < want && threads > 1) {
+    // split_keys=false: every query row sums its keys in one fixed order whatever shares the call (batch invariance)
+    if (split_keys && static_cast<int64_t>(base.size()) < want && threads > 1) {
       parts = std::min<int64_t>((want + base.size() - 1) / base.size(), (it.k1 - it.k0) / MIN_SPLIT_KEYS);
       parts = std::max<int64_t>(1, parts);
     }
@@ -602,7 +603,7 @@ static int64_t paged_attention_error_probe() {
 
 TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("paged_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor query_start, "
-        "Tensor kv_lens, float scale, int window=0) -> Tensor");
+        "Tensor kv_lens, float scale, int window=0, bool split_keys=True) -> Tensor");
   m.def("paged_attention_error_probe() -> int", &paged_attention_error_probe);
 }
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..core import extensions
 from .primitives import dequantize, group_block
 
-__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_int4", "unpack_int4", "pack_int8", "unpack_int8",
+__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
 
@@ -54,7 +54,7 @@ def kernel_calls() -> dict[str, int]:
 
     Example:
         >>> from infopt.quantize.int4 import quantize_int4_grouped
-        >>> weight, sm = pack_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
+        >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
         >>> before = kernel_calls()
         >>> _ = int4_a8_linear(torch.randn(1, 64), weight, sm, 32)
         >>> ran = "int4_a8_linear" if available() else "reference"
@@ -155,7 +155,7 @@ def _check_rows(n: int) -> None:
         raise ValueError(f"the a8 block layout needs out_features divisible by {ROWS}, got {n}")
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_blocked_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4 codes ``[N, K]`` (0..15) with ``w = (code - zero) * scale`` per group into ``(weight, scale_min)`` (module
     docstring). Scales are rounded to bf16 first and the minimum ``-zero * scale`` computed from the rounded scale."""
     n, k = codes.shape
@@ -170,8 +170,8 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) ->
     return weight, scale_min
 
 
-def unpack_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_int4`: ``(codes uint8 [N, K], scales fp32 [N, G], zeros fp32 [N, G])``."""
+def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_blocked_int4`: ``(codes uint8 [N, K], scales fp32 [N, G], zeros fp32 [N, G])``."""
     nb, chunks, _ = weight.shape
     b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
     codes = torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
@@ -179,7 +179,7 @@ def unpack_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Te
     return codes, sm[0].clone(), -sm[1] / sm[0]
 
 
-def pack_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_blocked_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Int8 codes ``[N, K]`` into ``(weight, wsum)`` (module docstring) for activation groups of ``group``."""
     n, k = codes.shape
     _check_rows(n)
@@ -189,7 +189,7 @@ def pack_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return weight.contiguous(), wsum.contiguous()
 
 
-def unpack_int8(weight: torch.Tensor) -> torch.Tensor:
+def unpack_blocked_int8(weight: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` of an int8 block-layout weight."""
     nb, chunks, _ = weight.shape
     return weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, chunks * 4)
@@ -205,7 +205,7 @@ def _group_dots(q: torch.Tensor, codes: torch.Tensor, group: int) -> torch.Tenso
 def int4_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tensor, group: int) -> torch.Tensor:
     """:func:`int4_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
-    codes, _, _ = unpack_int4(weight, scale_min)
+    codes, _, _ = unpack_blocked_int4(weight, scale_min)
     sm = scale_min.float().permute(2, 0, 3, 1).reshape(2, codes.shape[0], -1)  # [2, N, G]
     dots = _group_dots(q, codes, group)  # [M, N, G]
     qsum = q.float().reshape(q.shape[0], -1, group).sum(-1)  # [M, G]
@@ -216,7 +216,7 @@ def int4_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Te
 def int8_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """:func:`int8_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
-    dots = _group_dots(q, unpack_int8(weight), group)  # [M, N, G]
+    dots = _group_dots(q, unpack_blocked_int8(weight), group)  # [M, N, G]
     return ((dots * sx[:, None, :]).sum(-1) * scale.float()).to(x.dtype)
 
 
@@ -227,7 +227,7 @@ def int4_a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tenso
     Example:
         >>> from infopt.quantize.int4 import quantize_int4_grouped
         >>> w = torch.randn(32, 64)
-        >>> weight, sm = pack_int4(*quantize_int4_grouped(w, 32))
+        >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(w, 32))
         >>> x = torch.randn(2, 64)
         >>> y = int4_a8_linear(x, weight, sm, 32)
         >>> y.shape, bool(torch.allclose(y, int4_a8_reference(x, weight, sm, 32), atol=1e-4))
@@ -297,7 +297,7 @@ def int8_f32_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
 def int4_dense_t_reference(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
                            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """:func:`int4_dense_t` in torch operations (any device)."""
-    codes, _, _ = unpack_int4(weight, scale_min)
+    codes, _, _ = unpack_blocked_int4(weight, scale_min)
     sm = scale_min.double().permute(2, 0, 3, 1).repeat_interleave(group, dim=-1)  # [2, blk, r, K]
     sm = sm.reshape(2, codes.shape[0], codes.shape[1])
     # code * scale + min is exact in float64 (a 4-bit code times a bf16 scale, plus a bf16), so rounding it to
@@ -314,7 +314,7 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
 
     Example:
         >>> from infopt.quantize.int4 import quantize_int4_grouped
-        >>> weight, sm = pack_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
+        >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
         >>> wt = int4_dense_t(weight, sm, 32)
         >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))
         (torch.Size([64, 32]), torch.bfloat16, True)

@@ -409,7 +409,7 @@ class Int4Linear(KeepsFormat):
             return
         if self.layout == "a8":
             codes = unpack_int4(qweight) if codes is None else codes
-            self.weight_packed, self.scale_min = a8.pack_int4(codes, scales, zeros)
+            self.weight_packed, self.scale_min = a8.pack_blocked_int4(codes, scales, zeros)
             return
         # the kernel layouts take bf16 (scale, offset) with w = (code - 8) * scale + offset; the offset is derived from
         # the bf16 scale, so that a save (which recovers z from both) and reload gives the very same values
@@ -452,7 +452,7 @@ class Int4Linear(KeepsFormat):
         if self.layout == "plain":
             return self.qweight, self.scales, self.zeros
         if self.layout == "a8":
-            codes, scales, zeros = a8.unpack_int4(self.weight_packed, self.scale_min)
+            codes, scales, zeros = a8.unpack_blocked_int4(self.weight_packed, self.scale_min)
             return pack_int4(codes), scales, zeros
         if self.layout == "gemv":
             scales = self.scale_offset[..., 0].float()

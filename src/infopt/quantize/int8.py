@@ -320,11 +320,11 @@ class Int8Linear(KeepsFormat):
 
     def codes(self) -> torch.Tensor:
         """The int8 codes ``[out, in]`` (converted from the block layout with ``activations="int8"``)."""
-        return a8.unpack_int8(self.weight_a8) if self.activations == "int8" else self.weight_int8
+        return a8.unpack_blocked_int8(self.weight_a8) if self.activations == "int8" else self.weight_int8
 
     def _set_codes(self, codes: torch.Tensor) -> None:
         if self.activations == "int8":
-            self.weight_a8, self.wsum = a8.pack_int8(codes.to(self.weight_a8.device), self.act_group)
+            self.weight_a8, self.wsum = a8.pack_blocked_int8(codes.to(self.weight_a8.device), self.act_group)
         else:
             self.weight_int8.copy_(codes)
 
