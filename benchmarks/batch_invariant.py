@@ -43,8 +43,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--rows", type=int, default=None, help="rows per matrix product in the mode (default: its ROWS)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.rows:
+        from infopt.batching import invariant
+
+        invariant.ROWS = args.rows
     model, _ = load_default(dtype=getattr(torch, args.dtype))
     model.eval()
     g = torch.Generator().manual_seed(0)
@@ -64,7 +69,9 @@ def main() -> None:
             print(f"batch_invariant={invariant}: {rate:.1f} output tok/s ({metrics['steps']} steps)", flush=True)
     plain, inv = statistics.median(rates[False]), statistics.median(rates[True])
     same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
-    result = {"machine": machine_info("cpu"), "dtype": args.dtype, "requests": args.requests,
+    from infopt.batching import invariant
+
+    result = {"machine": machine_info("cpu"), "dtype": args.dtype, "requests": args.requests, "rows": invariant.ROWS,
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "output_tok_s": {"default": round(plain, 1), "batch_invariant": round(inv, 1)},
               "ratio": round(inv / plain, 3), "steps": {"default": steps[False], "batch_invariant": steps[True]},
