@@ -20,7 +20,7 @@ import time
 import torch
 
 import infopt
-from infopt.batching import Engine, SamplingParams
+from infopt.batching import Engine, SamplingParams, invariant
 from infopt.bench.harness import machine_info
 from infopt.kvcache import Paged
 from infopt.models import load_default
@@ -47,8 +47,6 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.rows:
-        from infopt.batching import invariant
-
         invariant.ROWS = args.rows
     model, _ = load_default(dtype=getattr(torch, args.dtype))
     model.eval()
@@ -61,16 +59,14 @@ def main() -> None:
     steps: dict[bool, int] = {}
     serve(model, prompts[:2], 2, False)  # warm-up: kernels built, allocator primed
     for _ in range(args.repeats):
-        for invariant in (False, True):
-            rate, toks, metrics = serve(model, prompts, args.new_tokens, invariant)
-            rates[invariant].append(rate)
-            tokens[invariant] = toks
-            steps[invariant] = metrics["steps"]
-            print(f"batch_invariant={invariant}: {rate:.1f} output tok/s ({metrics['steps']} steps)", flush=True)
+        for on in (False, True):
+            rate, toks, metrics = serve(model, prompts, args.new_tokens, on)
+            rates[on].append(rate)
+            tokens[on] = toks
+            steps[on] = metrics["steps"]
+            print(f"batch_invariant={on}: {rate:.1f} output tok/s ({metrics['steps']} steps)", flush=True)
     plain, inv = statistics.median(rates[False]), statistics.median(rates[True])
     same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
-    from infopt.batching import invariant
-
     result = {"machine": machine_info("cpu"), "dtype": args.dtype, "requests": args.requests, "rows": invariant.ROWS,
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "output_tok_s": {"default": round(plain, 1), "batch_invariant": round(inv, 1)},

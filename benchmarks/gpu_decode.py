@@ -80,25 +80,19 @@ SHAPES = {  # Llamas built from a config with random weights: speed only, their 
 
 def gemlite_int4_(model, group_size: int = 64) -> int:
     """Replace each decoder layer's projections by gemlite int4 layers (``GEMLITE``); returns how many."""
-    import os
-
-    import gemlite
-    from gemlite.helper import A16W4_HQQ_INT
+    from gpu_gemv import gemlite_available, gemlite_int4_layer  # this folder: the kernel benchmark
 
     from infopt.quantize.int4 import quantize_int4_grouped
 
-    name = torch.cuda.get_device_properties(0).name.lower()
-    h100 = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    if "h100" not in name and torch.cuda.get_device_capability() == (9, 0) and os.path.exists(h100):
-        gemlite.load_config(h100)  # an H200: the same sm_90 part, no tuned configs of its own
+    if not gemlite_available():
+        raise RuntimeError("gemlite is not installed here (or cannot import without a CUDA device)")
     count = 0
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for attr, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear) and child.bias is None:
                     codes, scales, zeros = quantize_int4_grouped(child.weight.float(), group_size, zero_point="float")
-                    setattr(parent, attr, A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(
-                        codes.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16)))
+                    setattr(parent, attr, gemlite_int4_layer(codes, scales, zeros))
                     count += 1
     torch.cuda.empty_cache()
     return count

@@ -77,19 +77,17 @@ def weights(n: int, k: int, gs: int, device: str = "cuda"):
         s8 = w.abs().amax(1).clamp_min(1e-12) / 448
         out["fp8"] = ((w / s8[:, None]).to(torch.float8_e4m3fn), s8)
     codes, scales, zeros = quantize_int4_grouped(w, gs, zero_point="float")
-    s_b, z_b = scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float()
-    out["_int4_ref"] = ((codes.float().view(n, -1, gs) - z_b[..., None]) * s_b[..., None]).view(n, k)
     s16 = scales.to(torch.bfloat16).float()
+    z16 = zeros.to(torch.bfloat16).float()
+    out["_int4_ref"] = ((codes.float().view(n, -1, gs) - z16[..., None]) * s16[..., None]).view(n, k)
     out["int4"] = (pack_int4(codes), torch.stack([s16, (8.0 - zeros) * s16], -1).to(torch.bfloat16).contiguous())
     layer = Int4Linear.from_codes(codes, scales, zeros, group_size=gs, dtype=torch.bfloat16)
     if layer.layout == "cuda_tinygemm":
         out["tinygemm"] = (layer.weight_packed, layer.scale_offset)
     if gemlite_available() and device == "cuda":
-        from gemlite.helper import A16W4_HQQ_INT, A16W8_FP8, A16W8_INT8
+        from gemlite.helper import A16W8_FP8, A16W8_INT8
 
-        # gemlite's grouped format is HQQ's, (code - zero) * scale: infopt's portable layout as it is
-        out["gemlite_int4"] = (A16W4_HQQ_INT(device=device, dtype=torch.bfloat16).from_weights(
-            codes.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16)),)
+        out["gemlite_int4"] = (gemlite_int4_layer(codes, scales, zeros),)
         out["gemlite_int8"] = (A16W8_INT8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
         if "fp8" in out:
             out["gemlite_fp8"] = (A16W8_FP8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
@@ -111,6 +109,15 @@ def gemlite_available() -> bool:
     if "h100" not in name and torch.cuda.get_device_capability() == (9, 0) and os.path.exists(h100):
         gemlite.load_config(h100)
     return True
+
+
+def gemlite_int4_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """A gemlite bf16 x int4 layer on infopt's codes: gemlite's grouped format is HQQ's, ``(code - zero) * scale``,
+    infopt's portable layout as it is."""
+    from gemlite.helper import A16W4_HQQ_INT
+
+    return A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(
+        codes.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
 
 
 def nbytes(ts) -> int:

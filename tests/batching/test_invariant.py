@@ -13,7 +13,7 @@ from infopt.batching.invariant import ROWS, invariant_linear, invariant_steps
 from infopt.core.errors import RecipeError
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
-from infopt.quantize import Int8WeightOnly, quantize_
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
 
 
 def _served_logits(model, prompts: list[list[int]], num_blocks: int, new_tokens: int, preempt: int | None = None,
@@ -119,11 +119,12 @@ def test_engine_refuses_what_it_cannot_make_invariant_and_leaves_the_model_alone
         Engine(model, batch_invariant=True, prepack=True, kv=Paged(num_blocks=16))
     with pytest.raises(ValueError, match="batch_invariant='yes' is invalid"):
         Engine(model, batch_invariant="yes", kv=Paged(num_blocks=16))
-    quantized = quantize_(tiny_model(dtype=torch.float32), Int8WeightOnly())
-    with pytest.raises(ValueError, match="Int8Linear"):
-        Engine(quantized, batch_invariant=True, kv=Paged(num_blocks=16))
+    for config, layer in ((Int8WeightOnly(), "Int8Linear"), (Int4WeightOnly(group_size=32), "Int4Linear")):
+        quantized = quantize_(tiny_model(dtype=torch.float32), config)
+        with pytest.raises(ValueError, match=f"this model has {layer} layers"):
+            Engine(quantized, batch_invariant=True, kv=Paged(num_blocks=16))
+        assert quantized.config._attn_implementation == backend
     assert model.config._attn_implementation == backend
-    assert quantized.config._attn_implementation == backend
 
 
 def test_batching_step_batch_invariant_serves_eagerly_and_validates():

@@ -365,10 +365,8 @@ def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMet
 
 
 def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
-    if _KEY_SPLIT.on:
-        return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window)
     return _flat_op(torch.ops.infopt.paged_attention, query, key_pool, value_pool, meta, scaling, window,
-                    split_keys=False)
+                    split_keys=_KEY_SPLIT.on)
 
 
 def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None, **extra):

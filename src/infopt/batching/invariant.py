@@ -21,13 +21,14 @@ the arithmetic, sets a small step's time), and a long prefill chunk calls the ke
 instead of once (``benchmarks/batch_invariant.py`` measures the throughput).
 
 What it covers: fp32 and bf16 float models on a CPU with the C++ paged-attention kernel, eager steps (no compiled
-step, no prepacked weights: :class:`~infopt.batching.core.EngineCore` refuses those combinations). Quantized layers
-run their own kernels and are refused too.
+step, no prepacked weights: :class:`~infopt.batching.core.EngineCore` refuses those combinations). Layers holding
+their weights as integer codes or fp8 (quantized layers) run their own kernels and are refused too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from torch.overrides import TorchFunctionMode
 from ..attention.paged import fixed_key_order, load_cpu_kernel
 
 __all__ = ["ROWS", "invariant_linear", "invariant_steps", "check_invariant_model"]
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))
 
 ROWS = 32
 """Rows per matrix product inside :func:`invariant_steps`. Measured on the default model in fp32 (32 requests of 16-256
@@ -79,12 +83,10 @@ def _invariant_addmm(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> to
 class _FixedRows(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        if func is F.linear:  # one row too: it must take the same kernel alone as beside others
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if x.dim() >= 1:  # one row too: it must take the same kernel alone as beside others
-                return invariant_linear(x, weight, bias)
-        elif func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
+            return invariant_linear(x, weight, args[2] if len(args) > 2 else kwargs.get("bias"))
+        if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
             return _invariant_addmm(*args)
         return func(*args, **kwargs)
 
@@ -114,8 +116,12 @@ def check_invariant_model(model: nn.Module) -> None:
     if not load_cpu_kernel():
         raise ValueError("batch_invariant=True needs infopt's C++ paged-attention kernel, which could not be built "
                          "here (no C++ compiler?); see infopt.core.extensions.build_all()")
+    # a layer holding its weight as integer codes or fp8 (infopt's quantized layers, bitsandbytes') multiplies it in
+    # its own kernel, not through F.linear (int64 position ids and bool masks are no weights)
     own = sorted({type(m).__name__ for m in model.modules()
-                  if type(m).__module__.startswith("infopt.") and type(m).__name__.endswith(("Linear", "Experts"))})
+                  if any((t.dim() >= 2 and not t.is_floating_point() and t.dtype not in (torch.bool, torch.int64))
+                         or t.dtype in _FP8 for t in itertools.chain(m.parameters(recurse=False),
+                                                                       m.buffers(recurse=False)))})
     if own:
         raise ValueError(f"batch_invariant=True covers float nn.Linear layers; this model has {', '.join(own)} layers "
                          "(a quantization step), which multiply in their own kernels. Serve the float model, or "
