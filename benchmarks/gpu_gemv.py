@@ -63,8 +63,10 @@ def copies_for(nbytes: int) -> int:
     return max(1, -(-MIN_BYTES // nbytes))
 
 
-def weights(n: int, k: int, gs: int, device: str = "cuda"):
-    """One layer's weight in every format: bf16, int8 + scale, fp8 + scale, int4 packed + (scale, offset), tinygemm."""
+def weights(n: int, k: int, gs: int, device: str = "cuda", formats: set | None = None):
+    """One layer's weight in every format (or those of ``formats``, bf16 always): bf16, int8 + scale, fp8 + scale,
+    int4 packed + (scale, offset), the same as interleaved words, tinygemm, gemlite's."""
+    want = (lambda f: True) if formats is None else (lambda f: f in formats)
     from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
     from infopt.quantize.int8 import quantize_int8_per_channel
     from infopt.quantize.primitives import pack_int4
@@ -72,9 +74,9 @@ def weights(n: int, k: int, gs: int, device: str = "cuda"):
 
     w = torch.randn(n, k, device=device) * 0.02
     out = {"bf16": (w.to(torch.bfloat16),)}
-    q, s = quantize_int8_per_channel(w)
-    out["int8"] = (q, s)
-    if device == "cpu" or torch.cuda.get_device_capability() >= (8, 9):
+    if want("int8"):
+        out["int8"] = quantize_int8_per_channel(w)
+    if want("fp8") and (device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)):
         s8 = w.abs().amax(1).clamp_min(1e-12) / 448
         out["fp8"] = ((w / s8[:, None]).to(torch.float8_e4m3fn), s8)
     codes, scales, zeros = quantize_int4_grouped(w, gs, zero_point="float")
@@ -84,15 +86,20 @@ def weights(n: int, k: int, gs: int, device: str = "cuda"):
     out["int4"] = (pack_int4(codes), torch.stack([s16, (8.0 - zeros) * s16], -1).to(torch.bfloat16).contiguous())
     if interleaved_ok(k, gs):  # the same codes and pairs in the interleaved kernel's word order
         out["int4i"] = (interleave_int4(codes), out["int4"][1])
-    layer = Int4Linear.from_codes(codes, scales, zeros, group_size=gs, dtype=torch.bfloat16)
-    if layer.layout == "cuda_tinygemm":
-        out["tinygemm"] = (layer.weight_packed, layer.scale_offset)
-    if gemlite_available() and device == "cuda":
+    if want("tinygemm"):
+        layer = Int4Linear.from_codes(codes, scales, zeros, group_size=gs, dtype=torch.bfloat16)
+        if layer.layout == "cuda_tinygemm":
+            out["tinygemm"] = (layer.weight_packed, layer.scale_offset)
+    if gemlite_available() and device == "cuda" and any(want(f) for f in ("gemlite_int4", "gemlite_int8",
+                                                                            "gemlite_fp8")):
         from gemlite.helper import A16W8_FP8, A16W8_INT8
 
-        out["gemlite_int4"] = (gemlite_int4_layer(codes, scales, zeros),)
-        out["gemlite_int8"] = (A16W8_INT8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
-        if "fp8" in out:
+        if want("gemlite_int4"):
+            out["gemlite_int4"] = (gemlite_int4_layer(codes, scales, zeros),)
+        if want("gemlite_int8"):
+            out["gemlite_int8"] = (A16W8_INT8(device=device, dtype=torch.bfloat16).from_weights(
+                w.to(torch.bfloat16)),)
+        if want("gemlite_fp8") and torch.cuda.get_device_capability() >= (8, 9):
             out["gemlite_fp8"] = (A16W8_FP8(device=device, dtype=torch.bfloat16).from_weights(w.to(torch.bfloat16)),)
     return out
 
@@ -173,10 +180,11 @@ def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
     return round(float(10 * torch.log10(ref.pow(2).sum() / (y.float() - ref).pow(2).sum().clamp_min(1e-30))), 1)
 
 
-def weight_sets(n: int, k: int, gs: int) -> list[dict]:
-    """As many copies of the layer's weights (every format) as the bf16 one needs to leave L2."""
-    one = weights(n, k, gs)
-    rest = [weights(n, k, gs) for _ in range(copies_for(nbytes(one["bf16"])) - 1)]
+def weight_sets(n: int, k: int, gs: int, formats: set | None = None) -> list[dict]:
+    """As many copies of the layer's weights (every format, or those of ``formats``) as the bf16 one needs to leave
+    L2."""
+    one = weights(n, k, gs, formats=formats)
+    rest = [weights(n, k, gs, formats=formats) for _ in range(copies_for(nbytes(one["bf16"])) - 1)]
     for ws in rest:  # the float reference serves the first copy's check only
         ws.pop("_int4_ref", None)
     return [one] + rest
@@ -253,8 +261,9 @@ def main() -> None:
         for layer, n, k in SHAPES[model]:
             if args.layers and layer not in args.layers.split(","):
                 continue
-            sets = weight_sets(n, k, args.group_size)
             only = args.kernels.split(",") if args.kernels else None
+            formats = {fmt for name, (fmt, _) in kernels(args.group_size).items() if only is None or name in only}
+            sets = weight_sets(n, k, args.group_size, formats)
             record(doc["rows"], measure(sets, args.rows, args.group_size, only=only), model=model, layer=layer)
             del sets
             torch.cuda.empty_cache()
@@ -263,8 +272,8 @@ def main() -> None:
         for spec in args.sweep_layers.split(","):
             model, layer = spec.split(":")
             n, k = next((n, k) for name, n, k in SHAPES[model] if name == layer)
-            sets = weight_sets(n, k, args.group_size)
             swept = args.sweep_kernels.split(",")
+            sets = weight_sets(n, k, args.group_size, {"int8"} if "gemv_int8" in swept else set())
             for tiles in SWEEP_INT4I if "gemv_int4i" in swept and "int4i" in sets[0] else ():
                 if (k // 256) % tiles[1]:
                     continue
