@@ -210,22 +210,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="per token: the host's busiest functions and the GPU's kernel time (where_time_goes)")
     p.add_argument("--json", default=None)
-    p.add_argument("--gemv-tiles", default=None,
-                   help="a benchmarks/gpu_gemv.py --sweep JSON: the interleaved int4 kernel's tiles per shape from it")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA device")
 
     machine = machine_info("cuda")
-    tiles = {}
-    if args.gemv_tiles:
-        import os
-
-        from infopt.quantize.triton_gemv import tune_interleaved
-
-        if os.path.exists(args.gemv_tiles):  # a lane whose gemv stage did not run leaves the first choice
-            tiles = {f"{n}x{k}": list(t) for (n, k), t in tune_interleaved(args.gemv_tiles).items()}
-        print(f"interleaved int4 tiles: {tiles or 'the first choice (no sweep file)'}", flush=True)
 
     def summary(rows: list[dict]) -> dict:
         base = next((r.get("decode_tok_s") for r in rows if r["recipe"] == "none"), None)
@@ -237,7 +226,7 @@ def main() -> None:
                 r["ratio_vs_gpu_fast"] = round(r["decode_tok_s"] / fast, 3)
         return {"machine": machine, "device_copy_gbs": bw, "model": args.model, "tokens": args.tokens,
                 "repeats": args.repeats, "dtype": "bfloat16", "batch": 1, "recipes": args.recipes.split(","),
-                "gemv_int4i_tiles": tiles, "rows": rows}
+                "rows": rows}
 
     rows = []
     plain_out = plain_path = None

@@ -65,12 +65,11 @@ def copies_for(nbytes: int) -> int:
 
 def weights(n: int, k: int, gs: int, device: str = "cuda", formats: set | None = None):
     """One layer's weight in every format (or those of ``formats``, bf16 always): bf16, int8 + scale, fp8 + scale,
-    int4 packed + (scale, offset), the same as interleaved words, tinygemm, gemlite's."""
+    int4 packed + (scale, offset), tinygemm, gemlite's."""
     want = (lambda f: True) if formats is None else (lambda f: f in formats)
     from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
     from infopt.quantize.int8 import quantize_int8_per_channel
     from infopt.quantize.primitives import pack_int4
-    from infopt.quantize.triton_gemv import interleave_int4, interleaved_ok
 
     w = torch.randn(n, k, device=device) * 0.02
     out = {"bf16": (w.to(torch.bfloat16),)}
@@ -84,8 +83,6 @@ def weights(n: int, k: int, gs: int, device: str = "cuda", formats: set | None =
     z16 = zeros.to(torch.bfloat16).float()
     out["_int4_ref"] = ((codes.float().view(n, -1, gs) - z16[..., None]) * s16[..., None]).view(n, k)
     out["int4"] = (pack_int4(codes), torch.stack([s16, (8.0 - zeros) * s16], -1).to(torch.bfloat16).contiguous())
-    if interleaved_ok(k, gs):  # the same codes and pairs in the interleaved kernel's word order
-        out["int4i"] = (interleave_int4(codes), out["int4"][1])
     if want("tinygemm"):
         layer = Int4Linear.from_codes(codes, scales, zeros, group_size=gs, dtype=torch.bfloat16)
         if layer.layout == "cuda_tinygemm":
@@ -142,16 +139,17 @@ def nbytes(ts) -> int:
 
 
 def reference_weight(fmt: str, ws: dict) -> torch.Tensor | None:
-    """The float weight a gemlite format's product is compared with, for its SQNR: the int4 codes' own values (so
-    the figure is the kernel's rounding alone), the unquantized weight for int8 and fp8 (their rounding included)."""
-    if fmt in ("gemlite_int4", "int4i", "int4"):
+    """The float weight a gemlite format's product (and infopt's int4 GEMV's) is compared with, for its SQNR: the int4
+    codes' own values (so the figure is the kernel's rounding alone), the unquantized weight for int8 and fp8 (their
+    rounding included)."""
+    if fmt in ("gemlite_int4", "int4"):
         return ws["_int4_ref"]
     if fmt in ("gemlite_int8", "gemlite_fp8"):
         return ws["bf16"][0].float()
     return None
 
 
-def kernels(gs: int, tiles8=None, tiles4=None, tiles4i=None):
+def kernels(gs: int, tiles8=None, tiles4=None):
     """``{name: (format, fn(x, *weights))}``: the products measured."""
     from infopt.quantize import triton_gemv as tg
     from infopt.quantize.triton_int8 import int8_weight_mm
@@ -169,7 +167,6 @@ def kernels(gs: int, tiles8=None, tiles4=None, tiles4i=None):
         "gemv_int8": ("int8", lambda x, q, s: tg.launch_w8(x, q, s, tiles8)),
         "gemv_fp8": ("fp8", lambda x, q, s: tg.launch_w8(x, q, s, tiles8)),
         "gemv_int4": ("int4", lambda x, q, so: tg.launch_w4(x, q, so, gs, tiles4)),
-        "gemv_int4i": ("int4i", lambda x, q, so: tg.launch_w4i(x, q, so, gs, tiles4i)),
         "gemlite_int4": ("gemlite_int4", lambda x, layer: layer(x)),
         "gemlite_int8": ("gemlite_int8", lambda x, layer: layer(x)),
         "gemlite_fp8": ("gemlite_fp8", lambda x, layer: layer(x)),
@@ -190,11 +187,10 @@ def weight_sets(n: int, k: int, gs: int, formats: set | None = None) -> list[dic
     return [one] + rest
 
 
-def measure(sets: list[dict], rows: list[int], gs: int, only=None, tiles8=None, tiles4=None, tiles4i=None
-            ) -> list[dict]:
+def measure(sets: list[dict], rows: list[int], gs: int, only=None, tiles8=None, tiles4=None) -> list[dict]:
     n, k = sets[0]["bf16"][0].shape
     out = []
-    for name, (fmt, fn) in kernels(gs, tiles8, tiles4, tiles4i).items():
+    for name, (fmt, fn) in kernels(gs, tiles8, tiles4).items():
         if (only and name not in only) or fmt not in sets[0]:
             continue
         for m in rows:
@@ -220,10 +216,6 @@ SWEEP_LAYERS = "llama-8b:o,llama-8b:gate_up"
 SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "stages": (1, 3)}
 """The tiles ``--sweep`` tries per layer for ``gemv_int8`` and ``gemv_int4`` (36 each, each compiled by Triton once:
 sized for a lane stage of a few minutes, not yet run)."""
-SWEEP_INT4I = [(bn, blocks, prefetch, warps) for bn in (16, 32, 64) for warps in (bn // 16, bn // 8)
-               for blocks in (1, 2) for prefetch in (0, 1)] + [(8, 2, 1, 1), (8, 4, 1, 1), (32, 4, 1, 2)]
-"""``(BLOCK_N, BLOCKS, PREFETCH, num_warps)`` for ``gemv_int4i``: two or four rows per thread, one or two
-256-column blocks per step, the next step's words loaded ahead or not (27 in all)."""
 
 
 def main() -> None:
@@ -235,7 +227,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--sweep", action="store_true", help="also the GEMV kernels' tile configurations, on --sweep-layers")
     p.add_argument("--sweep-layers", default=SWEEP_LAYERS)
-    p.add_argument("--sweep-kernels", default="gemv_int8,gemv_int4,gemv_int4i")
+    p.add_argument("--sweep-kernels", default="gemv_int8,gemv_int4")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -274,11 +266,6 @@ def main() -> None:
             n, k = next((n, k) for name, n, k in SHAPES[model] if name == layer)
             swept = args.sweep_kernels.split(",")
             sets = weight_sets(n, k, args.group_size, {"int8"} if "gemv_int8" in swept else set())
-            for tiles in SWEEP_INT4I if "gemv_int4i" in swept and "int4i" in sets[0] else ():
-                if (k // 256) % tiles[1]:
-                    continue
-                record(doc["sweep"], measure(sets, args.rows, args.group_size, only=("gemv_int4i",), tiles4i=tiles),
-                       model=model, layer=layer, tiles=list(tiles))
             for bn, warps, stages in itertools.product(SWEEP["block_n"], SWEEP["warps"], SWEEP["stages"]):
                 if not {"gemv_int8", "gemv_int4"} & set(swept):
                     break
@@ -305,7 +292,7 @@ def main() -> None:
     print(f"GB/s of weight bytes read (scales included); device-to-device copy {copy:.0f} GB/s")
     for spec in args.sweep_layers.split(",") if args.sweep else ():
         model, layer = spec.split(":")
-        for kernel in ("gemv_int8", "gemv_int4", "gemv_int4i"):
+        for kernel in ("gemv_int8", "gemv_int4"):
             for m in args.rows:
                 got = [r for r in doc["sweep"] if (r["model"], r["layer"], r["kernel"], r["rows"]) == (model, layer,
                                                                                                      kernel, m)

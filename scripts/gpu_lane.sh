@@ -143,7 +143,7 @@ bench() {
                  --json "$RESULTS/decode-llama-1b.json" "${decode_extra[@]}" ;;
     decode-8b) run_stage bench-decode-8b "$PY" benchmarks/gpu_decode.py --model llama-8b \
                  --recipes "${GPU_LANE_8B_RECIPES:-none,gpu-fast,gpu-fast+int4-gemlite,gpu-fast+int4-gemv,gpu-fast+fp8-wo,gpu-fast+int4,gpu-fast+fp8,gpu-fast+int8-gemv}" \
-                 --json "$RESULTS/decode-llama-8b.json" --gemv-tiles "$RESULTS/gemv.json" "${decode_extra[@]}" ;;
+                 --json "$RESULTS/decode-llama-8b.json" "${decode_extra[@]}" ;;
     gemv) run_stage bench-gemv "$PY" benchmarks/gpu_gemv.py --json "$RESULTS/gemv.json" "${gemv_extra[@]}" ;;
     batch) run_stage bench-batch "$PY" -m infopt.cli bench --workload batch --recipe throughput --device cuda \
              --dtype bfloat16 --baselines hf_continuous --repeats 1 --quiet \

@@ -109,7 +109,7 @@ def test_tile_table(n, k, gs):
 INTERPRETER_SCRIPT = r"""
 import json, torch
 from infopt.quantize.int8 import quantize_int8_per_channel
-from infopt.quantize.triton_gemv import interleave_int4, kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
+from infopt.quantize.triton_gemv import kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
 from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
 g = torch.Generator().manual_seed(0)
@@ -131,13 +131,6 @@ for m, n, k, gs in [(1, 48, 128, 32), (2, 64, 576, 64), (3, 32, 1024, 128), (1, 
         x = torch.randn(m, k, generator=g).to(getattr(torch, dt))
         y = w4_gemv(x, qw, so, gs)
         rows.append(["w4", gs, m, n, k, dt, str(y.dtype), list(y.shape), sqnr_db(w4_gemv_reference(x.float(), qw, so, gs), y)])
-for m, n, k, gs in [(1, 40, 512, 64), (2, 16, 256, 32), (1, 24, 768, 128), (3, 8, 512, 256)]:
-    qw, so, codes, *_ = w4_operands(n, k, gs, seed=m + n)
-    words = interleave_int4(codes)  # the interleaved kernel: the same weights from int32 words
-    for dt in ("float32", "float16", "bfloat16"):
-        x = torch.randn(m, k, generator=g).to(getattr(torch, dt))
-        y = w4_gemv(x, words, so, gs)
-        rows.append(["w4i", gs, m, n, k, dt, str(y.dtype), list(y.shape), sqnr_db(w4_gemv_reference(x.float(), qw, so, gs), y)])
 x = torch.randn(6, 160, generator=g)[:, ::2]  # a column stride of 2: the op makes it contiguous
 q, s = quantize_int8_per_channel(torch.randn(24, 80, generator=g))
 rows.append(["w8", "strided", 6, 24, 80, "float32", str(w8_gemv(x, q, s).dtype), [6, 24],
@@ -155,7 +148,7 @@ def test_kernels_numerics_in_tritons_cpu_interpreter():
                          timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    assert doc["calls"] == {"triton": 48, "reference": 0}  # every call ran a kernel, interpreted
+    assert doc["calls"] == {"triton": 36, "reference": 0}  # every call ran a kernel, interpreted
     for kind, _w, m, n, k, dt, out_dtype, shape, db in doc["rows"]:
         dtype = getattr(torch, dt)
         assert out_dtype == str(dtype) and shape == [m, n], (kind, m, n, k, dt)
@@ -219,7 +212,7 @@ def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
         pytest.skip("this Triton has no ASTSource / GPUTarget ahead-of-time API, or it is interpreting")
     import triton
 
-    w8, w4, _ = tg._kernels()
+    w8, w4 = tg._kernels()
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # x, weight, scales, y
     ints = dict.fromkeys(("N", "stride_xm", "stride_ym"), "i32")
     for arch in (80, 90):
@@ -240,83 +233,6 @@ def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
                 loads = re.findall(r"ld\.global(?:\.\w+)*", out.asm["ptx"])
                 assert any(".v4" in ld for ld in loads), (arch, x, n, k, gs, loads)
                 assert not any(ld.endswith(".b8") or ld.endswith(".u8") for ld in loads), (arch, x, n, k, gs, loads)
-
-
-@pytest.mark.slow
-def test_interleaved_int4_kernel_converts_no_integer_to_float():
-    """The interleaved 4-bit kernel's point, checked in the code Triton compiles for sm_80 and sm_90 (no device
-    needed): its weights arrive in 16-byte loads and no instruction converts an integer to a float (each nibble is
-    masked into a float's mantissa and one subtraction leaves the code), where the byte kernel converts every
-    nibble (``cvt.rn.f32.u32``, a quarter-rate instruction on these parts)."""
-    pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
-    compiler = pytest.importorskip("triton.compiler")
-    backends = pytest.importorskip("triton.backends.compiler")
-    if not hasattr(compiler, "ASTSource") or not hasattr(backends, "GPUTarget") or tg._interpreting():
-        pytest.skip("this Triton has no ASTSource / GPUTarget ahead-of-time API, or it is interpreting")
-    import triton
-
-    _, w4, w4i = tg._kernels()
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6)}  # pointers, row strides
-    ints = dict.fromkeys(("N", "stride_xm", "stride_ym"), "i32")
-    converts = {}
-    bn, blocks, prefetch, warps4i = tg.gemv_tiles_interleaved(4096, 4096)
-    for arch in (80, 90):
-        for name, kernel, ptrs, const, (warps, stages) in (
-                ("words", w4i, {"x_ptr": "*bf16", "q_ptr": "*i32", "so_ptr": "*i32", "y_ptr": "*bf16"},
-                 {"K": 4096, "GS": 64, "BLOCK_N": bn, "BLOCKS": blocks, "PREFETCH": bool(prefetch)}, (warps4i, 1)),
-                ("bytes", w4, {"x_ptr": "*bf16", "q_ptr": "*u8", "so_ptr": "*bf16", "y_ptr": "*bf16"},
-                 {"K": 4096, "GS": 64, "BLOCK_N": 16, "BLOCK_K": 512}, (4, 3))):
-            sig = {**ptrs, **ints, **dict.fromkeys(const, "constexpr")}
-            out = triton.compile(compiler.ASTSource(fn=kernel, signature={a: sig[a] for a in kernel.arg_names},
-                                                    constexprs=const, attrs=aligned),
-                                 target=backends.GPUTarget("cuda", arch, 32),
-                                 options={"num_warps": warps, "num_stages": stages})
-            ptx = out.asm["ptx"]
-            converts[arch, name] = len(re.findall(r"cvt\.rn\.f32\.[su](?:8|16|32)", ptx))
-            if name == "words":
-                assert re.search(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx), arch
-    assert converts[80, "words"] == converts[90, "words"] == 0, converts
-    assert converts[80, "bytes"] > 0 and converts[90, "bytes"] > 0, converts  # the check can see them
-
-
-def test_interleave_int4_round_trips_and_checks_its_shape():
-    codes = torch.randint(0, 16, (3, 512), generator=torch.Generator().manual_seed(0))
-    words = tg.interleave_int4(codes)
-    assert words.dtype == torch.int32 and words.shape == (3, 64)
-    assert torch.equal(tg.deinterleave_int4(words), codes.to(torch.uint8))
-    # word 0 of block 1 holds columns 256 + 32 i in nibble i
-    want = sum(int(codes[0, 256 + 32 * i]) << (4 * i) for i in range(8))
-    assert words[0, 32].item() & 0xFFFFFFFF == want
-    with pytest.raises(ValueError, match="multiple of 256"):
-        tg.interleave_int4(codes[:, :128])
-    assert tg.interleaved_ok(4096, 64) and not tg.interleaved_ok(576, 64) and not tg.interleaved_ok(4096, 16)
-    with pytest.raises(ValueError, match="interleaved"):
-        w4_gemv(torch.randn(1, 512), words, torch.zeros(3, 32, 2, dtype=torch.bfloat16), 16)
-    with pytest.raises(ValueError, match="interleaved"):
-        w4_gemv(torch.randn(1, 512), words, torch.zeros(3, 8, 2), 64)  # fp32 pairs: bf16 only
-
-
-def test_int4_gemv_layout_keeps_interleaved_words_where_the_shape_allows():
-    """A gemv-layout layer whose input is a multiple of 256 holds int32 words (the interleaved kernel's operand), one
-    of 576 inputs the bytes; both save the codes of the plain layout and the portable tensors of the device's int4
-    kernel layout (the same bf16 pairs), and load back exactly."""
-    from infopt.quantize.int4 import Int4Linear
-
-    for k, dtype in ((512, torch.int32), (576, torch.uint8)):
-        lin = torch.nn.Linear(k, 96, bias=True)
-        gemv = Int4Linear.from_float(lin, group_size=64, layout="gemv")
-        plain = Int4Linear.from_float(lin, group_size=64, layout="plain")
-        kern = Int4Linear.from_float(lin, group_size=64)  # the device's int4 kernel: bf16 pairs too
-        assert gemv.qweight.dtype == dtype, k
-        sg, sk = gemv.state_dict(), kern.state_dict()
-        assert torch.equal(sg["qweight"], plain.state_dict()["qweight"]), k
-        assert all(torch.equal(sg[n], sk[n]) for n in ("qweight", "scales", "zeros")), k
-        again = Int4Linear(k, 96, 64, bias=True, dtype=torch.float32, layout="gemv")
-        again.load_state_dict(sk)
-        assert torch.equal(again.qweight, gemv.qweight) and torch.equal(again.scale_offset, gemv.scale_offset)
-        for rows in (1, 12):  # the op (one to eight rows) and the dequantized matmul (prompts)
-            x = torch.randn(rows, k)
-            assert sqnr_db(plain(x), gemv(x)) > 40, (k, rows)  # to the bf16 rounding of the offsets
 
 
 # -- on each device: the kernel on CUDA, the op's reference on CPU -------------------------------------------
@@ -342,22 +258,16 @@ def test_w8_op_matches_the_exact_product(dtype, m, n, k, device):
         assert sqnr_db(x.float() @ (f8.float() * s8[:, None]).T, y8) > FLOORS[dtype]
 
 
-@pytest.mark.parametrize("m,n,k,gs,words", [(1, 4096, 4096, 128, False), (1, 14336, 4096, 32, False),
-                                            (2, 4096, 14336, 64, False), (8, 1536, 576, 64, False),
-                                            (1, 576, 576, 32, False), (1, 4096, 4096, 128, True),
-                                            (1, 14336, 4096, 32, True), (2, 4096, 14336, 64, True),
-                                            (8, 576, 1536, 64, True), (1, 28672, 4096, 256, True)],
-                         ids=lambda v: str(v))
-def test_w4_op_matches_the_devices_int4_kernel_on_the_same_weights(m, n, k, gs, words, device):
-    """Both packings of the codes (bytes, and the interleaved kernel's int32 words) compute the reference's product,
-    and the device's own int4 kernel (tinygemm on CUDA) on the same bf16 (scale, offset) pairs agrees."""
+@pytest.mark.parametrize("m,n,k,gs", [(1, 4096, 4096, 128), (1, 14336, 4096, 32), (2, 4096, 14336, 64),
+                                      (8, 1536, 576, 64), (1, 576, 576, 32)], ids=lambda v: str(v))
+def test_w4_op_matches_the_devices_int4_kernel_on_the_same_weights(m, n, k, gs, device):
     from infopt.quantize.int4 import Int4Linear
 
     path = DEVICES[device].triton
     qw, so, codes, scales, zeros = w4_operands(n, k, gs, device=device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     before = tg.kernel_calls()[path]
-    y = w4_gemv(x, tg.interleave_int4(codes).to(device) if words else qw, so, gs)
+    y = w4_gemv(x, qw, so, gs)
     assert tg.kernel_calls()[path] == before + 1
     ref = w4_gemv_reference(x.float(), qw, so, gs)
     assert sqnr_db(ref, y) > FLOORS[torch.bfloat16]
@@ -374,16 +284,14 @@ def test_kernels_replay_in_a_cuda_graph():
     q, s = quantize_int8_per_channel(torch.randn(512, 1024, device="cuda"))
     qw, so, *_ = w4_operands(512, 1024, 64, device="cuda")
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    words = tg.interleave_int4(w4_operands(512, 1024, 64)[2]).cuda()
-    w8_gemv(x, q, s), w4_gemv(x, qw, so, 64), w4_gemv(x, words, so, 64)  # compile the kernels before capture
+    w8_gemv(x, q, s), w4_gemv(x, qw, so, 64)  # compile the kernels before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y8, y4, y4i = w8_gemv(x, q, s), w4_gemv(x, qw, so, 64), w4_gemv(x, words, so, 64)
+        y8, y4 = w8_gemv(x, q, s), w4_gemv(x, qw, so, 64)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y8, w8_gemv(x, q, s)) and torch.equal(y4, w4_gemv(x, qw, so, 64))
-    assert torch.equal(y4i, w4_gemv(x, words, so, 64))  # the interleaved kernel repeats its bits too
 
 
 # -- the layers that call the kernels ------------------------------------------------------------------
@@ -542,24 +450,3 @@ def test_int8_gemv_kernel_serves_decode_rows(device):
         # the float layer, bias included: int8 weights and a bf16 output measure 46 dB (CPU); a reference without the
         # bias is off by the bias itself and reads 29.5-30 dB whatever the kernel does
         assert sqnr_db(x.float() @ weight.T + bias, y) > 40, rows
-
-
-def test_tune_interleaved_takes_the_fastest_one_row_tiles_per_shape(monkeypatch, tmp_path):
-    """A sweep of ``benchmarks/gpu_gemv.py`` sets the interleaved kernel's tiles per weight shape: the fastest
-    one-row configuration of each shape; other kernels' rows, other row counts and failed rows do not count, and
-    shapes the sweep did not cover keep the first choice."""
-    monkeypatch.setattr(tg, "_TUNED", {})
-    gemv_tiles_interleaved = tg.gemv_tiles_interleaved
-    untouched = gemv_tiles_interleaved(576, 1536)
-    rows = [{"kernel": "gemv_int4i", "n": 4096, "k": 4096, "rows": 1, "tiles": [16, 1, 0, 1], "gbs": 900.0},
-            {"kernel": "gemv_int4i", "n": 4096, "k": 4096, "rows": 1, "tiles": [64, 2, 1, 4], "gbs": 1800.0},
-            {"kernel": "gemv_int4i", "n": 4096, "k": 4096, "rows": 8, "tiles": [8, 1, 1, 1], "gbs": 9000.0},
-            {"kernel": "gemv_int4", "n": 4096, "k": 4096, "rows": 1, "tiles": [8, 512, 4, 3], "gbs": 9000.0},
-            {"kernel": "gemv_int4i", "n": 4096, "k": 4096, "rows": 1, "tiles": [32, 4, 1, 2], "error": "x"},
-            {"kernel": "gemv_int4i", "n": 28672, "k": 4096, "rows": 1, "tiles": [32, 2, 0, 2], "gbs": 2500.0}]
-    path = tmp_path / "gemv.json"
-    path.write_text(json.dumps({"sweep": rows}))
-    table = tg.tune_interleaved(str(path))
-    assert table == {(4096, 4096): (64, 2, 1, 4), (28672, 4096): (32, 2, 0, 2)}
-    assert gemv_tiles_interleaved(4096, 4096) == (64, 2, 1, 4)
-    assert gemv_tiles_interleaved(576, 1536) == untouched

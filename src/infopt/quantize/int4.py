@@ -5,14 +5,11 @@ converts to and from one portable layout when saved or loaded:
 
 - ``cpu_int4pack``: ``torch._weight_int4pack_mm_for_cpu`` (bf16 activations), CPU.
 - ``cuda_tinygemm``: ``torch._weight_int4pack_mm`` (bf16 activations), CUDA.
-- ``gemv``: the codes with bf16 ``(scale, offset)`` pairs ``[out, in // group_size, 2]`` (tinygemm's values,
-  row-major), multiplied by infopt's Triton kernel at up to eight rows (:func:`infopt.quantize.triton_gemv.w4_gemv`)
-  and dequantized to the activation dtype above that (prompts); chosen with ``Int4WeightOnly(cuda_kernel="gemv")``.
-  Where ``in_features`` is a multiple of 256 and groups hold 32 to 256 columns the codes are int32 words
-  ``[out, in // 8]`` in the interleaved kernel's order (:func:`~infopt.quantize.triton_gemv.interleave_int4`; no
-  integer-to-float conversion per weight), else the portable uint8 bytes. The byte kernel read at 17-23% of an
-  H200's copy bandwidth at one row against tinygemm's 31-34%; the interleaved one is unmeasured on a GPU. Elsewhere
-  than CUDA the layer computes the kernel's reference.
+- ``gemv``: the portable codes with bf16 ``(scale, offset)`` pairs ``[out, in // group_size, 2]`` (tinygemm's
+  values, row-major), multiplied by infopt's Triton kernel at up to eight rows
+  (:func:`infopt.quantize.triton_gemv.w4_gemv`) and dequantized to the activation dtype above that (prompts);
+  chosen with ``Int4WeightOnly(cuda_kernel="gemv")``. Slower than tinygemm on an H200 (17-23% of the copy bandwidth at
+  one row against 31-34%); elsewhere than CUDA it computes the kernel's reference.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
   weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
@@ -42,7 +39,7 @@ from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, registe
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
-from .triton_gemv import GEMV_MAX_ROWS, deinterleave_int4, interleave_int4, interleaved_ok, w4_dequantize, w4_gemv
+from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
            "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls"]
@@ -376,9 +373,8 @@ class Int4Linear(KeepsFormat):
             self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,
                                                           dtype=torch.bfloat16, device=device))
         elif self.layout == "gemv":  # see infopt.quantize.triton_gemv.w4_gemv
-            words = interleaved_ok(self.in_features, self.group_size)
-            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // (8 if words else 2),
-                                                        dtype=torch.int32 if words else torch.uint8, device=device))
+            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
+                                                        device=device))
             self.register_buffer("scale_offset", torch.zeros(self.out_features, n_groups, 2, dtype=torch.bfloat16,
                                                              device=device))
         elif self.layout == "plain":
@@ -419,10 +415,6 @@ class Int4Linear(KeepsFormat):
         # the bf16 scale, so that a save (which recovers z from both) and reload gives the very same values
         s16 = scales.to(torch.bfloat16).float()
         offset = (8.0 - zeros.float()) * s16
-        if self.layout == "gemv" and interleaved_ok(self.in_features, self.group_size):
-            self.qweight = interleave_int4(unpack_int4(qweight) if codes is None else codes)
-            self.scale_offset = torch.stack([s16, offset], dim=-1).to(torch.bfloat16).contiguous()
-            return
         if self.layout == "gemv":
             self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
             self.scale_offset = torch.stack([s16, offset], dim=-1).to(torch.bfloat16).contiguous()
@@ -464,8 +456,7 @@ class Int4Linear(KeepsFormat):
             return pack_int4(codes), scales, zeros
         if self.layout == "gemv":
             scales = self.scale_offset[..., 0].float()
-            q = pack_int4(deinterleave_int4(self.qweight)) if self.qweight.dtype == torch.int32 else self.qweight
-            return q, scales, 8.0 - self.scale_offset[..., 1].float() / scales
+            return self.qweight, scales, 8.0 - self.scale_offset[..., 1].float() / scales
         # run the kernel on the identity with scale 1, offset 0: it returns (code - 8), exactly, as [in, out]
         ones = torch.zeros_like(self.scale_offset)
         ones[..., 0] = 1.0

@@ -42,7 +42,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .primitives import pack_int4, unpack_int4
+from .primitives import unpack_int4
 from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
 __all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "GEMV_MAX_ROWS",
@@ -55,7 +55,7 @@ block run together); more rows are a matrix product's job."""
 W8_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
 """Weight dtypes :func:`w8_gemv` takes."""
 
-triton = tl = _split4 = _plane = None  # bound by _kernels(), on the first launch
+triton = tl = None  # bound to the modules by _kernels(), on the first launch
 _CALLS = {"triton": 0, "reference": 0}
 _WARNED = False
 
@@ -102,45 +102,9 @@ def w4_dequantize(qweight: torch.Tensor, scale_offset: torch.Tensor, group_size:
         [[0.5, 1.5]]
     """
     so = scale_offset.to(dtype)
-    codes = (deinterleave_int4(qweight) if qweight.dtype == torch.int32 else unpack_int4(qweight)).to(dtype) - 8
+    codes = unpack_int4(qweight).to(dtype) - 8
     n = codes.shape[0]
     return (codes.view(n, -1, group_size) * so[..., :1] + so[..., 1:]).view_as(codes)
-
-
-INTERLEAVE = 256
-"""Columns per block of :func:`interleave_int4`'s order."""
-
-
-def interleave_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit codes ``[N, K]`` (0..15) into int32 words ``[N, K // 8]`` in the order the interleaved 4-bit kernel
-    reads: within each block of 256 columns, nibble ``i`` (bits ``4i..4i+3``) of word ``j`` holds column
-    ``32 i + j``, so each of a word's eight nibbles meets a different run of 32 contiguous activations.
-
-    Example:
-        >>> c = torch.arange(256).remainder(16).view(1, 256)  # column 32 i + j holds (32 i + j) % 16 = j % 16
-        >>> hex(interleave_int4(c)[0, 3].item() & 0xFFFFFFFF)  # word 3: column 3, 35, 67, ... all code 3
-        '0x33333333'
-        >>> torch.equal(deinterleave_int4(interleave_int4(c)), c.to(torch.uint8))
-        True
-    """
-    n, k = codes.shape
-    if k % INTERLEAVE:
-        raise ValueError(f"interleave_int4: K={k} is not a multiple of {INTERLEAVE}")
-    c = codes.to(torch.uint8).reshape(n, k // INTERLEAVE, 8, 32).transpose(2, 3)  # [.., j, i]
-    return pack_int4(c.reshape(n, k)).view(torch.int32)
-
-
-def deinterleave_int4(words: torch.Tensor) -> torch.Tensor:
-    """The codes ``[N, K]`` (uint8) of :func:`interleave_int4`'s words ``[N, K // 8]``."""
-    n, k = words.shape[0], words.shape[1] * 8
-    c = unpack_int4(words.contiguous().view(torch.uint8)).reshape(n, k // INTERLEAVE, 32, 8).transpose(2, 3)
-    return c.reshape(n, k).contiguous()
-
-
-def interleaved_ok(k: int, group_size: int) -> bool:
-    """Whether an ``[N, K]`` weight in groups of ``group_size`` can take the interleaved 4-bit kernel: K a multiple
-    of 256 and groups of 32 to 256 columns (whole 32-column planes within one 256-column block)."""
-    return k % INTERLEAVE == 0 and group_size in (32, 64, 128, 256)
 
 
 def _use_triton(x: torch.Tensor, what: str) -> bool:
@@ -160,9 +124,8 @@ def _use_triton(x: torch.Tensor, what: str) -> bool:
 
 @functools.cache
 def _kernels():
-    """Import Triton and build the kernels, once (module-level names, where Triton looks ``tl`` and the kernels'
-    helpers up)."""
-    global triton, tl, _split4, _plane
+    """Import Triton and build both kernels, once (module-level names, where Triton looks ``tl`` up)."""
+    global triton, tl
     import triton
     import triton.language as tl
 
@@ -235,92 +198,7 @@ def _kernels():
             so_ptrs += NG * 2
         tl.store(y_ptr + pid_m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
-    @triton.jit
-    def _split4(v):
-        # [..., 4] held in one thread -> its four [...] slices
-        a, b = tl.split(tl.reshape(v, v.shape[:-1] + [2, 2]))
-        a0, a1 = tl.split(a)
-        b0, b1 = tl.split(b)
-        return a0, b0, a1, b1
-
-    @triton.jit
-    def _plane(w, x, acc, i: tl.constexpr):
-        # acc + code_i * x, code_i the nibble i of the words w: masked in place (bits 4e..4e+3; nibbles 5-7 shifted
-        # down by 12 bits first, e = i - 3) and or-ed into the exponent of 2^(23 - 4e), it reads as
-        # 2^(23 - 4e) + code exactly, and one subtraction leaves the code
-        if i < 5:
-            bits = (w & (15 << (4 * i))) | ((127 + 23 - 4 * i) << 23)
-            code = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * i)) * 1.0
-        else:
-            bits = ((w >> 12) & (15 << (4 * (i - 3)))) | ((127 + 23 - 4 * (i - 3)) << 23)
-            code = bits.to(tl.float32, bitcast=True) - (1 << (23 - 4 * (i - 3))) * 1.0
-        return tl.fma(code, x[None, :, :], acc)
-
-    @triton.jit
-    def w4i_gemv_kernel(x_ptr, q_ptr, so_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr, GS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, PREFETCH: tl.constexpr):
-        # q: int32 [N, K // 8] in the interleaved order (see interleave_int4): per 256 columns, word j's nibble i is
-        # column 32 i + j, so plane i of a block (nibble i of its 32 words) meets 32 contiguous activations, and a
-        # group (GS // 32 planes, 32 <= GS <= 256) has one (scale, offset) pair per row. A step takes BLOCKS blocks
-        # as [BLOCK_N, BLOCKS, 8, 4] words: each thread's four words of a row are one 16-byte load and their products
-        # sum in the thread. A nibble becomes a float without a conversion instruction: masked in place (bits
-        # 4e..4e+3) and or-ed into the exponent of 2^(23 - 4e), it reads as 2^(23 - 4e) + code exactly; one
-        # subtraction leaves the code. Nibbles 5-7 are shifted down by 12 bits first (e = i - 3). With PREFETCH the
-        # next step's words are loaded before this step's arithmetic (Triton's pipeliner leaves loads that feed no
-        # tl.dot alone).
-        KW: tl.constexpr = K // 8
-        G: tl.constexpr = K // GS
-        PPG: tl.constexpr = GS // 32
-        NB: tl.constexpr = K // 256
-        pid_m = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_b = tl.arange(0, BLOCKS)
-        offs_t = tl.arange(0, 8)
-        offs_w = offs_t[:, None] * 4 + tl.arange(0, 4)[None, :]  # [8, 4]: word j = 4 t + u
-        mask_n = offs_n < N
-        mask_q = mask_n[:, None, None, None]
-        # [BLOCK_N, BLOCKS, 8, 4]: 128 bytes of a row per block
-        q_ptrs = q_ptr + offs_n[:, None, None, None] * KW + offs_b[None, :, None, None] * 32 + offs_w[None, None, :, :]
-        x_ptrs = x_ptr + pid_m * stride_xm + offs_b[:, None, None] * 256 + offs_w[None, :, :]  # [BLOCKS, 8, 4]
-        # [BLOCK_N, BLOCKS, 8] (the shape the products reduce to, so no layout change): each row's (scale, offset)
-        # bf16 pair of a block's group as one 32-bit word
-        so_ptrs = so_ptr + offs_n[:, None, None] * G + offs_b[None, :, None] * (256 // GS) + 0 * offs_t[None, None, :]
-        so_mask = mask_n[:, None, None] & (offs_t[None, None, :] < 8)
-        acc = tl.zeros((BLOCK_N, BLOCKS, 8), dtype=tl.float32)  # reduced across threads once, after the loop
-        if PREFETCH:
-            w_next = tl.load(q_ptrs, mask=mask_q, other=0)
-        for b in range(0, NB, BLOCKS):
-            if PREFETCH:
-                w = w_next
-                q_ptrs += 32 * BLOCKS
-                w_next = tl.load(q_ptrs, mask=mask_q & (b + BLOCKS < NB), other=0)
-            else:
-                w = tl.load(q_ptrs, mask=mask_q, other=0)
-                q_ptrs += 32 * BLOCKS
-            # a thread's four words of a row, split apart (they sit in its registers): each plane's products then
-            # chain into one accumulator per row, block and thread
-            w0, w1, w2, w3 = _split4(w)
-            for g in tl.static_range(8 // PPG):
-                pair = tl.load(so_ptrs + g, mask=so_mask, other=0)
-                s = (pair << 16).to(tl.float32, bitcast=True)  # the low bf16: the scale
-                o = (pair & -65536).to(tl.float32, bitcast=True)  # the high one: the offset
-                part = tl.zeros((BLOCK_N, BLOCKS, 8), dtype=tl.float32)
-                xg = tl.zeros((BLOCKS, 8), dtype=tl.float32)
-                for p in tl.static_range(PPG):
-                    x0, x1, x2, x3 = _split4(tl.load(x_ptrs + (g * PPG + p) * 32).to(tl.float32))  # [BLOCKS, 8]
-                    xg += (x0 + x1) + (x2 + x3)
-                    part = _plane(w0, x0, part, g * PPG + p)
-                    part = _plane(w1, x1, part, g * PPG + p)
-                    part = _plane(w2, x2, part, g * PPG + p)
-                    part = _plane(w3, x3, part, g * PPG + p)
-                # sum_k ((c - 8) s + o) x_k = s * sum(c x) + (o - 8 s) * sum(x), per group, within the thread
-                acc += part * s + xg[None, :, :] * (o - 8.0 * s)
-            so_ptrs += (256 // GS) * BLOCKS
-            x_ptrs += 256 * BLOCKS
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-    return w8_gemv_kernel, w4_gemv_kernel, w4i_gemv_kernel
+    return w8_gemv_kernel, w4_gemv_kernel
 
 
 def _pow2_floor(v: int) -> int:
@@ -392,66 +270,6 @@ def launch_w4(x2: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tenso
     return y
 
 
-_TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
-
-
-def tune_interleaved(sweep: str | dict | list) -> dict[tuple[int, int], tuple[int, int, int, int]]:
-    """Take the interleaved 4-bit kernel's tiles per weight shape from a sweep ``benchmarks/gpu_gemv.py --sweep``
-    measured on this kind of GPU: the fastest one-row configuration of ``gemv_int4i`` for each ``(N, K)`` there
-    (other shapes keep :func:`gemv_tiles_interleaved`'s choice). ``sweep`` is the benchmark's JSON file, its
-    document, or its ``sweep`` rows. Returns the table now in use (shape -> tiles). Call it before a step is
-    compiled: a traced graph keeps the tiles it was traced with."""
-    import json
-
-    if isinstance(sweep, str):
-        with open(sweep) as f:
-            sweep = json.load(f)
-    rows = sweep.get("sweep", []) if isinstance(sweep, dict) else sweep
-    best: dict[tuple[int, int], dict] = {}
-    for r in rows:
-        if r.get("kernel") == "gemv_int4i" and r.get("rows") == 1 and "gbs" in r and len(r.get("tiles", ())) == 4:
-            key = (int(r["n"]), int(r["k"]))
-            if key not in best or r["gbs"] > best[key]["gbs"]:
-                best[key] = r
-    _TUNED.update({key: tuple(int(v) for v in r["tiles"]) for key, r in best.items()})
-    return dict(_TUNED)
-
-
-def gemv_tiles_interleaved(n: int, k: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCKS, PREFETCH, num_warps)`` for the interleaved 4-bit kernel on an ``[n, k]`` weight: the
-    tiles :func:`tune_interleaved` took for the shape, else a first choice not yet measured on a GPU: four rows
-    per thread where that leaves at least 128 programs per activation row, else fewer; two 256-column blocks per
-    step where K has an even number of them; the next step's words loaded ahead.
-
-    Example:
-        >>> gemv_tiles_interleaved(4096, 4096), gemv_tiles_interleaved(576, 1536)
-        ((32, 2, 1, 2), (4, 2, 1, 1))
-    """
-    tuned = _TUNED.get((n, k))
-    if tuned is not None:
-        return tuned
-    block_n = next((b for b in (32, 16, 8) if -(-n // b) >= 128), 4)
-    return block_n, 2 if (k // 256) % 2 == 0 else 1, 1, max(1, block_n // 16)
-
-
-def launch_w4i(x2: torch.Tensor, words: torch.Tensor, scale_offset: torch.Tensor, group_size: int,
-               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Run the interleaved 4-bit kernel on checked operands: ``words`` int32 ``[N, K // 8]`` from
-    :func:`interleave_int4`, ``scale_offset`` bf16 ``[N, K // group_size, 2]``; ``tiles`` as
-    :func:`gemv_tiles_interleaved` gives them."""
-    n, k = words.shape[0], words.shape[1] * 8
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    if y.numel():
-        bn, blocks, prefetch, warps = tiles or gemv_tiles_interleaved(n, k)
-        if (k // INTERLEAVE) % blocks:
-            raise ValueError(f"launch_w4i: BLOCKS={blocks} does not divide the {k // INTERLEAVE} blocks of K={k}")
-        pairs = scale_offset.view(torch.int32).reshape(n, k // group_size)  # each (scale, offset) bf16 pair
-        _launch(_kernels()[2], -(-n // bn), x2, (x2, words, pairs, y, n, x2.stride(0), y.stride(0)),
-                {"K": k, "GS": group_size, "BLOCK_N": bn, "BLOCKS": blocks, "PREFETCH": bool(prefetch),
-                 "num_warps": warps, "num_stages": 1})
-    return y
-
-
 @torch.library.custom_op("infopt::w8_gemv", mutates_args=())
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (weight * scale[:, None]).T`` reading the 8-bit weight once (the Triton kernel on CUDA).
@@ -498,11 +316,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, 
 
     Args:
         x: ``[..., K]`` activations, bfloat16, float16 or float32 (meant for up to :data:`GEMV_MAX_ROWS` rows).
-        qweight: uint8 ``[N, K // 2]``, contiguous: column ``2j`` in the low nibble, ``2j + 1`` in the high one; or
-            int32 ``[N, K // 8]`` words in :func:`interleave_int4`'s order (K a multiple of 256, groups of 32 to
-            256), which the faster interleaved kernel reads.
-        scale_offset: ``[N, K // group_size, 2]`` (bf16 in the CUDA layout, and for int32 words; any float dtype
-            is read as it is with uint8 codes).
+        qweight: uint8 ``[N, K // 2]``, contiguous: column ``2j`` in the low nibble, ``2j + 1`` in the high one.
+        scale_offset: ``[N, K // group_size, 2]`` (bf16 in the CUDA layout; any float dtype is read as it is).
         group_size: input channels per group, a power of two dividing ``K``.
 
     Returns:
@@ -517,17 +332,12 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, 
         >>> w4_gemv(torch.tensor([[1.0, 2.0]]), q, so, 2).tolist()
         [[3.5]]
     """
-    words = qweight.dtype == torch.int32
-    if qweight.dtype not in (torch.uint8, torch.int32) or qweight.dim() != 2 or not qweight.is_contiguous():
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError(f"w4_gemv: qweight {tuple(qweight.shape)} {qweight.dtype}; allowed: a contiguous uint8 "
-                         "[N, K // 2] or int32 [N, K // 8] (interleave_int4)")
-    n, k = qweight.shape[0], qweight.shape[1] * (8 if words else 2)
+                         "[N, K // 2]")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
     if group_size <= 0 or group_size & (group_size - 1) or k % group_size:
         raise ValueError(f"w4_gemv: group_size {group_size}; allowed: a power of two dividing K={k}")
-    if words and (not interleaved_ok(k, group_size) or scale_offset.dtype != torch.bfloat16):
-        raise ValueError(f"w4_gemv: interleaved int32 words need K a multiple of {INTERLEAVE}, a group_size of 32 to "
-                         f"256 and bf16 scale_offset, got K={k}, group_size={group_size}, {scale_offset.dtype}; "
-                         "pack the codes with pack_int4 instead")
     if (scale_offset.shape != (n, k // group_size, 2) or not scale_offset.dtype.is_floating_point
             or not scale_offset.is_contiguous()):
         raise ValueError(f"w4_gemv: scale_offset {tuple(scale_offset.shape)} {scale_offset.dtype}; allowed: a "
@@ -537,8 +347,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, 
         _CALLS["reference"] += 1
         return w4_gemv_reference(x2, qweight, scale_offset, group_size).reshape(*x.shape[:-1], n)
     _CALLS["triton"] += 1
-    if words:
-        return launch_w4i(x2, qweight, scale_offset, group_size).reshape(*x.shape[:-1], n)
     return launch_w4(x2, qweight, scale_offset, group_size).reshape(*x.shape[:-1], n)
 
 
