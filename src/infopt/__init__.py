@@ -22,7 +22,7 @@ from .core.errors import (
 )
 from .io import load, save_optimized
 from .optimize import OptimizationReport, explain, optimize, undo, validate
-from .quantize.community import load_quantized
+from .quantize.community import export_gguf, load_quantized
 from .recipe import PRESETS, Recipe
 from .tuner import TuneResult, tune
 
@@ -37,6 +37,7 @@ __all__ = [
     "load",
     "save_optimized",
     "load_quantized",
+    "export_gguf",
     "Recipe",
     "PRESETS",
     "OptimizationReport",

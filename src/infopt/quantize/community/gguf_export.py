@@ -1,0 +1,326 @@
+"""Write a model, optimized or not, as a GGUF file that llama.cpp (and :func:`infopt.load_quantized`) loads.
+
+What goes where:
+
+- each decoder linear: a float weight is quantized to ``type`` with llama.cpp's own reference rounding (the ``gguf``
+  package's ``quants.quantize``, the same per-block formulas as ``llama-quantize``'s reference path); an
+  :class:`~infopt.quantize.Int4Linear` with groups of 32 keeps its codes: symmetric ones (every zero point 8) as
+  Q4_0, others as Q4_1 (``w = code * d + m`` with ``d = scale``, ``m = -zero * scale``); an
+  :class:`~infopt.quantize.Int8Linear` with groups of 32 as Q8_0. Those codes map exactly; each block's scale (and
+  Q4_1's minimum) is stored in fp16, exact where it came from an fp16 value (a model loaded from a GGUF file) and
+  rounded otherwise: the report lists both kinds. Any other quantized layer is dequantized and quantized again to
+  ``type`` (listed as requantized);
+- a head not tied to the embeddings as the linears are; the embeddings in ``float_type``; norms and biases in
+  F32. A layer in a kernel layout holds its scales in bf16 (``cpu_int4pack``, ``cuda_tinygemm``): they fit fp16
+  exactly, but a model loaded from a GGUF file that way has already rounded the file's fp16 scales to bf16; load
+  it with ``reference=True`` to write the file's own blocks back;
+- Llama's q/k rows permuted into llama.cpp's rotary order (the inverse of what the loaders undo);
+- the config as the architecture's GGUF keys (transformers' own GGUF table read backwards) and, given a tokenizer,
+  its BPE vocabulary, merges, special tokens and chat template.
+
+Architectures: ``llama`` (SmolLM2, Llama 2/3, ...) and ``qwen2``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...core.availability import require
+from ...core.errors import CheckpointError
+
+__all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
+
+log = logging.getLogger(__name__)
+
+EXPORT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32")
+"""GGUF types :func:`export_gguf` writes float linears in."""
+FLOAT_TYPES = ("F16", "BF16", "F32")
+"""GGUF types embeddings (and an untied float head) may be written in."""
+ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+"""``config.model_type`` -> GGUF architecture written."""
+BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
+
+
+def _numpy_float(t: torch.Tensor, kind: str) -> tuple[np.ndarray, Any]:
+    """``(array, raw_dtype)`` of a float tensor in the GGUF float type ``kind``."""
+    from gguf import GGMLQuantizationType as Q
+
+    if kind == "F32":
+        return t.detach().float().cpu().numpy(), None
+    if kind == "F16":
+        return t.detach().to(torch.float16).cpu().numpy(), None
+    # BF16: numpy has no bfloat16; the raw 16-bit patterns, typed for the writer
+    return t.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint8).reshape(
+        *t.shape[:-1], t.shape[-1] * 2), Q.BF16
+
+
+def _fp16_exact(t: torch.Tensor, slack: float = 0.0) -> bool:
+    """Whether fp16 holds ``t``, to within ``slack`` relative (fp32 rounding of a value derived from fp16 ones)."""
+    t = t.float()
+    return bool(((t.to(torch.float16).float() - t).abs() <= slack * t.abs()).all())
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, blocks, 32]`` codes -> ``[rows, blocks, 16]`` bytes: byte j holds code j (low) and j + 16 (high)."""
+    c = codes.to(torch.uint8)
+    return c[..., :16] | (c[..., 16:] << 4)
+
+
+def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:
+    """``[rows, blocks]`` values -> ``[rows, blocks, 2]`` little-endian fp16 bytes."""
+    return v.float().to(torch.float16).contiguous().view(torch.uint8).view(*v.shape, 2)
+
+
+def _int4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[np.ndarray, str, bool]:
+    """Q4_0 (every zero point 8) or Q4_1 blocks of int4 codes ``[out, in]`` in groups of 32: ``(bytes [out,
+    blocks * size], type, exact)``; exact when the fp16 fields hold the layer's values unrounded."""
+    rows = codes.shape[0]
+    c = codes.view(rows, -1, BLOCK)
+    qs = _pack_nibbles(c)
+    if bool((zeros == 8).all()):
+        kind, fields, exact = "Q4_0", [_fp16_bytes(scales)], _fp16_exact(scales)
+    else:
+        m = -zeros.float() * scales.float()
+        kind, fields = "Q4_1", [_fp16_bytes(scales), _fp16_bytes(m)]
+        # a layer loaded from Q4_1 holds the zero point -m / d: -z d gives m back to fp32 rounding
+        exact = _fp16_exact(scales) and _fp16_exact(m, slack=2.0**-20)
+    return torch.cat([*fields, qs], dim=-1).reshape(rows, -1).numpy(), kind, exact
+
+
+def _int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """Q8_0 blocks of int8 codes ``[out, in]`` with scales ``[out, in // 32]``: ``(bytes, exact)``."""
+    rows = codes.shape[0]
+    q = codes.view(rows, -1, BLOCK).contiguous().view(torch.uint8)
+    return torch.cat([_fp16_bytes(scales), q], dim=-1).reshape(rows, -1).numpy(), _fp16_exact(scales)
+
+
+def _float_weight(module: nn.Module) -> torch.Tensor:
+    """A layer's weight ``[out, in]`` in fp32: a float linear's, or a quantized layer's dequantized."""
+    if type(module) is nn.Linear:
+        return module.weight.detach().float()
+    dequantize = getattr(module, "dequantize", None)
+    if dequantize is None:
+        raise CheckpointError(f"export_gguf: {type(module).__name__} has no dequantize(); infopt cannot write it")
+    return dequantize().detach().float()
+
+
+def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> tuple[np.ndarray, Any, str, str]:
+    """``(data, raw_dtype, gguf_type, how)`` for one linear layer; ``how`` is ``exact``, ``rounded`` (codes kept,
+    fp16 scales rounded), ``quantized`` (a float weight) or ``requantized`` (another quantized layer)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from ..int4 import Int4Linear
+    from ..int8 import Int8Linear
+    from ..primitives import unpack_int4
+
+    if type(module) is Int4Linear and module.group_size == BLOCK and module.in_perm is None:
+        q, scales, zeros = module._portable()
+        codes = unpack_int4(q).cpu()
+        scales, zeros = scales.float().cpu(), zeros.float().cpu()
+        if perm is not None:
+            codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
+        data, got, exact = _int4_blocks(codes, scales, zeros)
+        return data, getattr(Q, got), got, "exact" if exact else "rounded"
+    if (type(module) is Int8Linear and module.group_size == BLOCK
+            and getattr(module, "weight_int8", None) is not None):
+        codes, scales = module.weight_int8, module.weight_scale
+        if perm is not None:
+            codes, scales = codes[perm], scales[perm]
+        data, exact = _int8_blocks(codes.cpu(), scales.cpu())
+        return data, Q.Q8_0, "Q8_0", "exact" if exact else "rounded"
+    how = "quantized" if type(module) is nn.Linear else "requantized"
+    w = _float_weight(module).cpu()
+    if perm is not None:
+        w = w[perm]
+    if kind in FLOAT_TYPES:
+        data, raw = _numpy_float(w, kind)
+        return data, raw, kind, "exact" if how == "quantized" and kind == "F32" else how
+    if w.shape[1] % BLOCK:
+        raise CheckpointError(f"export_gguf: a {kind} layer needs in_features divisible by {BLOCK}, got "
+                              f"{tuple(w.shape)}; pass type='F16'")
+    qtype = getattr(Q, kind)
+    return quants.quantize(w.numpy(), qtype), qtype, kind, how
+
+
+def _qk_order(rows: int, heads: int) -> torch.Tensor:
+    # transformers' permute, the inverse of the loaders' reverse_permute: rows (head, 2, dim) -> (head, dim, 2)
+    return torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+
+
+def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
+    """``{module name: gguf tensor stem}`` for the modules holding weights, through gguf's ``TensorNameMap`` (the
+    table the loaders read)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(arch_id, num_layers)
+    out = {}
+    for owner, module in model.named_modules():
+        if not owner or next(module.children(), None) is not None:
+            continue
+        if getattr(module, "weight", None) is None and not hasattr(module, "in_features"):
+            continue
+        parts = owner.split(".")
+        for i in range(len(parts)):  # "model.layers.0.mlp.up_proj", then "layers.0.mlp.up_proj", ...
+            name = table.get_name(".".join(parts[i:]))
+            if name is not None:
+                out[owner] = name
+                break
+    return out
+
+
+def _metadata(writer, config, arch: str, name: str) -> None:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    writer.add_name(name)
+    for gguf_key, hf_key in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch].items():
+        value = getattr(config, hf_key, None) if hf_key else None
+        if value is None:
+            continue
+        key = f"{arch}.{gguf_key}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, float(value))
+    if getattr(config, "head_dim", None) is None:  # llama.cpp derives it; the key keeps the loaders' config whole
+        writer.add_uint32(f"{arch}.rope.dimension_count", config.hidden_size // config.num_attention_heads)
+
+
+def _tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
+    """A BPE (GPT-2 style) fast tokenizer's vocabulary, merges, special tokens and chat template."""
+    from gguf import TokenType
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = json.loads(backend.to_str()) if backend is not None else {}
+    model = state.get("model", {})
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"export_gguf: the tokenizer's model is {model.get('type')!r}; infopt writes BPE "
+                              "(GPT-2 style) tokenizers only. Pass tokenizer=None to write the weights alone")
+    vocab = tokenizer.get_vocab()
+    by_id = {i: t for t, i in vocab.items()}
+    if len(by_id) > vocab_size:
+        raise CheckpointError(f"export_gguf: the tokenizer has {len(by_id)} tokens, the model's embedding "
+                              f"{vocab_size} rows")
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    added = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tok = by_id.get(i)
+        if tok is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+        else:
+            tokens.append(tok)
+            types.append(TokenType.CONTROL if tok in special else TokenType.USER_DEFINED if tok in added
+                         else TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for attr, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                      ("unk_token_id", writer.add_unk_token_id), ("pad_token_id", writer.add_pad_token_id)):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            add(value)
+    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, type: str = "Q4_0",
+                float_type: str | None = None, pre: str = "default") -> dict[str, Any]:
+    """Write ``model`` (a transformers causal LM, as it is: float, or with infopt's int4/int8 layers) as a GGUF
+    file; see the module docstring for what each tensor becomes.
+
+    Args:
+        path: the ``.gguf`` file to write (its folder must exist).
+        tokenizer: the model's tokenizer (a fast BPE one), written into the file; None writes no vocabulary
+            (:func:`infopt.load_quantized` then loads it with ``tokenizer=False``; llama.cpp needs one).
+        type: the GGUF type for float linears: one of :data:`EXPORT_TYPES`.
+        float_type: the embeddings: one of :data:`FLOAT_TYPES`; default the model's own
+            (``BF16`` for bf16 models, ``F32`` for fp32 ones, ``F16`` for fp16 ones: exact).
+        pre: llama.cpp's pre-tokenizer name (``tokenizer.ggml.pre``), e.g. ``"smollm"`` for SmolLM2; ``"default"``
+            leaves llama.cpp its generic one (token ids given to it decode the same either way).
+
+    Returns:
+        A report: ``path``, ``bytes``, ``tensors``, ``linears`` (GGUF type -> count), and ``exact``, ``rounded``,
+        ``quantized``, ``requantized`` (the linears of each kind; see the module docstring).
+
+    Raises:
+        CheckpointError: an architecture other than :data:`ARCHS`, a type outside :data:`EXPORT_TYPES`, a layer
+            infopt cannot write, a tokenizer that is not BPE.
+        MissingBackendError: the ``gguf`` package is not installed (``pip install 'infopt[gguf]'``).
+
+    Example:
+        >>> import infopt
+        >>> model, tok = infopt.load_default()  # doctest: +SKIP
+        >>> infopt.export_gguf(model, "smollm2-q4_0.gguf", tok, type="Q4_0", pre="smollm")["linears"]  # doctest: +SKIP
+        {'Q4_0': 210}
+    """
+    require("gguf", feature="export_gguf")
+    import gguf
+
+    if type not in EXPORT_TYPES:
+        raise CheckpointError(f"export_gguf: type {type!r}; allowed: {', '.join(EXPORT_TYPES)}")
+    config = model.config
+    arch = ARCHS.get(getattr(config, "model_type", None))
+    if arch is None:
+        raise CheckpointError(f"export_gguf: architecture {getattr(config, 'model_type', None)!r}; infopt writes "
+                              f"{', '.join(ARCHS)}")
+    dtype = next(model.parameters()).dtype
+    float_type = float_type or {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtype, "F32")
+    if float_type not in FLOAT_TYPES:
+        raise CheckpointError(f"export_gguf: float_type {float_type!r}; allowed: {', '.join(FLOAT_TYPES)}")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is not None and head.weight is embed.weight
+    writer = gguf.GGUFWriter(str(path), arch)
+    _metadata(writer, config, arch, str(getattr(config, "name_or_path", "") or "infopt"))
+    if getattr(config, "vocab_size", None) != embed.weight.shape[0]:
+        writer.add_vocab_size(embed.weight.shape[0])
+    if tokenizer is not None:
+        _tokenizer(writer, tokenizer, embed.weight.shape[0], pre)
+    report: dict[str, Any] = {"path": str(path), "type": type, "float_type": float_type, "linears": {},
+                              "exact": [], "rounded": [], "quantized": [], "requantized": [], "tensors": 0}
+    for owner, stem in _gguf_names(model, arch, config.num_hidden_layers).items():
+        module = model.get_submodule(owner)
+        if tied and module is head:
+            continue  # llama.cpp reads a missing output.weight as the embedding
+        role = stem.rsplit(".", 1)[-1]
+        perm = _qk_order(module.out_features, heads[role]) if arch == "llama" and role in heads else None
+        if module is embed:
+            data, raw = _numpy_float(module.weight, float_type)
+        elif hasattr(module, "in_features"):  # a linear layer, float or quantized
+            data, raw, got, how = _linear_tensor(module, type, perm)
+            report["linears"][got] = report["linears"].get(got, 0) + 1
+            report[how].append(owner)
+        else:  # a norm
+            data, raw = _numpy_float(module.weight, "F32")
+        writer.add_tensor(f"{stem}.weight", data, raw_dtype=raw)
+        report["tensors"] += 1
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            data, raw = _numpy_float(bias if perm is None else bias[perm], "F32")
+            writer.add_tensor(f"{stem}.bias", data, raw_dtype=raw)
+            report["tensors"] += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    report["bytes"] = Path(path).stat().st_size
+    log.info("export_gguf: %s, %d tensors, linears %s", path, report["tensors"], report["linears"])
+    return report

@@ -1,0 +1,140 @@
+"""GGUF export: every tensor back through infopt's GGUF loader (names, q/k row order, config), float linears quantized
+exactly as llama.cpp's reference quantizer does, quantized layers' codes kept, tokenizers round-tripped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'infopt[gguf]')")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import quants  # noqa: E402
+
+import infopt  # noqa: E402
+from infopt.core.errors import CheckpointError  # noqa: E402
+from infopt.models import tiny_model  # noqa: E402
+from infopt.quantize import Int4Linear, Int4WeightOnly, Int8Linear, Int8WeightOnly, quantize_  # noqa: E402
+from infopt.quantize.community.gguf_ckpt import _reader  # noqa: E402
+
+IDS = torch.tensor([[1, 17, 400, 23, 9, 5, 88, 1000, 3]])
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    return {t.name: np.array(t.data) for t in _reader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float_model_round_trips_exactly_in_f32(arch, tmp_path):
+    """F32 everywhere: the loaded model's logits are the original's, bit for bit (names, Llama's q/k row order,
+    qwen2's biases, the config, the tied head all made it through)."""
+    model = tiny_model(arch)
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    assert report["linears"] == {"F32": 7 * model.config.num_hidden_layers} and report["exact"]
+    loaded, tok = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False)
+    assert tok is None and loaded.config.num_key_value_heads == model.config.num_key_value_heads
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_float_linears_take_llama_cpps_reference_quantization(kind, tmp_path):
+    """Each float linear is quantized as llama.cpp's reference quantizer does (gguf-py's ``quants``): the loaded
+    layers compute with exactly those weights (Q4_1 to fp32 rounding), q/k rows included (they are permuted for
+    llama.cpp and back)."""
+    model = tiny_model("llama")
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", type=kind)
+    assert report["linears"] == {kind: 14} and len(report["quantized"]) == 14
+    loaded, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, reference=True)
+    qtype = getattr(Q, kind)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.down_proj"):
+        w = model.model.layers[1].get_submodule(name).weight.detach().float().numpy()
+        want = quants.dequantize(quants.quantize(w, qtype), qtype)
+        got = loaded.model.layers[1].get_submodule(name)
+        assert isinstance(got, Int8Linear if kind == "Q8_0" else Int4Linear), name
+        if kind == "Q4_1":  # the loader holds Q4_1's minimum as a zero point -m / d: (q - z) d rounds once more
+            np.testing.assert_allclose(got.dequantize().numpy(), want, rtol=2**-20, atol=2**-22 * np.abs(want).max())
+        else:
+            assert np.array_equal(got.dequantize().numpy(), want), (kind, name)
+
+
+def test_a_loaded_file_exports_again_byte_for_byte(tmp_path):
+    """A model loaded from a GGUF file on the reference layers keeps its codes and fp16 block fields: written again,
+    every tensor is the file's own bytes, and the report calls each linear exact."""
+    model = tiny_model("llama")
+    infopt.export_gguf(model, tmp_path / "a.gguf", type="Q4_0")
+    loaded, _ = infopt.load_quantized(tmp_path / "a.gguf", tokenizer=False, reference=True)
+    report = infopt.export_gguf(loaded, tmp_path / "b.gguf", type="Q8_0")  # type: for float linears only
+    assert report["linears"] == {"Q4_0": 14} and len(report["exact"]) == 14 and not report["quantized"]
+    first, again = _tensors(tmp_path / "a.gguf"), _tensors(tmp_path / "b.gguf")
+    assert first.keys() == again.keys()
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_infopt_quantized_layers_keep_their_codes(tmp_path):
+    """int4 layers in groups of 32 go out as Q4_0 (symmetric) with their own codes, int8 ones in groups of 32 as
+    Q8_0. Scales the kernel layout holds in bf16 fit the blocks' fp16 exactly; fp32 ones (the plain layout) are
+    rounded to it (listed as rounded). Layers in other groups are dequantized and quantized again to ``type``
+    (listed as requantized)."""
+    int4 = quantize_(tiny_model("llama"), Int4WeightOnly(group_size=32, symmetric=True))
+    mlp = int4.model.layers[0].mlp
+    mlp.down_proj = Int4Linear.from_float(tiny_model("llama").model.layers[0].mlp.down_proj, group_size=32,
+                                          symmetric=True, layout="plain")
+    report = infopt.export_gguf(int4, tmp_path / "a.gguf", type="Q8_0")
+    assert report["linears"] == {"Q4_0": 14}
+    assert report["rounded"] == ["model.layers.0.mlp.down_proj"] and len(report["exact"]) == 13
+    loaded, _ = infopt.load_quantized(tmp_path / "a.gguf", tokenizer=False, reference=True)
+    for name in ("up_proj", "down_proj"):
+        (q_src, s_src, _), (q_got, s_got, z_got) = mlp.get_submodule(name)._portable(), \
+            loaded.model.layers[0].mlp.get_submodule(name)._portable()
+        assert torch.equal(q_src, q_got) and bool((z_got == 8).all()), name
+        assert torch.equal(s_got, s_src.to(torch.float16).float()), name
+    int8 = quantize_(tiny_model("llama"), Int8WeightOnly(group_size=32))
+    report = infopt.export_gguf(int8, tmp_path / "b.gguf")
+    assert report["linears"] == {"Q8_0": 14}
+    loaded, _ = infopt.load_quantized(tmp_path / "b.gguf", tokenizer=False, reference=True)
+    assert torch.equal(loaded.model.layers[1].self_attn.o_proj.weight_int8,
+                       int8.model.layers[1].self_attn.o_proj.weight_int8)
+    g64 = quantize_(tiny_model("llama"), Int4WeightOnly(group_size=64))
+    report = infopt.export_gguf(g64, tmp_path / "c.gguf", type="Q4_1")
+    assert report["linears"] == {"Q4_1": 14} and len(report["requantized"]) == 14
+
+
+def test_the_tokenizer_round_trips(tmp_path):
+    """The default tokenizer (BPE) written into the file encodes a text into the same ids once loaded back, with
+    the same special tokens and chat template."""
+    model, tok = tiny_model("llama", with_tokenizer=True)
+    infopt.export_gguf(model, tmp_path / "m.gguf", tok, pre="smollm")
+    fields = _reader(str(tmp_path / "m.gguf")).fields
+    assert "tokenizer.ggml.merges" in fields and "tokenizer.chat_template" in fields
+    _, loaded = infopt.load_quantized(tmp_path / "m.gguf")
+    text = "Hello world, 1234 times: <|im_start|>user\nWhat is infopt?<|im_end|>"
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert (loaded.eos_token_id, loaded.bos_token_id) == (tok.eos_token_id, tok.bos_token_id)
+
+
+def test_bad_input_is_named(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(CheckpointError, match="type 'Q5_K'"):
+        infopt.export_gguf(model, tmp_path / "m.gguf", type="Q5_K")
+    with pytest.raises(CheckpointError, match="float_type"):
+        infopt.export_gguf(model, tmp_path / "m.gguf", float_type="Q4_0")
+    with pytest.raises(CheckpointError, match="architecture 'gpt2'"):
+        infopt.export_gguf(tiny_model("gpt2"), tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_shipped_default_model_file_exports_its_linears_byte_for_byte(tmp_path):
+    """The embedded SmolLM2 Q4_1 file, loaded and written again: each of its 210 quantized linears is the file's
+    own bytes (codes and fp16 fields kept); the embedding, Q8_0 in the file and dense once loaded, goes out as F32."""
+    from infopt.models import default_gguf_path
+
+    model, tok = infopt.load_quantized(default_gguf_path(), reference=True)
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", tok, pre="smollm")
+    assert report["linears"] == {"Q4_1": 210} and len(report["exact"]) == 210
+    shipped, again = _tensors(default_gguf_path()), _tensors(tmp_path / "m.gguf")
+    linears = [k for k in shipped if k.startswith("blk.") and not k.endswith("norm.weight")]
+    assert len(linears) == 210 and all(np.array_equal(shipped[k], again[k]) for k in linears)
