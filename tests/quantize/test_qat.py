@@ -23,7 +23,7 @@ from infopt.quantize import (
     quantize_,
 )
 from infopt.quantize.int4 import quantize_int4_grouped
-from infopt.quantize.qat import _distill_loss, _teacher_topk
+from infopt.quantize.qat_train import distill_loss, teacher_topk
 from infopt.recipe import Recipe
 
 from ..conftest import assert_state_equal, state_snapshot
@@ -171,7 +171,7 @@ def test_prepare_swaps_targets_freezes_the_rest_and_gradients_flow(prompt):
 def test_a_few_steps_lower_the_loss_and_beat_round_to_nearest():
     ids = calib()
     m = sharp_model()
-    teacher = _teacher_topk(m, ids, 4)  # before optimize: the float model's distribution
+    teacher = teacher_topk(m, ids, 4)  # before optimize: the float model's distribution
     infopt.optimize(m, [small(steps=8)], calibration=ids)
     (step,) = m.infopt.steps
     log = step.stats["loss_log"]
@@ -182,8 +182,8 @@ def test_a_few_steps_lower_the_loss_and_beat_round_to_nearest():
     assert "after 8 QAT steps" in str(m.infopt)
     rtn = quantize_(sharp_model(), Int4WeightOnly(group_size=32))
     with torch.no_grad():
-        kl_qat = float(_distill_loss(m(ids).logits, *teacher))
-        kl_rtn = float(_distill_loss(rtn(ids).logits, *teacher))
+        kl_qat = float(distill_loss(m(ids).logits, *teacher))
+        kl_rtn = float(distill_loss(rtn(ids).logits, *teacher))
     assert kl_qat < 0.8 * kl_rtn  # both through the same int4 kernel
 
 
@@ -356,7 +356,7 @@ def test_failure_during_training_leaves_the_model_untouched(monkeypatch, prompt)
     def boom(*args, **kwargs):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(qat, "_finetune", boom)
+    monkeypatch.setattr(qat, "finetune", boom)
     with pytest.raises(RuntimeError, match="interrupted"):
         infopt.optimize(m, [small()], calibration=calib())
     assert not has_patches(m) and "infopt" not in m.__dict__

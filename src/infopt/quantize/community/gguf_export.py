@@ -35,6 +35,9 @@ from torch import nn
 
 from ...core.availability import require
 from ...core.errors import CheckpointError
+from ..int4 import Int4Linear
+from ..int8 import Int8Linear
+from ..primitives import unpack_int4
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
 
@@ -118,9 +121,6 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    from ..int4 import Int4Linear
-    from ..int8 import Int8Linear
-    from ..primitives import unpack_int4
 
     if type(module) is Int4Linear and module.group_size == BLOCK and module.in_perm is None:
         q, scales, zeros = module._portable()

@@ -1,0 +1,98 @@
+"""Does llama.cpp run what ``infopt.export_gguf`` writes, on the same weights? Greedy tokens of llama.cpp against
+infopt's model loaded from the same file.
+
+Two steps, in two environments (llama.cpp through ``llama-cpp-python``, built from source by pip in its own venv,
+as ``benchmarks/llamacpp_compare.py`` describes):
+
+    .venv/bin/python benchmarks/gguf_export_check.py --prepare /tmp/gguf-export
+    /tmp/llama-venv/bin/python benchmarks/gguf_export_check.py --check /tmp/gguf-export \\
+        --json benchmarks/results/gguf_export_llamacpp.json
+
+``--prepare`` exports the default model (fp32, dense: the shipped Q4_1 file dequantized) as F32, Q8_0 and Q4_0 with
+its tokenizer, loads each file back with ``infopt.load_quantized(..., reference=True)`` (the file's own weights in
+fp32 arithmetic), and records each one's greedy tokens after a chat prompt, with the top-2 logit margin of every
+step, and the prompt's ids as the file's tokenizer encodes them. ``--check`` loads each file in llama.cpp, tokenizes
+the same chat text with the file's vocabulary, greedy-decodes from the recorded prompt, and reports where (if
+anywhere) its tokens first part from infopt's, with infopt's margin there. llama.cpp multiplies Q4_0 and Q8_0 weights
+with activations rounded to 8 bits (its ``q8_0`` dot products) and F32 ones in fp32, so the F32 file is the
+bit-for-bit check of the export and the quantized ones check the blocks (a part at a small margin is rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+p = argparse.ArgumentParser()
+p.add_argument("--prepare", help="(project venv) export the default model into this folder, record infopt's tokens")
+p.add_argument("--check", help="(llama.cpp venv) the folder --prepare wrote")
+p.add_argument("--types", nargs="+", default=["F32", "Q8_0", "Q4_0"])
+p.add_argument("--new-tokens", type=int, default=48)
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--json", default=None)
+args = p.parse_args()
+TEXT = [{"role": "user", "content": "Name three planets of the solar system and one fact about each."}]
+
+if args.prepare:
+    import torch
+
+    import infopt
+    from infopt.models import load_default
+
+    out = Path(args.prepare)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_default()
+    doc = {"text": TEXT, "new_tokens": args.new_tokens, "files": {}}
+    for kind in args.types:
+        path = out / f"smollm2-135m-instruct.export.{kind}.gguf"
+        report = infopt.export_gguf(model, path, tok, type=kind, pre="smollm")
+        loaded, ltok = infopt.load_quantized(path, reference=True)
+        ids = ltok.apply_chat_template(TEXT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        with torch.no_grad():
+            gen = loaded.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+        margins = [round(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]), 5) for s in gen.scores]
+        doc["files"][kind] = {"file": path.name, "bytes": report["bytes"], "linears": report["linears"],
+                              "prompt_ids": ids[0].tolist(), "infopt_tokens": gen.sequences[0, ids.shape[1]:].tolist(),
+                              "infopt_margins": margins}
+        print(kind, report["linears"], report["bytes"], flush=True)
+    (out / "infopt.json").write_text(json.dumps(doc))
+    sys.exit(0)
+
+import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
+
+folder = Path(args.check)
+doc = json.loads((folder / "infopt.json").read_text())
+results = {}
+for kind, rec in doc["files"].items():
+    llm = llama_cpp.Llama(model_path=str(folder / rec["file"]), n_ctx=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+    prompt = rec["prompt_ids"]
+    text = llm.tokenizer_.decode(prompt) if hasattr(llm, "tokenizer_") else None
+    own = llm.tokenize(text.encode(), add_bos=False, special=True) if text is not None else None
+    llm.reset()
+    llm.eval(prompt)
+    toks = []
+    for _ in range(len(rec["infopt_tokens"])):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        tok = int(np.argmax(logits))
+        toks.append(tok)
+        llm.eval([tok])
+    first = next((i for i, (a, b) in enumerate(zip(toks, rec["infopt_tokens"])) if a != b), None)
+    results[kind] = {"file": rec["file"], "linears": rec["linears"], "same_tokens": first is None,
+                     "first_difference": first,
+                     "infopt_margin_there": None if first is None else rec["infopt_margins"][first],
+                     "llama_cpp_tokens": toks, "infopt_tokens": rec["infopt_tokens"],
+                     "prompt_tokenized_alike": None if own is None else own == prompt,
+                     "llama_cpp_text": llm.detokenize(toks).decode(errors="replace")}
+    print(kind, "same tokens" if first is None else f"first difference at {first} (infopt margin "
+          f"{results[kind]['infopt_margin_there']})", "| prompt tokenized alike:",
+          results[kind]["prompt_tokenized_alike"], flush=True)
+    del llm
+summary = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads, "results": results}
+if args.json:
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
