@@ -72,8 +72,8 @@ for kind, rec in doc["files"].items():
     llm = llama_cpp.Llama(model_path=str(folder / rec["file"]), n_ctx=512, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False)
     prompt = rec["prompt_ids"]
-    text = llm.tokenizer_.decode(prompt) if hasattr(llm, "tokenizer_") else None
-    own = llm.tokenize(text.encode(), add_bos=False, special=True) if text is not None else None
+    # the chat prompt's text, tokenized again by llama.cpp with the file's vocabulary (special tokens parsed)
+    own = llm.tokenize(llm.detokenize(prompt, special=True), add_bos=False, special=True)
     llm.reset()
     llm.eval(prompt)
     toks = []
@@ -87,7 +87,7 @@ for kind, rec in doc["files"].items():
                      "first_difference": first,
                      "infopt_margin_there": None if first is None else rec["infopt_margins"][first],
                      "llama_cpp_tokens": toks, "infopt_tokens": rec["infopt_tokens"],
-                     "prompt_tokenized_alike": None if own is None else own == prompt,
+                     "prompt_tokenized_alike": own == prompt,
                      "llama_cpp_text": llm.detokenize(toks).decode(errors="replace")}
     print(kind, "same tokens" if first is None else f"first difference at {first} (infopt margin "
           f"{results[kind]['infopt_margin_there']})", "| prompt tokenized alike:",
