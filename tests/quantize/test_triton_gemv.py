@@ -200,6 +200,45 @@ def test_int8_gemv_routing_in_tritons_cpu_interpreter():
     assert all(db > 40 for *_, db in rows), rows  # as on CUDA: int8 weights and a bf16 output, bias included
 
 
+SPLIT_SCRIPT = r"""
+import json, sys, torch
+import infopt.quantize.triton_gemv as tg
+from infopt.quantize.int8 import quantize_int8_per_channel
+from tests.quantize.test_triton_gemv import sqnr_db
+
+device = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+rows = []
+for m, n, k, tiles in [(1, 40, 1024, (16, 128, 1, 1, 4)), (3, 24, 1000, (8, 64, 1, 1, 3)),
+                       (2, 16, 512, (8, 128, 1, 1, 8)), (1, 4096, 4096, (16, 256, 4, 3, 4))][: 3 + (device.type == "cuda")]:
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_int8_per_channel(w)
+    x = torch.randn(m, k, generator=g)
+    q, s, x = q.to(device), s.to(device), x.to(device)
+    y1, y2 = tg.launch_w8(x, q, s, tiles), tg.launch_w8(x, q, s, tiles)
+    rows.append([sqnr_db(x @ (q.float() * s[:, None]).T, y1), bool(torch.equal(y1, y2)),
+                 int(tg._COUNTERS[x.device].abs().sum())])
+print(json.dumps(rows))
+"""
+
+
+def test_split_k_8bit_kernel(device):
+    """The 8-bit kernel with K split among several programs per output block (what ``benchmarks/gpu_gemv.py
+    --sweep-kernels gemv_w8_split`` measures; no default uses it yet): the last program to arrive adds the partial
+    sums in a fixed order, so the product is the exact one to fp32 rounding, two calls give the same bits, and every
+    ticket counter is back at zero for the next call (or CUDA-graph replay); uneven K slices included. On CPU the
+    kernel runs in Triton's interpreter (a child process), on CUDA compiled."""
+    pytest.importorskip("triton", reason="Triton is not installed (optional: the CUDA weight-only kernels)")
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT, device], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == (3 if device == "cpu" else 4)
+    assert all(db > 100 and same and left == 0 for db, same, left in rows), rows
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
     """Triton compiles both kernels to cubin with its bundled ptxas and no device (fp8 weights for sm_90 only), and,
@@ -217,13 +256,17 @@ def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
     ints = dict.fromkeys(("N", "stride_xm", "stride_ym"), "i32")
     for arch in (80, 90):
         for x in ("bf16", "fp16", "fp32"):
-            cases = [(w8, {"x_ptr": f"*{x}", "w_ptr": f"*{wd}", "s_ptr": "*fp32", "y_ptr": f"*{x}"}, n, k, None)
+            cases = [(w8, {"x_ptr": f"*{x}", "w_ptr": f"*{wd}", "s_ptr": "*fp32", "y_ptr": f"*{x}", "ws_ptr": "*fp32",
+                           "cnt_ptr": "*i32"}, n, k, None)
                      for wd in ("i8", "fp8e4nv")[: 2 if arch >= 89 else 1] for n, k in ((4096, 4096), (1024, 14336))]
             cases += [(w4, {"x_ptr": f"*{x}", "q_ptr": "*u8", "so_ptr": "*bf16", "y_ptr": f"*{x}"}, n, k, gs)
                       for n, k, gs in ((4096, 4096, 128), (14336, 4096, 32), (1536, 576, 64))]
             for kernel, ptrs, n, k, gs in cases:
                 bn, bk, warps, stages = gemv_tiles(n, k, 8 if gs is None else 4, gs)
-                const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, **({} if gs is None else {"GS": gs})}
+                # the 8-bit kernel whole and split four ways along K (as benchmarks/gpu_gemv.py --sweep tries it)
+                split = 4 if gs is None and n == 4096 else 1
+                const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, **({"GS": gs} if gs else {
+                    "SPLIT": split, "KS": ((k + split - 1) // split + bk - 1) // bk * bk})}
                 sig = {**ptrs, **ints, **dict.fromkeys(const, "constexpr")}
                 sig = {arg: sig[arg] for arg in kernel.arg_names}
                 out = triton.compile(compiler.ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=aligned),

@@ -130,23 +130,28 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def w8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # program (m, nb): y[m, nb * BLOCK_N : (nb + 1) * BLOCK_N]; m varies fastest, so the programs of several rows
-        # on one weight block run together and share it through L2
+    def w8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, stride_xm, stride_ym, K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
+        # program (m, nb, s): y[m, nb * BLOCK_N : (nb + 1) * BLOCK_N] over the K slice [s KS, (s + 1) KS); m varies
+        # fastest, so the programs of several rows on one weight block run together and share it through L2. With
+        # SPLIT > 1 each program writes its slice's partial sums to the fp32 workspace ws [SPLIT, M, N] and takes a
+        # ticket on its (m, nb) counter; the last to arrive adds the SPLIT partials in slice order (deterministic,
+        # unlike accumulating with atomics), writes y and resets the counter for the next call (or graph replay)
         pid_m = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_n = tl.program_id(1)
+        k0 = tl.program_id(2) * KS
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
-        w_ptrs = w_ptr + offs_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K], rows contiguous
-        x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+        w_ptrs = w_ptr + offs_n[:, None] * K + k0 + offs_k[None, :]  # [BLOCK_N, BLOCK_K], rows contiguous
+        x_ptrs = x_ptr + pid_m * stride_xm + k0 + offs_k
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced once, after the loop
-        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-            if K % BLOCK_K == 0:
+        for kb in range(0, KS // BLOCK_K):
+            if K % KS == 0:
                 w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
                 x = tl.load(x_ptrs)
             else:
-                k_ok = offs_k < K - kb * BLOCK_K
+                k_ok = offs_k < K - k0 - kb * BLOCK_K
                 w = tl.load(w_ptrs, mask=mask_n[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -154,7 +159,20 @@ def _kernels():
             x_ptrs += BLOCK_K
         scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         y = tl.sum(acc, axis=1) * scale
-        tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        if SPLIT == 1:
+            tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            rows = tl.num_programs(0)
+            tl.store(ws_ptr + (tl.program_id(2) * rows + pid_m) * N + offs_n, y, mask=mask_n)
+            counter = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
+            ticket = tl.atomic_add(counter, 1)  # acq_rel: the partial above is visible to whoever is last
+            if ticket == SPLIT - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(ws_ptr + (s * rows + pid_m) * N + offs_n, mask=mask_n, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + pid_m * stride_ym + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask_n)
+                tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def w4_gemv_kernel(x_ptr, q_ptr, so_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr, GS: tl.constexpr,
@@ -245,16 +263,47 @@ def _launch(kernel, grid_n: int, x2: torch.Tensor, args: tuple, meta: dict) -> N
         kernel[grid](*args, **meta)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # the split-K tickets per device, zero between calls
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """``size`` zeroed int32 split-K counters on ``device``: one buffer per device kept across calls (each call's
+    last program resets what it used), grown outside CUDA-graph capture; during a capture that needs more, a
+    zeroed buffer of the call's own (its zeroing is captured with it)."""
+    have = _COUNTERS.get(device)
+    if have is not None and have.numel() >= size:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    _COUNTERS[device] = buf = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """Run the 8-bit kernel on checked operands (``x2 [M, K]`` with unit column stride): what :func:`w8_gemv` calls,
-    and ``benchmarks/gpu_gemv.py`` with its own ``tiles`` (``(BLOCK_N, BLOCK_K, num_warps, num_stages)``)."""
+    and ``benchmarks/gpu_gemv.py`` with its own ``tiles`` (``(BLOCK_N, BLOCK_K, num_warps, num_stages[, split])``:
+    ``split`` > 1 divides K among that many programs per output block, whose partial sums one of them adds in a
+    fixed order; not yet measured on a GPU, so :func:`gemv_tiles` never chooses it)."""
     n, k = weight.shape
     y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     if y.numel():
-        bn, bk, warps, stages = tiles or gemv_tiles(n, k, 8)
-        _launch(_kernels()[0], -(-n // bn), x2, (x2, weight, scale, y, n, x2.stride(0), y.stride(0)),
-                {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+        bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8)
+        split = max(1, min(rest[0] if rest else 1, -(-k // bk)))
+        ks = ((k + split - 1) // split + bk - 1) // bk * bk  # each program's K slice: whole BLOCK_K chunks
+        ws = cnt = y
+        if split > 1:
+            ws = torch.empty(split, x2.shape[0], n, dtype=torch.float32, device=x2.device)
+            cnt = _counters(x2.device, x2.shape[0] * -(-n // bn))
+        grid = (x2.shape[0], -(-n // bn), split)
+        meta = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "KS": ks, "num_warps": warps,
+                "num_stages": stages}
+        args = (x2, weight, scale, y, ws, cnt, n, x2.stride(0), y.stride(0))
+        if x2.is_cuda:
+            with torch.cuda.device(x2.device):
+                _kernels()[0][grid](*args, **meta)
+        else:  # TRITON_INTERPRET=1 on CPU tensors
+            _kernels()[0][grid](*args, **meta)
     return y
 
 
