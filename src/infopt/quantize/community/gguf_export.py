@@ -288,7 +288,9 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is not None and head.weight is embed.weight
-    writer = gguf.GGUFWriter(str(path), arch)
+    # each tensor goes to a spooled temporary file as it is made (at most 256 MB of them in memory), not into a list
+    # holding the whole model: an 8B model's export needs one layer's arrays at a time
+    writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
     _metadata(writer, config, arch, str(getattr(config, "name_or_path", "") or "infopt"))
     if getattr(config, "vocab_size", None) != embed.weight.shape[0]:
         writer.add_vocab_size(embed.weight.shape[0])
