@@ -84,3 +84,54 @@ def test_random_model_families_have_their_checkpoint_shapes():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
     with pytest.raises(ValueError, match="allowed: qwen2, qwen3, gemma3, gpt2"):
         load_model("random:bert")
+    with pytest.raises(ValueError, match="each_layer"):
+        random_model("gpt2", each_layer=lambda layer: None)
+
+
+def test_real_size_configs_have_their_checkpoints_parameter_counts():
+    """Each full-size config, built on the meta device (no memory), has its checkpoint's parameter count (tied
+    embeddings counted once), within 0.1%."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from infopt.models import REAL_SIZES, _real_size_config
+
+    for name, (_what, billions) in REAL_SIZES.items():
+        config = _real_size_config(name)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        model.tie_weights()
+        count = sum(p.numel() for p in model.parameters()) / 1e9
+        assert abs(count - billions) <= 1e-3 * billions, (name, count)
+
+
+@pytest.mark.slow
+def test_a_real_size_model_is_built_layer_by_layer():
+    """Qwen2.5-0.5B's shapes in bf16 (1 GB): each decoder layer handed to ``each_layer`` once its weights exist (here
+    quantized to int4 there, so the float layers never all exist), the family's own initialisation (std 0.02, norms
+    at one), embeddings tied, the same seed giving the same weights, a forward pass that runs."""
+    from torch import nn
+
+    from infopt.models import random_model
+    from infopt.quantize import Int4Linear
+
+    seen = []
+
+    def quantize(layer: nn.Module) -> None:
+        assert not any(p.is_meta for p in layer.parameters())
+        for name, m in list(layer.named_modules()):
+            if type(m) is nn.Linear:
+                layer.set_submodule(name, Int4Linear.from_float(m, group_size=64))
+        seen.append(layer)
+
+    model = random_model("qwen2.5-0.5b", dtype=torch.bfloat16, each_layer=quantize)
+    assert len(seen) == 24 and all(isinstance(layer.mlp.up_proj, Int4Linear) for layer in model.model.layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.dtype == torch.bfloat16
+    assert abs(float(model.model.embed_tokens.weight.float().std()) - 0.02) < 1e-3
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    again = random_model("qwen2.5-0.5b", dtype=torch.bfloat16)
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert torch.equal(again.model.layers[3].input_layernorm.weight, model.model.layers[3].input_layernorm.weight)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4, 5]])).logits
+    assert logits.shape == (1, 5, 151936) and bool(torch.isfinite(logits).all())

@@ -30,6 +30,7 @@ __all__ = [
     "random_model",
     "register_quantized_loader",
     "RANDOM_FAMILIES",
+    "REAL_SIZES",
     "tiny_model",
 ]
 
@@ -329,6 +330,77 @@ RANDOM_FAMILIES: dict[str, str] = {
 }
 """Families :func:`random_model` builds, each with the shapes of a real checkpoint of that family."""
 
+REAL_SIZES: dict[str, tuple[str, float]] = {
+    "qwen2.5-0.5b": ("Qwen2.5-0.5B's config: hidden 896, 24 layers, 14/2 heads, 151,936 vocabulary, tied", 0.494),
+    "llama3.2-1b": ("Llama-3.2-1B's config: hidden 2048, 16 layers, 32/8 heads, 128,256 vocabulary, tied", 1.236),
+    "qwen2.5-1.5b": ("Qwen2.5-1.5B's config: hidden 1536, 28 layers, 12/2 heads, tied", 1.544),
+    "qwen3-1.7b": ("Qwen3-1.7B's config: hidden 2048, 28 layers, 16/8 heads of 128, q/k norms, tied", 1.721),
+    "gemma3-1b": ("Gemma-3-1B's config: hidden 1152, 26 layers, 4 heads over one KV head of 256, 262,144 "
+                  "vocabulary, sliding-window layers 5:1, tied", 1.000),
+    "llama3.2-3b": ("Llama-3.2-3B's config: hidden 3072, 28 layers, 24/8 heads of 128, tied", 3.213),
+    "llama3.1-8b": ("Llama-3.1-8B's config: hidden 4096, 32 layers, 32/8 heads, untied head", 8.030),
+}
+"""Full-size models :func:`random_model` builds layer by layer (name: (what, billions of parameters)), never holding
+the whole model in fp32: the sizes people run on CPUs, for ``infopt bench --model random:llama3.1-8b``."""
+
+
+def _real_size_config(name: str):
+    common = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=32768)
+    llama3 = dict(vocab_size=128256, rope_theta=500000.0, **common)
+    qwen = dict(vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True, **common)
+    return {
+        "qwen2.5-0.5b": lambda: tf.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                               num_attention_heads=14, num_key_value_heads=2, **qwen),
+        "llama3.2-1b": lambda: tf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                              tie_word_embeddings=True, **llama3),
+        "qwen2.5-1.5b": lambda: tf.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                               num_attention_heads=12, num_key_value_heads=2, **qwen),
+        "qwen3-1.7b": lambda: tf.Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, **qwen),
+        "gemma3-1b": lambda: tf.Gemma3TextConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                                 num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                                 head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                                                 **common),
+        "llama3.2-3b": lambda: tf.LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                              num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                                              tie_word_embeddings=True, **llama3),
+        "llama3.1-8b": lambda: tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                              num_attention_heads=32, num_key_value_heads=8,
+                                              tie_word_embeddings=False, **llama3),
+    }[name]()
+
+
+def _build_by_layer(config, dtype: torch.dtype, seed: int, each_layer: Callable | None):
+    """The model with every parameter first on the meta device, then each module given memory and its family's own
+    initialisation (``_init_weights``) in ``dtype``, one decoder layer at a time, ``each_layer(layer)`` called after
+    each (e.g. to quantize it, so the float layers never all exist at once); embeddings tied last."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    in_layers = {id(m) for layer in (layers or ()) for m in layer.modules()}
+
+    def fill(module: torch.nn.Module) -> None:
+        for m in module.modules():
+            if any(p.is_meta for p in m.parameters(recurse=False)):
+                m.to_empty(device="cpu", recurse=False)
+                model._init_weights(m)
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for layer in layers or ():
+            fill(layer)
+            if each_layer is not None:
+                each_layer(layer)
+        for m in model.modules():  # embeddings, final norm, an untied head
+            if id(m) not in in_layers and next(m.children(), None) is None:
+                fill(m)
+        model.tie_weights()
+    return model
+
 
 def _random_config(family: str):
     common = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=4096)
@@ -346,40 +418,51 @@ def _random_config(family: str):
     if family == "gpt2":
         return tf.GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
                              bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    raise ValueError(f"random_model family={family!r}; allowed: {', '.join(RANDOM_FAMILIES)}")
+    raise ValueError(f"random_model family={family!r}; allowed: {', '.join([*RANDOM_FAMILIES, *REAL_SIZES])}")
 
 
 def random_model(family: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                 with_tokenizer: bool = False):
-    """A random-weight causal LM with the shapes of a real ~100-300M checkpoint of another family than the
-    default model's (:data:`RANDOM_FAMILIES`), for benchmarks (``infopt bench --model random:gemma3``): speed and
+                 with_tokenizer: bool = False, each_layer: Callable[[torch.nn.Module], None] | None = None):
+    """A random-weight causal LM with the shapes of a real checkpoint: a ~100-300M one of another family than the
+    default model's (:data:`RANDOM_FAMILIES`), or a full-size 0.5B-8B one (:data:`REAL_SIZES`, built one decoder
+    layer at a time), for benchmarks (``infopt bench --model random:gemma3``, ``random:llama3.1-8b``): speed and
     token identity are measurable on random weights; quality figures are not meaningful.
 
     Args:
-        family: a key of :data:`RANDOM_FAMILIES`.
-        dtype: parameter dtype.
+        family: a key of :data:`RANDOM_FAMILIES` or :data:`REAL_SIZES`.
+        dtype: parameter dtype (an 8B model takes 16 GB in bf16, 32 GB in fp32).
         device: where to put the model.
         seed: initialisation seed (the same seed gives the same weights).
         with_tokenizer: also return the default model's tokenizer (its 49,152 ids fit every family's vocabulary).
+        each_layer: (full sizes) called on each decoder layer once its weights exist, before the next is made:
+            quantize it there and the float model never exists whole.
 
     Returns:
         The model in eval mode, or ``(model, tokenizer)``.
 
     Raises:
-        ValueError: an unknown family.
+        ValueError: an unknown family, or ``each_layer`` for a family of :data:`RANDOM_FAMILIES`.
 
     Example:
         >>> random_model("bert")
         Traceback (most recent call last):
         ...
-        ValueError: random_model family='bert'; allowed: qwen2, qwen3, gemma3, gpt2
+        ValueError: random_model family='bert'; allowed: qwen2, qwen3, gemma3, gpt2, qwen2.5-0.5b, llama3.2-1b, qwen2.5-1.5b, qwen3-1.7b, gemma3-1b, llama3.2-3b, llama3.1-8b
     """
     from transformers import AutoModelForCausalLM
 
-    config = _random_config(family)
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if family in REAL_SIZES:
+        config = _real_size_config(family)
+        config._attn_implementation = "sdpa"
+        model = _build_by_layer(config, dtype, seed, each_layer)
+    else:
+        if each_layer is not None:
+            raise ValueError(f"random_model each_layer: {family!r} is built whole; each_layer is for the full sizes "
+                             f"({', '.join(REAL_SIZES)})")
+        config = _random_config(family)
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to(device).eval()
     return (model, load_default_tokenizer()) if with_tokenizer else model

@@ -80,7 +80,8 @@ def register(sub) -> None:
     p.add_argument("--recipe", default="none", help="preset, recipe file, or 'none' (baseline only)")
     p.add_argument("--model", default="default",
                    help="'default', a local HF folder, or 'random:FAMILY' (random weights in a real checkpoint's "
-                        "shapes; FAMILY: qwen2, qwen3, gemma3, gpt2)")
+                        "shapes; FAMILY: qwen2, qwen3, gemma3, gpt2, or a full size: qwen2.5-0.5b, llama3.2-1b, "
+                        "qwen2.5-1.5b, qwen3-1.7b, gemma3-1b, llama3.2-3b, llama3.1-8b)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N, or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's dtype (default: float32)")
     p.add_argument("--repeats", type=int, default=3)
