@@ -505,7 +505,7 @@ def test_cpu_steps_run_guard_free_and_move_to_guards_for_a_cache_they_were_not_c
     layout) is compiled again with guards, and gives the eager step's logits."""
     import copy
 
-    from infopt.compile.decoder import GuardFreeStep
+    from infopt.compile.guard_free import GuardFreeStep
 
     ref, m = tiny_model(), tiny_model()
     infopt.optimize(m, [Static(max_length=256), Compile(mode="default", warmup_batch_sizes=(2,), warmup_lengths=(64,),
@@ -537,7 +537,7 @@ def test_cpu_steps_run_guard_free_and_move_to_guards_for_a_cache_they_were_not_c
 def test_a_guard_free_step_steps_aside_under_autocast_and_grad(monkeypatch):
     """Dynamo would compile another graph under autocast or with grad enabled; the guard-free step hands such
     calls to a guarded compile of its shape."""
-    from infopt.compile.decoder import GuardFreeStep
+    from infopt.compile.guard_free import GuardFreeStep
 
     m = tiny_model()
     infopt.optimize(m, [Static(max_length=256), Compile(mode="default", warmup_lengths=(64,), pack_linears=False)])

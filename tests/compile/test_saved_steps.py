@@ -208,7 +208,7 @@ def test_a_loaded_step_is_not_used_over_a_cache_laid_out_otherwise(saved):
     that shape compile with guards, and the logits are the eager step's."""
     import copy
 
-    from infopt.compile.decoder import GuardFreeStep
+    from infopt.compile.guard_free import GuardFreeStep
     from infopt.generate import decoder_for
 
     folder, _ = saved

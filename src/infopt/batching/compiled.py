@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compile.decoder import isolated_compile, mode_options, module_signature, weak_backend
+from ..compile.decoder import mode_options, module_signature
+from ..compile.guard_free import isolated_compile, weak_backend
 
 log = logging.getLogger("infopt.batching")
 

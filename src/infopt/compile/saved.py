@@ -10,7 +10,7 @@ The saved steps carry no dynamo guards: infopt itself picks the graph by shape (
 length, padded or not), and the manifest records what a graph also assumes (torch, transformers and infopt
 versions, a hash of the compile step's source, the CPU's vector ISA, the model's dtype). A folder whose manifest does not match the machine and the
 installed versions, or a step that fails to load, is compiled as before, with a warning. A loaded step runs as
-a :class:`~infopt.compile.decoder.GuardFreeStep`, as the steps compiled in-process on CPU do: only while the
+a :class:`~infopt.compile.guard_free.GuardFreeStep`, as the steps compiled in-process on CPU do: only while the
 model keeps the dtype and device it was saved with, with grad disabled, for the decode loop's contiguous int64
 arguments and a cache of the model's dtype; otherwise that shape is compiled anew, with guards.
 
@@ -57,16 +57,8 @@ from ..generate import decoder_for, rollback
 from ..kvcache.static import StaticCaches
 from . import decoder as decoder_module
 from .aot import AotStep, fingerprint, load_saved
-from .decoder import (
-    CompiledForward,
-    CompiledForwards,
-    GuardFreeStep,
-    _drop_all_guards,
-    _shape_name,
-    canonical_args,
-    module_signature,
-    step_options,
-)
+from .decoder import CompiledForward, CompiledForwards, module_signature, step_options
+from .guard_free import GuardFreeStep, _drop_all_guards, _shape_name, canonical_args
 
 log = logging.getLogger("infopt.compile")
 

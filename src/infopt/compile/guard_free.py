@@ -1,0 +1,191 @@
+"""The decode step that checks its own guards: each compiled shape of :class:`~infopt.compile.decoder.CompiledForward`
+is a :class:`GuardFreeStep`, compiled with every dynamo guard dropped and checking, more cheaply, what its graph
+assumes; with the compile helpers the engine's compiled step shares (:func:`isolated_compile`, :func:`weak_backend`)
+and the names of decode shapes."""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from .aot import cache_slots, tensor_sig
+
+if TYPE_CHECKING:
+    from .decoder import CompiledForward
+
+__all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args"]
+
+
+def isolated_compile(fn, *, name: str, **kwargs):
+    """``torch.compile(fn, **kwargs)`` with a guard cache of its own.
+
+    Dynamo keeps compiled graphs on the function's code object, so several ``torch.compile`` wrappers of one
+    function share one cache and its recompile limits. The function is rebuilt here on a fresh copy of its code
+    object named ``name``, so each wrapper has a cache of its own, counted against no other wrapper's limits,
+    and freed with the wrapper. (torch's ``isolate_recompiles=True`` separates the per-shape limit only: its
+    regions still add up against ``accumulated_recompile_limit``, 256 graphs per code object for the whole
+    process, so a notebook or test session that compiles many models fell back to eager steps after a while.)
+
+    Args:
+        fn: a function or bound method.
+        name: a name for the copy (shows in dynamo's logs).
+        **kwargs: ``torch.compile``'s keywords.
+    """
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    code = func.__code__.replace(co_name=name)
+    copy = types.FunctionType(code, func.__globals__, name, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return torch.compile(types.MethodType(copy, owner) if owner is not None else copy, **kwargs)
+
+
+def weak_backend(forward):
+    """The dynamo backend of ``forward``'s graphs, holding it weakly: it calls ``forward._compiler(gm,
+    example_inputs)`` (a :class:`CompiledForward`, or the batching engine's compiled step).
+
+    Dynamo keeps every backend it was given in a process-wide table (``eval_frame.cached_backends``), so a
+    bound ``forward._compiler`` there would keep the forward, its model and its graphs alive after the user drops
+    the model; this small function is all that stays.
+
+    Args:
+        forward: the object whose ``_compiler`` compiles each graph.
+
+    Returns:
+        The backend, to pass to ``torch.compile(..., backend=)``.
+
+    Example:
+        >>> class Owner:
+        ...     def _compiler(self, gm, example_inputs):
+        ...         return gm.forward
+        >>> owner = Owner()
+        >>> backend = weak_backend(owner)
+        >>> del owner
+        >>> backend(None, [])
+        Traceback (most recent call last):
+        RuntimeError: the model this decode step was compiled for has been garbage-collected
+    """
+    ref = weakref.ref(forward)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        owner = ref()
+        if owner is None:
+            raise RuntimeError("the model this decode step was compiled for has been garbage-collected")
+        return owner._compiler(gm, example_inputs)
+
+    return backend
+
+
+def _drop_all_guards(entries):
+    return [False] * len(entries)
+
+
+def _contiguous(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def canonical_args(key: tuple, device: torch.device) -> tuple:
+    """The signature (dtype, device, shape, strides) of the four tensor arguments the decode loop passes a step
+    of shape ``key``: contiguous int64 token ids ``[B, k]``, positions ``[B, k]``, cache positions ``[k]`` and,
+    when padded, an attention mask ``[B, length]``."""
+    b, k, length, padded = key
+    i64 = torch.int64
+    return ((i64, device, (b, k), (k, 1)), (i64, device, (b, k), (k, 1)), (i64, device, (k,), (1,)),
+            (i64, device, (b, length), (length, 1)) if padded else None)
+
+
+class GuardFreeStep:
+    """One decode shape, compiled on its first call with every dynamo guard dropped (``guard_filter_fn``), or
+    loaded compiled (:mod:`infopt.compile.saved`, compiled ahead of time).
+
+    Dynamo's guards cost about 0.3 ms per token on a 2-core CPU even with the module guards skipped: each call
+    checks the inputs' metadata and global state ("TorchDynamo Cache Lookup" in ``torch.profiler``). (Compiling
+    with ``aot_compile`` instead, as saved steps are, would also drop the lookup, but it bypasses Inductor's and
+    AOTAutograd's caches: 12.5 s against 2.2 s for ``cpu-fast``'s step on 2 cores with a warm cache.) infopt picks
+    the graph by shape itself and checks the modules once per call
+    (``module_guards="per_call"``), so what is left to check is done here, more cheaply: per call the grad mode,
+    autocast, the model's dtype and device, and the dtype, shape and strides of the four tensor arguments; the cache's
+    tensors whenever the call brings another cache object. A call that differs from what the graph was compiled
+    for moves the shape to a guarded compile (:meth:`CompiledForward._guarded`) for good.
+
+    Args:
+        fwd: the :class:`CompiledForward` the shape belongs to.
+        key: the shape ``(batch, token bucket, cache length, padded)``.
+        fn: a graph compiled already (a loaded step), called as ``fn(fwd, *args)``; None compiles on the first call.
+        args_sig: the arguments ``fn`` was compiled for (:func:`canonical_args`); with ``fn``.
+    """
+
+    def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
+        self.fwd, self.key, self._args_sig = fwd, key, args_sig
+        self.loaded = fn is not None
+        self.aot = False  # built as an AOTInductor package (fn is then an infopt.compile.aot.AotStep)
+        # called with the step's arguments: the in-process compile (made on the first call), or a loaded function
+        # with the forward bound as its first argument
+        self.fn = functools.partial(fn, fwd) if fn is not None else None
+        p = next(fwd.model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
+        self._cache_sig: tuple | None = None
+
+    def __call__(self, *args):
+        fwd = self.fwd
+        p = next(fwd.model.parameters())
+        sig = tuple(tensor_sig(a) for a in args[:4])
+        if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
+                or torch.is_autocast_enabled(p.device.type)
+                or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
+            return self._to_guarded(*args)
+        if self.fn is None and fwd._wants_aot():
+            fn = fwd._build_aot(self.key, args)
+            if fn is not None:
+                self.fn, self._args_sig, self.aot = fn, sig, True
+                return fn(*args)
+        if self.fn is None:
+            b, k, length, padded = self.key
+            # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)
+            fn = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
+                                  backend=weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
+                                  options={"guard_filter_fn": _drop_all_guards})
+            out = fn(*args)
+            self.fn, self._args_sig = fn, sig
+            return out
+        return self.fn(*args)
+
+    def _cache_fits(self, cache) -> bool:
+        if self._cache_ref is not None and self._cache_ref() is cache:
+            return True
+        sig = tuple(tensor_sig(getattr(o, n)) for o, n in cache_slots(cache))
+        if self._cache_sig is None:
+            if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
+                                           for t in sig):
+                return False  # a loaded step was saved over a contiguous cache (keys, values) of the model's dtype
+            self._cache_sig = sig
+        elif sig != self._cache_sig:
+            return False
+        try:
+            self._cache_ref = weakref.ref(cache)
+        except TypeError:
+            self._cache_ref = None
+        return True
+
+    def _to_guarded(self, *args):
+        self.fwd._graphs.pop(self.key, None)
+        self.fwd._key = self.key  # the shape the compiler callback counts (set by step() too)
+        return self.fwd._guarded(self.key)(*args)  # (replaces this step in the forward's table)
+
+
+class _GraphNotHeld(RuntimeError):
+    """Raised by the compiler callback when one shape compiles more than :data:`MAX_GRAPHS_PER_SHAPE` graphs."""
+
+
+def _shape_name(key: tuple) -> str:
+    b, k, length, padded = key
+    tokens = "" if k == 1 else f"{k} tokens, "
+    return f"batch {b}, {tokens}cache {length}, {'padded' if padded else 'unpadded'}"
