@@ -82,7 +82,7 @@ for kind, rec in doc["files"].items():
         tok = int(np.argmax(logits))
         toks.append(tok)
         llm.eval([tok])
-    first = next((i for i, (a, b) in enumerate(zip(toks, rec["infopt_tokens"])) if a != b), None)
+    first = next((i for i, (a, b) in enumerate(zip(toks, rec["infopt_tokens"], strict=True)) if a != b), None)
     results[kind] = {"file": rec["file"], "linears": rec["linears"], "same_tokens": first is None,
                      "first_difference": first,
                      "infopt_margin_there": None if first is None else rec["infopt_margins"][first],
