@@ -219,9 +219,10 @@ sized for a lane stage of a few minutes, not yet run)."""
 
 
 SWEEP_SPLIT = {"block_n": (8, 16, 32), "split": (2, 4, 8)}
-"""``--sweep-kernels gemv_w8_split``: the 8-bit kernel (fp8 weights) with K split among 2, 4 or 8 programs per output
-block of 8, 16 or 32 rows (9 configurations per layer; for the 4,096-output o and down projections, where the unsplit
-kernel read at 35-41% of the copy bandwidth in the sixth run)."""
+"""``--sweep-kernels gemv_w8_split`` / ``gemv_w4_split``: the 8-bit kernel (fp8 weights) / the 4-bit one with K split
+among 2, 4 or 8 programs per output block of 8, 16 or 32 rows (9 configurations per layer and kernel; for the
+4,096-output o and down projections, where the unsplit kernels read at 35-41% (8-bit) and 17-19% (4-bit) of the copy
+bandwidth in the sixth run)."""
 
 
 def main() -> None:
@@ -234,7 +235,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also the GEMV kernels' tile configurations, on --sweep-layers")
     p.add_argument("--sweep-layers", default=SWEEP_LAYERS)
     p.add_argument("--sweep-kernels", default="gemv_int8,gemv_int4",
-                   help="any of gemv_int8, gemv_int4 (their tiles), gemv_w8_split (K split for the 8-bit kernel)")
+                   help="any of gemv_int8, gemv_int4 (their tiles), gemv_w8_split, gemv_w4_split (K split)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -283,6 +284,14 @@ def main() -> None:
                         record(doc["sweep"], measure(sets, args.rows, args.group_size, only=(kernel,),
                                                      tiles8=(bn, bk, warps, stages, split)),
                                model=model, layer=layer, tiles=[bn, bk, warps, stages, split])
+            if "gemv_w4_split" in swept:  # the 4-bit kernel likewise
+                from infopt.quantize.triton_gemv import gemv_tiles
+
+                _, bk, warps, stages = gemv_tiles(n, k, 4, args.group_size)
+                for bn, split in itertools.product(SWEEP_SPLIT["block_n"], SWEEP_SPLIT["split"]):
+                    record(doc["sweep"], measure(sets, args.rows, args.group_size, only=("gemv_int4",),
+                                                 tiles4=(bn, bk, warps, stages, split)),
+                           model=model, layer=layer, tiles=[bn, bk, warps, stages, split])
             for bn, warps, stages in itertools.product(SWEEP["block_n"], SWEEP["warps"], SWEEP["stages"]):
                 if not {"gemv_int8", "gemv_int4"} & set(swept):
                     break

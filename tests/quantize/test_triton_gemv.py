@@ -204,7 +204,7 @@ SPLIT_SCRIPT = r"""
 import json, sys, torch
 import infopt.quantize.triton_gemv as tg
 from infopt.quantize.int8 import quantize_int8_per_channel
-from tests.quantize.test_triton_gemv import sqnr_db
+from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
 device = torch.device(sys.argv[1])
 g = torch.Generator().manual_seed(0)
@@ -218,13 +218,21 @@ for m, n, k, tiles in [(1, 40, 1024, (16, 128, 1, 1, 4)), (3, 24, 1000, (8, 64, 
     y1, y2 = tg.launch_w8(x, q, s, tiles), tg.launch_w8(x, q, s, tiles)
     rows.append([sqnr_db(x @ (q.float() * s[:, None]).T, y1), bool(torch.equal(y1, y2)),
                  int(tg._COUNTERS[x.device].abs().sum())])
+for m, n, k, gs, tiles in [(1, 40, 1024, 64, (16, 128, 1, 1, 4)), (2, 24, 1088, 64, (8, 128, 1, 1, 3)),
+                           (1, 4096, 4096, 64, (16, 512, 4, 3, 4))][: 2 + (device.type == "cuda")]:
+    qw, so, *_ = w4_operands(n, k, gs, seed=n, device=device)
+    x = torch.randn(m, k, generator=g).to(device)
+    y1, y2 = tg.launch_w4(x, qw, so, gs, tiles), tg.launch_w4(x, qw, so, gs, tiles)
+    rows.append([sqnr_db(tg.w4_gemv_reference(x, qw, so, gs), y1), bool(torch.equal(y1, y2)),
+                 int(tg._COUNTERS[x.device].abs().sum())])
 print(json.dumps(rows))
 """
 
 
-def test_split_k_8bit_kernel(device):
-    """The 8-bit kernel with K split among several programs per output block (what ``benchmarks/gpu_gemv.py
-    --sweep-kernels gemv_w8_split`` measures; no default uses it yet): the last program to arrive adds the partial
+def test_split_k_kernels(device):
+    """The 8-bit and 4-bit kernels with K split among several programs per output block (what
+    ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` measures; no default uses it yet): the
+    last program to arrive adds the partial
     sums in a fixed order, so the product is the exact one to fp32 rounding, two calls give the same bits, and every
     ticket counter is back at zero for the next call (or CUDA-graph replay); uneven K slices included. On CPU the
     kernel runs in Triton's interpreter (a child process), on CUDA compiled."""
@@ -235,7 +243,7 @@ def test_split_k_8bit_kernel(device):
                          timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == (3 if device == "cpu" else 4)
+    assert len(rows) == (5 if device == "cpu" else 7)
     assert all(db > 100 and same and left == 0 for db, same, left in rows), rows
 
 
@@ -259,14 +267,15 @@ def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
             cases = [(w8, {"x_ptr": f"*{x}", "w_ptr": f"*{wd}", "s_ptr": "*fp32", "y_ptr": f"*{x}", "ws_ptr": "*fp32",
                            "cnt_ptr": "*i32"}, n, k, None)
                      for wd in ("i8", "fp8e4nv")[: 2 if arch >= 89 else 1] for n, k in ((4096, 4096), (1024, 14336))]
-            cases += [(w4, {"x_ptr": f"*{x}", "q_ptr": "*u8", "so_ptr": "*bf16", "y_ptr": f"*{x}"}, n, k, gs)
+            cases += [(w4, {"x_ptr": f"*{x}", "q_ptr": "*u8", "so_ptr": "*bf16", "y_ptr": f"*{x}", "ws_ptr": "*fp32",
+                            "cnt_ptr": "*i32"}, n, k, gs)
                       for n, k, gs in ((4096, 4096, 128), (14336, 4096, 32), (1536, 576, 64))]
             for kernel, ptrs, n, k, gs in cases:
                 bn, bk, warps, stages = gemv_tiles(n, k, 8 if gs is None else 4, gs)
-                # the 8-bit kernel whole and split four ways along K (as benchmarks/gpu_gemv.py --sweep tries it)
-                split = 4 if gs is None and n == 4096 else 1
-                const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, **({"GS": gs} if gs else {
-                    "SPLIT": split, "KS": ((k + split - 1) // split + bk - 1) // bk * bk})}
+                # whole, and split four ways along K on the 4,096-output layers (as gpu_gemv.py --sweep tries it)
+                split = 4 if n == 4096 else 1
+                const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split,
+                         "KS": ((k + split - 1) // split + bk - 1) // bk * bk, **({"GS": gs} if gs else {})}
                 sig = {**ptrs, **ints, **dict.fromkeys(const, "constexpr")}
                 sig = {arg: sig[arg] for arg in kernel.arg_names}
                 out = triton.compile(compiler.ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=aligned),

@@ -55,7 +55,7 @@ block run together); more rows are a matrix product's job."""
 W8_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
 """Weight dtypes :func:`w8_gemv` takes."""
 
-triton = tl = None  # bound to the modules by _kernels(), on the first launch
+triton = tl = _finish = None  # bound by _kernels(), on the first launch
 _CALLS = {"triton": 0, "reference": 0}
 _WARNED = False
 
@@ -124,19 +124,40 @@ def _use_triton(x: torch.Tensor, what: str) -> bool:
 
 @functools.cache
 def _kernels():
-    """Import Triton and build both kernels, once (module-level names, where Triton looks ``tl`` up)."""
-    global triton, tl
+    """Import Triton and build both kernels, once (module-level names, where Triton looks ``tl`` and the kernels'
+    shared helper up)."""
+    global triton, tl, _finish
     import triton
     import triton.language as tl
 
     @triton.jit
+    def _finish(y, y_ptr, ws_ptr, cnt_ptr, N, stride_ym, offs_n, mask_n, SPLIT: tl.constexpr):
+        # y: this program's fp32 sums for y[m, offs_n]. Whole (SPLIT 1): stored. Split along K: written to the
+        # workspace ws [SPLIT, M, N], then a ticket on the (m, n block) counter; the last program to arrive adds the
+        # SPLIT partials in slice order (deterministic, unlike accumulating with atomics), stores y and resets the
+        # counter for the next call (or graph replay)
+        pid_m = tl.program_id(0)
+        if SPLIT == 1:
+            tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            rows = tl.num_programs(0)
+            tl.store(ws_ptr + (tl.program_id(2) * rows + pid_m) * N + offs_n, y, mask=mask_n)
+            counter = cnt_ptr + pid_m * tl.num_programs(1) + tl.program_id(1)
+            ticket = tl.atomic_add(counter, 1)  # acq_rel: the partial above is visible to whoever is last
+            if ticket == SPLIT - 1:
+                total = tl.zeros_like(y)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(ws_ptr + (s * rows + pid_m) * N + offs_n, mask=mask_n, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + pid_m * stride_ym + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask_n)
+                tl.atomic_xchg(counter, 0)
+
+    @triton.jit
     def w8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, stride_xm, stride_ym, K: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
-        # program (m, nb, s): y[m, nb * BLOCK_N : (nb + 1) * BLOCK_N] over the K slice [s KS, (s + 1) KS); m varies
-        # fastest, so the programs of several rows on one weight block run together and share it through L2. With
-        # SPLIT > 1 each program writes its slice's partial sums to the fp32 workspace ws [SPLIT, M, N] and takes a
-        # ticket on its (m, nb) counter; the last to arrive adds the SPLIT partials in slice order (deterministic,
-        # unlike accumulating with atomics), writes y and resets the counter for the next call (or graph replay)
+        # program (m, nb, s): y[m, nb * BLOCK_N : (nb + 1) * BLOCK_N] over the K slice [s KS, (s + 1) KS) (see
+        # _finish for SPLIT > 1); m varies fastest, so the programs of several rows on one weight block run together
+        # and share it through L2
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         k0 = tl.program_id(2) * KS
@@ -159,47 +180,39 @@ def _kernels():
             x_ptrs += BLOCK_K
         scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         y = tl.sum(acc, axis=1) * scale
-        if SPLIT == 1:
-            tl.store(y_ptr + pid_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            rows = tl.num_programs(0)
-            tl.store(ws_ptr + (tl.program_id(2) * rows + pid_m) * N + offs_n, y, mask=mask_n)
-            counter = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-            ticket = tl.atomic_add(counter, 1)  # acq_rel: the partial above is visible to whoever is last
-            if ticket == SPLIT - 1:
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    total += tl.load(ws_ptr + (s * rows + pid_m) * N + offs_n, mask=mask_n, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(y_ptr + pid_m * stride_ym + offs_n, total.to(y_ptr.dtype.element_ty), mask=mask_n)
-                tl.atomic_xchg(counter, 0)
+        _finish(y, y_ptr, ws_ptr, cnt_ptr, N, stride_ym, offs_n, mask_n, SPLIT)
 
     @triton.jit
-    def w4_gemv_kernel(x_ptr, q_ptr, so_ptr, y_ptr, N, stride_xm, stride_ym, K: tl.constexpr, GS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # BLOCK_K (a multiple of GS) weights per row and step: BLOCK_K // 2 bytes, BLOCK_K // GS groups
+    def w4_gemv_kernel(x_ptr, q_ptr, so_ptr, y_ptr, ws_ptr, cnt_ptr, N, stride_xm, stride_ym, K: tl.constexpr,
+                       GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                       KS: tl.constexpr):
+        # BLOCK_K (a multiple of GS) weights per row and step: BLOCK_K // 2 bytes, BLOCK_K // GS groups; program
+        # (m, nb, s) over the K slice [s KS, (s + 1) KS), KS a multiple of BLOCK_K (see _finish for SPLIT > 1)
         HALF: tl.constexpr = BLOCK_K // 2
         NG: tl.constexpr = BLOCK_K // GS
         G: tl.constexpr = K // GS
         pid_m = tl.program_id(0)
+        k0 = tl.program_id(2) * KS
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_j = tl.arange(0, HALF)
         offs_g = tl.arange(0, NG)
         mask_n = offs_n < N
-        q_ptrs = q_ptr + offs_n[:, None] * (K // 2) + offs_j[None, :]  # [BLOCK_N, HALF] bytes, rows contiguous
-        x_ptrs = x_ptr + pid_m * stride_xm + 2 * offs_j  # even columns; odd ones at + 1
-        so_ptrs = so_ptr + offs_n[:, None] * (G * 2) + offs_g[None, :] * 2  # [BLOCK_N, NG] scales; offsets at + 1
+        # [BLOCK_N, HALF] bytes, rows contiguous
+        q_ptrs = q_ptr + offs_n[:, None] * (K // 2) + k0 // 2 + offs_j[None, :]
+        x_ptrs = x_ptr + pid_m * stride_xm + k0 + 2 * offs_j  # even columns; odd ones at + 1
+        # [BLOCK_N, NG] scales; offsets at + 1
+        so_ptrs = so_ptr + offs_n[:, None] * (G * 2) + (k0 // GS) * 2 + offs_g[None, :] * 2
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for kb in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-            if K % BLOCK_K == 0:
+        for kb in range(0, KS // BLOCK_K):
+            if K % KS == 0:
                 b = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
                 xe = tl.load(x_ptrs).to(tl.float32)
                 xo = tl.load(x_ptrs + 1).to(tl.float32)
                 s = tl.load(so_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float32)
                 o = tl.load(so_ptrs + 1, mask=mask_n[:, None], other=0.0).to(tl.float32)
-            else:  # the last chunk runs past K by whole groups: they read as zeros
-                j_ok = offs_j < (K - kb * BLOCK_K) // 2
-                g_ok = offs_g < (K - kb * BLOCK_K) // GS
+            else:  # a chunk past K (by whole groups) reads as zeros
+                j_ok = offs_j < (K - k0 - kb * BLOCK_K) // 2
+                g_ok = offs_g < (K - k0 - kb * BLOCK_K) // GS
                 b = tl.load(q_ptrs, mask=mask_n[:, None] & j_ok[None, :], other=0)
                 xe = tl.load(x_ptrs, mask=j_ok, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptrs + 1, mask=j_ok, other=0.0).to(tl.float32)
@@ -214,7 +227,7 @@ def _kernels():
             q_ptrs += HALF
             x_ptrs += BLOCK_K
             so_ptrs += NG * 2
-        tl.store(y_ptr + pid_m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        _finish(acc, y_ptr, ws_ptr, cnt_ptr, N, stride_ym, offs_n, mask_n, SPLIT)
 
     return w8_gemv_kernel, w4_gemv_kernel
 
@@ -254,15 +267,6 @@ def _check_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(kernel, grid_n: int, x2: torch.Tensor, args: tuple, meta: dict) -> None:
-    grid = (x2.shape[0], grid_n)
-    if x2.is_cuda:
-        with torch.cuda.device(x2.device):  # Triton launches on the current device
-            kernel[grid](*args, **meta)
-    else:  # TRITON_INTERPRET=1 on CPU tensors
-        kernel[grid](*args, **meta)
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # the split-K tickets per device, zero between calls
 
 
@@ -279,6 +283,30 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buf
 
 
+def _launch_split(kernel, x2: torch.Tensor, n: int, k: int, bn: int, bk: int, split: int, args: tuple, meta: dict
+                  ) -> torch.Tensor:
+    """Launch ``kernel`` over ``(M, N blocks, split)`` programs, each over a slice of K in whole ``bk`` chunks,
+    with the split-K workspace and counters it needs; returns ``y [M, n]``."""
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    if not y.numel():
+        return y
+    split = max(1, min(split, -(-k // bk)))
+    ks = ((k + split - 1) // split + bk - 1) // bk * bk  # each program's K slice: whole BLOCK_K chunks
+    ws = cnt = y
+    if split > 1:
+        ws = torch.empty(split, x2.shape[0], n, dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device, x2.shape[0] * -(-n // bn))
+    grid = (x2.shape[0], -(-n // bn), split)
+    full = (x2, *args, y, ws, cnt, n, x2.stride(0), y.stride(0))
+    meta = {**meta, "K": k, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "KS": ks}
+    if x2.is_cuda:
+        with torch.cuda.device(x2.device):  # Triton launches on the current device
+            kernel[grid](*full, **meta)
+    else:  # TRITON_INTERPRET=1 on CPU tensors
+        kernel[grid](*full, **meta)
+    return y
+
+
 def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
               tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """Run the 8-bit kernel on checked operands (``x2 [M, K]`` with unit column stride): what :func:`w8_gemv` calls,
@@ -286,37 +314,19 @@ def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     ``split`` > 1 divides K among that many programs per output block, whose partial sums one of them adds in a
     fixed order; not yet measured on a GPU, so :func:`gemv_tiles` never chooses it)."""
     n, k = weight.shape
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    if y.numel():
-        bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8)
-        split = max(1, min(rest[0] if rest else 1, -(-k // bk)))
-        ks = ((k + split - 1) // split + bk - 1) // bk * bk  # each program's K slice: whole BLOCK_K chunks
-        ws = cnt = y
-        if split > 1:
-            ws = torch.empty(split, x2.shape[0], n, dtype=torch.float32, device=x2.device)
-            cnt = _counters(x2.device, x2.shape[0] * -(-n // bn))
-        grid = (x2.shape[0], -(-n // bn), split)
-        meta = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "KS": ks, "num_warps": warps,
-                "num_stages": stages}
-        args = (x2, weight, scale, y, ws, cnt, n, x2.stride(0), y.stride(0))
-        if x2.is_cuda:
-            with torch.cuda.device(x2.device):
-                _kernels()[0][grid](*args, **meta)
-        else:  # TRITON_INTERPRET=1 on CPU tensors
-            _kernels()[0][grid](*args, **meta)
-    return y
+    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8)
+    return _launch_split(_kernels()[0], x2, n, k, bn, bk, rest[0] if rest else 1, (weight, scale),
+                         {"num_warps": warps, "num_stages": stages})
 
 
 def launch_w4(x2: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tensor, group_size: int,
-              tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The 4-bit kernel's counterpart of :func:`launch_w8` (``BLOCK_K`` a multiple of ``group_size`` dividing K)."""
+              tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The 4-bit kernel's counterpart of :func:`launch_w8` (``BLOCK_K`` a multiple of ``group_size`` dividing K; the
+    same optional ``split``)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
-    if y.numel():
-        bn, bk, warps, stages = tiles or gemv_tiles(n, k, 4, group_size)
-        _launch(_kernels()[1], -(-n // bn), x2, (x2, qweight, scale_offset, y, n, x2.stride(0), y.stride(0)),
-                {"K": k, "GS": group_size, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
-    return y
+    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 4, group_size)
+    return _launch_split(_kernels()[1], x2, n, k, bn, bk, rest[0] if rest else 1, (qweight, scale_offset),
+                         {"GS": group_size, "num_warps": warps, "num_stages": stages})
 
 
 @torch.library.custom_op("infopt::w8_gemv", mutates_args=())
