@@ -8,14 +8,11 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..generate import Forward
 from .aot import cache_slots, tensor_sig
-
-if TYPE_CHECKING:
-    from .decoder import CompiledForward
 
 __all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args"]
 
@@ -122,7 +119,7 @@ class GuardFreeStep:
         args_sig: the arguments ``fn`` was compiled for (:func:`canonical_args`); with ``fn``.
     """
 
-    def __init__(self, fwd: CompiledForward, key: tuple, fn=None, args_sig: tuple | None = None):
+    def __init__(self, fwd: Forward, key: tuple, fn=None, args_sig: tuple | None = None):
         self.fwd, self.key, self._args_sig = fwd, key, args_sig
         self.loaded = fn is not None
         self.aot = False  # built as an AOTInductor package (fn is then an infopt.compile.aot.AotStep)

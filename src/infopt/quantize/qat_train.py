@@ -1,20 +1,18 @@
 """The fine-tune behind :class:`~infopt.quantize.qat.QAT`: the float model's top-k distribution (the teacher), the
 distillation loss against it, and the AdamW loop with warm-up and cosine decay over the prepared
-:class:`~infopt.quantize.qat.QATLinear` layers."""
+:class:`~infopt.quantize.qat.QATLinear` layers. ``config`` below is a ``QAT`` (not imported: ``qat`` imports this
+module)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
-
-if TYPE_CHECKING:
-    from .qat import QAT
 
 __all__ = ["DISTILL_TOP_K", "teacher_topk", "distill_loss", "finetune", "param_groups"]
 
@@ -75,7 +73,7 @@ def _lr_factor(steps: int) -> Callable[[int], float]:
     return factor
 
 
-def finetune(model: nn.Module, layers: dict[str, nn.Module], ids: torch.Tensor, teacher, config: QAT) -> list[float]:
+def finetune(model: nn.Module, layers: dict[str, nn.Module], ids: torch.Tensor, teacher, config) -> list[float]:
     """Run ``config.steps`` AdamW steps on the prepared model; the loss of each step."""
     groups = param_groups(layers.values(), config)
     params = [p for g in groups for p in g["params"]]
@@ -111,7 +109,7 @@ def finetune(model: nn.Module, layers: dict[str, nn.Module], ids: torch.Tensor, 
     return log
 
 
-def param_groups(layers, config: QAT) -> list[dict[str, Any]]:
+def param_groups(layers, config) -> list[dict[str, Any]]:
     weights = [p for layer in layers for name, p in layer.named_parameters() if name != "log_scale"]
     scales = [layer.log_scale for layer in layers if layer.log_scale is not None]
     return [{"params": weights, "lr": config.lr}] + ([{"params": scales, "lr": config.scale_lr}] if scales else [])

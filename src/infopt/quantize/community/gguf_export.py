@@ -121,7 +121,6 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-
     if type(module) is Int4Linear and module.group_size == BLOCK and module.in_perm is None:
         q, scales, zeros = module._portable()
         codes = unpack_int4(q).cpu()
@@ -152,8 +151,10 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
 
 
 def _qk_order(rows: int, heads: int) -> torch.Tensor:
-    # transformers' permute, the inverse of the loaders' reverse_permute: rows (head, 2, dim) -> (head, dim, 2)
-    return torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    """llama.cpp's row order of a Llama q/k projection: the inverse of the loader's gather (``gguf_ckpt._qk_perm``)."""
+    from .gguf_ckpt import _qk_perm  # the GGUF reader, loaded with the writer's use
+
+    return _qk_perm(rows, heads).argsort()
 
 
 def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
