@@ -282,3 +282,34 @@ def test_the_package_cache_drops_the_packages_used_longest_ago(tmp_path, monkeyp
     monkeypatch.setenv("INFOPT_CACHE_AOTI_MB", "lots")
     with pytest.raises(ValueError, match="INFOPT_CACHE_AOTI_MB='lots'"):
         cache_limit_bytes()
+
+
+@needs_aot
+def test_one_package_serves_every_cache_bucket(aot_cache):
+    """The exported step keeps the cache length symbolic (in whole buckets): calls that reach the 512 bucket
+    run the warm-up's package, export nothing, and stay token-identical; a cache of another length (a capped last
+    bucket) is refused by that package's own check."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(pack_linears=False, aot=True)])
+    stats = compile_stats(m)
+    assert stats.aot == 1 and stats.shapes == ["batch 1, any cache length, unpadded"] and not stats.aot_failed
+    fwd = decoder_for(m).forward_for(m)
+    (key, step), = fwd._fns.items()
+    assert step.fn.free and fwd.is_free(key)
+    g = torch.Generator().manual_seed(8)
+    for n in (5, 300, 400):
+        ids = torch.randint(3, 1000, (1, n), generator=g)
+        assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False),
+                           ref.generate(ids, max_new_tokens=8, do_sample=False))
+    assert decoder_for(m).cache.allocation().length == 512
+    assert stats.compiles == 1 and stats.compiles_after_warmup == 0 and stats.calls >= 21 and not stats.eager_shapes
+    assert len(list(aot_cache.glob("*.pt2"))) == 1
+
+    from infopt.kvcache.static import full_length_static_cache
+
+    with torch.no_grad():  # a 96-slot cache is no whole bucket: the package refuses it rather than misread it
+        cache = full_length_static_cache(m.config, 96)
+        tok = torch.ones(1, 1, dtype=torch.long)
+        fwd.prefill(tok, torch.zeros_like(tok), None, cache)
+        with pytest.raises(RuntimeError, match="differ from those the AOTInductor package"):
+            step.fn(tok, tok, torch.tensor([1]), None, cache)

@@ -51,7 +51,8 @@ from ..core.caches import cache_dir, limit_bytes, prune, touch
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig", "local_key", "find_indexed", "index_package", "fingerprint"]
+           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "local_key", "find_indexed", "index_package",
+           "fingerprint"]
 
 
 def aot_available() -> bool:
@@ -185,11 +186,21 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
 
     t0 = time.perf_counter()
     padded = bool(key[3])
+    free = bool(getattr(fwd, "is_free", lambda key: False)(key))
     cache = args[4]
     tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
     module = _StepModule(fwd, cache, padded)
+    flat = _flat_args(args, padded, tensors)
+    dynamic = None
+    if free:  # one symbolic cache length: the mask's width and the keys' and values' dimension 2. In 16-slot blocks
+        # (the static attention kernel's; calls bring whole 256-slot buckets), from one bucket up: a derived size whose
+        # root is not 1 at the traced length, which export would specialize
+        blocks = _bucket() // 16
+        length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
+        rest = ({1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
+        dynamic = (None, None, None, rest + tuple({2: length} if t.dim() == 4 else None for t in tensors))
     with torch.no_grad(), _torch_internal_notices():
-        ep = torch.export.export(module, _flat_args(args, padded, tensors), strict=False)
+        ep = torch.export.export(module, flat, dynamic_shapes=dynamic, strict=False)
     _constants_as_buffers(ep)
     opts = {**options, "aot_inductor.package_constants_in_so": False}
     name = _package_key(ep, opts, fingerprint)
@@ -221,7 +232,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
                            f"{sorted(missing)[:5]}")
     weights = {k: constants[k] for k in wanted}
     runner.load_constants(weights, check_full_update=True, user_managed=True)
-    step = AotStep(runner, padded, weights, [tensor_sig(t) for t in tensors], path)
+    step = AotStep(runner, padded, weights, cache_sig(cache, free), path, free=free)
     return step, time.perf_counter() - t0, cached
 
 
@@ -237,13 +248,14 @@ class AotStep:
         padded: whether the step takes an attention mask.
         constants: the tensors the package reads as its weights (held as long as this step is).
         cache_sig: ``(dtype, device, shape, strides)`` of each cache tensor (:func:`cache_slots` order) it was
-            compiled for.
+            compiled for (:func:`cache_sig`).
         path: the package's file (kept with a saved model).
+        free: the package keeps the cache length symbolic (any length serves).
     """
 
     def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache_sig: list[tuple],
-                 path: Path | None = None):
-        self.runner, self.padded, self.constants, self.path = runner, padded, constants, path
+                 path: Path | None = None, free: bool = False):
+        self.runner, self.padded, self.constants, self.path, self.free = runner, padded, constants, path, free
         self._sig = list(cache_sig)
         self._slots: list = []
         self._tensors: list = []
@@ -255,7 +267,8 @@ class AotStep:
         if id(cache) != self._cache_id or any(getattr(o, n) is not t for (o, n), t in zip(self._slots, tensors, strict=True)):
             slots = cache_slots(cache)
             now = [getattr(o, n) for o, n in slots]
-            if [tensor_sig(t) for t in now] != self._sig:
+            if cache_sig(cache, self.free) != self._sig or (self.free and any(
+                    t.dim() == 4 and t.shape[2] % _bucket() for t in now)):
                 raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
                                    "for (dtype, shape or strides)")
             self._slots, self._tensors, self._cache_id = slots, now, id(cache)
@@ -273,8 +286,8 @@ class AotStep:
             if id(t) not in names:
                 return None
             constants[fqn] = names[id(t)]
-        return {"constants": constants, "padded": self.padded,
-                "cache": [[str(d).removeprefix("torch."), str(dev), list(shape), list(stride)]
+        return {"constants": constants, "padded": self.padded, "free_length": self.free,
+                "cache": [[str(d).removeprefix("torch."), str(dev), list(shape), None if stride is None else list(stride)]
                           for d, dev, shape, stride in self._sig]}
 
 
@@ -291,9 +304,9 @@ def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
         raise RuntimeError(f"the saved package wants other constants than were saved with it "
                            f"({sorted(wanted ^ set(constants))[:5]})")
     runner.load_constants(constants, check_full_update=True, user_managed=True)
-    sig = [(getattr(torch, d), torch.device(dev), tuple(shape), tuple(stride))
+    sig = [(getattr(torch, d), torch.device(dev), tuple(shape), None if stride is None else tuple(stride))
            for d, dev, shape, stride in form["cache"]]
-    return AotStep(runner, bool(form["padded"]), constants, sig, path)
+    return AotStep(runner, bool(form["padded"]), constants, sig, path, free=bool(form.get("free_length", False)))
 
 
 def _is_param(model: nn.Module, name: str) -> bool:
@@ -301,9 +314,36 @@ def _is_param(model: nn.Module, name: str) -> bool:
     return leaf in (model.get_submodule(owner) if owner else model)._parameters
 
 
-def tensor_sig(t: torch.Tensor | None) -> tuple | None:
-    """What a compiled step assumes of a tensor argument: ``(dtype, device, shape, strides)``; None for None."""
-    return None if t is None else (t.dtype, t.device, tuple(t.shape), t.stride())
+def _bucket() -> int:
+    from ..kvcache.static import BUCKET
+
+    return BUCKET
+
+
+def tensor_sig(t: torch.Tensor | None, free: int | None = None) -> tuple | None:
+    """What a compiled step assumes of a tensor argument: ``(dtype, device, shape, strides)``; None for None.
+
+    ``free``: a dimension the step keeps symbolic (the cache length): its size is left out (None), and so are the
+    strides of a contiguous tensor, which follow from its shape.
+    """
+    if t is None:
+        return None
+    if free is None:
+        return (t.dtype, t.device, tuple(t.shape), t.stride())
+    shape = tuple(None if d == free else n for d, n in enumerate(t.shape))
+    return (t.dtype, t.device, shape, None if t.is_contiguous() else t.stride())
+
+
+def cache_sig(cache, free: bool) -> list[tuple]:
+    """:func:`tensor_sig` of each of the cache's tensors (:func:`cache_slots` order); ``free``: for a step that keeps
+    the cache length symbolic (dimension 2 of the static layers' keys and values, their only 4-d tensors)."""
+    return [tensor_sig(t, 2 if free and t.dim() == 4 else None) for t in (getattr(o, n) for o, n in cache_slots(cache))]
+
+
+def args_sig(args: tuple, free: bool) -> tuple:
+    """:func:`tensor_sig` of a decode step's four tensor arguments (token ids, positions, cache positions, attention
+    mask); ``free``: the mask's width, the cache length, left out."""
+    return tuple(tensor_sig(a, 1 if free and i == 3 else None) for i, a in enumerate(args[:4]))
 
 
 def fingerprint(model: nn.Module) -> dict[str, Any]:
@@ -405,9 +445,12 @@ def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint
     h = hashlib.sha256()
     h.update(_source_hash().encode())
     h.update(_describe_model(fwd.model))
-    h.update(repr((key, type(fwd).__qualname__, [tensor_sig(a) if isinstance(a, torch.Tensor) else a
-                                                  for a in args[:4]])).encode())
-    h.update(repr([(type(o).__qualname__, n, tensor_sig(getattr(o, n))) for o, n in cache_slots(args[4])]).encode())
+    free = bool(getattr(fwd, "is_free", lambda key: False)(key))
+    if free:  # the package serves every cache length: the length it is traced at is no part of it
+        key = (*key[:2], None, *key[3:])
+    h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free))).encode())
+    h.update(repr([(type(o).__qualname__, n) for o, n in cache_slots(args[4])]).encode())
+    h.update(repr(cache_sig(args[4], free)).encode())
     h.update(json.dumps({k: v.uuid().hex() if hasattr(v, "uuid") else repr(v) for k, v in sorted(options.items())}
                         ).encode())
     h.update(json.dumps(fingerprint, sort_keys=True).encode())

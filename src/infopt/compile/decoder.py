@@ -25,6 +25,7 @@ from ..attention import paged
 from ..attention.gqa import GQA_SDPA_IMPL, KV_LEN_KWARG
 from ..core.compat import CACHE_KWARG
 from ..generate import Forward, decoder_for, rollback, static_length
+from ..kvcache.static import BUCKET
 from . import aot  # by module: a test replaces aot.export_step
 from .aot import (
     aot_available,
@@ -33,7 +34,7 @@ from .aot import (
     index_package,
     local_key,
 )
-from .guard_free import GuardFreeStep, _GraphNotHeld, _shape_name, isolated_compile, weak_backend
+from .guard_free import GuardFreeStep, _GraphNotHeld, _shape_name, isolated_compile, mark_free_length, weak_backend
 
 log = logging.getLogger("infopt.compile")
 
@@ -211,6 +212,13 @@ class CompiledForward(Forward):
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
+        # Where shapes are built as AOTInductor packages, each package keeps the cache length symbolic and serves
+        # every whole bucket: (batch, token bucket, padded) -> the key of the package made for it, whose length is
+        # the one it was exported at. torch.export proves the program valid for every length it declares, or fails
+        # (the model fixes the length: _fix_length, one package per bucket). Not for torch.compile's guard-free
+        # graphs, whose dropped guards would leave a length the trace fixed unchecked, nor on CUDA.
+        self.free_length = self._guard_free() and self._wants_aot()
+        self._classes: dict[tuple, tuple] = {}
         self._signature: int | None = None  # module_signature at compile time (module_guards "per_call")
         self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
         # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
@@ -220,6 +228,15 @@ class CompiledForward(Forward):
                              and any(p.kind is inspect.Parameter.VAR_KEYWORD
                                      for p in inspect.signature(type(model).forward).parameters.values())
                              and paged.load_cpu_kernel())
+
+    def is_free(self, key: tuple) -> bool:
+        """Whether shape ``key``'s graph keeps the cache length symbolic, serving every length that is a multiple of
+        the static cache's 256-token bucket (a capped last bucket of another length has a graph of its own)."""
+        return self.free_length and self._classes.get((key[0], key[1], key[3])) == key
+
+    def name(self, key: tuple) -> str:
+        """The shape ``key`` in words, as :class:`CompileStats` lists it."""
+        return _shape_name(key, self.is_free(key))
 
     # -- the compiled function ---------------------------------------------------------------------------
     def _forward(self, input_ids, position_ids, cache_position, attention_mask, cache):
@@ -238,6 +255,8 @@ class CompiledForward(Forward):
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
+        if self.is_free(key) and not any(_symbolic(x) for x in example_inputs):
+            raise _LengthFixed("the traced decode step fixes the static cache's length")
         self._note_cold(key)
         t0 = time.perf_counter()
         cfg = self.config
@@ -281,7 +300,7 @@ class CompiledForward(Forward):
         if step is None:
             self._note_cold(key)
             log.info("infopt compile: exporting the decode step for %s and building its AOTInductor package (about a "
-                     "minute on two cores the first time; cached after)", _shape_name(key))
+                     "minute on two cores the first time; cached after)", self.name(key))
         else:  # built earlier on this machine for a model described the same way: no export
             self.stats.compiles += 1
             self.stats.seconds += time.perf_counter() - t0
@@ -295,10 +314,13 @@ class CompiledForward(Forward):
             step, seconds, cached = aot.export_step(self, key, args, options, fp)
             index_package(self.model, step, lkey)
         except Exception as e:  # noqa: BLE001 - export or AOTInductor refusing a model: torch.compile serves it
+            if self.is_free(key):  # one package per length, or torch.compile's graph per length where export fails
+                raise _LengthFixed(f"the step exported with a symbolic cache length failed: {type(e).__name__}: "
+                                   f"{(str(e).strip().splitlines() or [''])[0][:200]}") from e
             reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-            self.stats.aot_failed[_shape_name(key)] = reason
+            self.stats.aot_failed[self.name(key)] = reason
             log.warning("infopt compile: the decode step for %s could not be built with AOTInductor (%s); it runs "
-                        "torch.compile's graph instead", _shape_name(key), reason)
+                        "torch.compile's graph instead", self.name(key), reason)
             return None
         self.stats.compiles += 1
         self.stats.seconds += seconds
@@ -318,10 +340,10 @@ class CompiledForward(Forward):
             log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
                         "the compile once; list the batch sizes and lengths your calls use in Compile("
                         "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
-                        _shape_name(key))
+                        self.name(key))
         else:
             log.warning("compiling the decode step for another shape the warm-up did not cover (%s): this call waits "
-                        "for it", _shape_name(key))
+                        "for it", self.name(key))
 
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
@@ -329,7 +351,7 @@ class CompiledForward(Forward):
             if self._signature is None:
                 self._signature = module_signature(self.model)
             fn = self._fns[key] = GuardFreeStep(self, key)
-            self.stats.shapes.append(_shape_name(key))
+            self.stats.shapes.append(self.name(key))
             return fn
         return fn if fn is not None else self._guarded(key)
 
@@ -347,11 +369,13 @@ class CompiledForward(Forward):
                 kw["options"] = {"guard_filter_fn": skip}
                 if self._signature is None:
                     self._signature = module_signature(self.model)
-            fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{length}_{'padded' if padded else 'unpadded'}",
-                                  backend=weak_backend(self), fullgraph=self.config.fullgraph,
-                                  dynamic=self.config.dynamic, **kw)
+            fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{'any' if self.free_length else length}_"
+                                  f"{'padded' if padded else 'unpadded'}", backend=weak_backend(self),
+                                  fullgraph=self.config.fullgraph, dynamic=self.config.dynamic, **kw)
+            if self.is_free(key):
+                fn = _marking(fn)
             if key not in self._fns:
-                self.stats.shapes.append(_shape_name(key))
+                self.stats.shapes.append(self.name(key))
             self._fns[key] = fn
         return fn
 
@@ -366,12 +390,19 @@ class CompiledForward(Forward):
                          "device, a training flag, a hook or the config): compiling it again")
                 self._fns.clear()
                 self._graphs.clear()
+                self._classes.clear()
                 self._signature = now
         return super().prefill(input_ids, position_ids, attention_mask, cache, keep)
 
     def step_seconds(self, batch: int, k: int, length: int) -> float | None:
-        """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's)."""
-        return self.timings.get((batch, token_bucket(k), length))
+        """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's): at this cache
+        length, or where one graph serves every length, at the nearest length the warm-up timed."""
+        kb = token_bucket(k)
+        t = self.timings.get((batch, kb, length))
+        if t is None and self.free_length:
+            near = sorted((abs(n - length), n) for b, w, n in self.timings if (b, w) == (batch, kb))
+            t = self.timings[(batch, kb, near[0][1])] if near else None
+        return t
 
     def step(self, input_ids, position_ids, cache_position, attention_mask, cache, first: int | None = None
              ) -> torch.Tensor:
@@ -393,29 +424,54 @@ class CompiledForward(Forward):
             wide[:, :w] = attention_mask[:, :w]
             attention_mask = wide
         key = (B, kb, length, attention_mask is not None)
+        if self.free_length and length % BUCKET == 0:
+            key = self._classes.setdefault((B, kb, key[3]), key)
         args = (input_ids, position_ids, cache_position, attention_mask, cache)
-        if key in self._eager:
-            self.stats.eager_calls += 1
-            out = self._forward(*args)
-        else:
-            fn = self._compiled(key)
-            self._key = key
-            try:
-                out = fn(*args)
-                self.stats.calls += 1
-            except Exception as e:  # noqa: BLE001 - see below; an error the eager step shares is raised by it
-                # Not only dynamo's own exceptions: a trace can stop on a data-dependent shape
-                # (GuardOnDataDependentSymNode, a RuntimeError), inductor on a kernel it cannot build. Dynamo traces
-                # without running the model, and a graph that failed while running wrote the static cache only at
-                # this step's positions, which the eager step writes again: run this step eagerly, and this shape
-                # from now on. A failed compile never fails the user's call.
-                self._fall_back(key, e)
-                self.stats.eager_calls += 1
-                out = self._forward(*args)
+        out = self._run(key, args)
         if pad:
             rollback(cache, pad)
             out = out[:, :k]
         return out
+
+    def _run(self, key: tuple, args: tuple) -> torch.Tensor:
+        """The step ``args`` through shape ``key``'s graph (compiled on its first call), or eagerly where it cannot
+        hold one."""
+        if key in self._eager:
+            self.stats.eager_calls += 1
+            return self._forward(*args)
+        fn = self._compiled(key)
+        self._key = key
+        try:
+            out = fn(*args)
+            self.stats.calls += 1
+            return out
+        except Exception as e:  # noqa: BLE001 - see below; an error the eager step shares is raised by it
+            if self.is_free(key) and _specialized(e):  # the model fixes the cache length: a graph per length
+                self._fix_length(key, e)
+                B, kb = args[0].shape
+                return self._run((B, kb, static_length(args[4]), args[3] is not None), args)
+            # Not only dynamo's own exceptions: a trace can stop on a data-dependent shape
+            # (GuardOnDataDependentSymNode, a RuntimeError), inductor on a kernel it cannot build. Dynamo traces
+            # without running the model, and a graph that failed while running wrote the static cache only at
+            # this step's positions, which the eager step writes again: run this step eagerly, and this shape
+            # from now on. A failed compile never fails the user's call.
+            self._fall_back(key, e)
+            self.stats.eager_calls += 1
+            return self._forward(*args)
+
+    def _fix_length(self, key: tuple, error: BaseException) -> None:
+        """Compile one graph per cache length from now on: the model's step fixes the length (a trace that keeps it
+        symbolic failed on it)."""
+        name = self.name(key)
+        if name in self.stats.shapes:
+            self.stats.shapes.remove(name)
+        self.free_length = False
+        self._classes.clear()
+        self._fns.pop(key, None)
+        self._graphs.pop(key, None)
+        log.info("the decode step of %s depends on the static cache's length (%s: %s); it compiles one graph per "
+                 "256-token cache bucket", type(self.model).__name__, type(error).__name__,
+                 (str(error).strip().splitlines() or [""])[0][:200])
 
     def _fall_back(self, key: tuple, error: BaseException) -> None:
         self._eager.add(key)
@@ -427,14 +483,52 @@ class CompiledForward(Forward):
                 break
             cause = inner
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        self.stats.eager_shapes[_shape_name(key)] = f"{type(cause).__name__}: {reason}"
+        self.stats.eager_shapes[self.name(key)] = f"{type(cause).__name__}: {reason}"
         if self.owner._told_eager:  # the model's one warning was given; the stats list every shape
             log.info("the decode step for %s could not hold a compiled graph (%s: %s); it decodes eagerly",
-                     _shape_name(key), type(cause).__name__, reason[:200])
+                     self.name(key), type(cause).__name__, reason[:200])
             return
         self.owner._told_eager = True
-        warnings.warn(f"infopt compile: the decode step for {_shape_name(key)} could not hold a compiled graph "
+        warnings.warn(f"infopt compile: the decode step for {self.name(key)} could not hold a compiled graph "
                       f"({type(cause).__name__}: {reason[:200]}); that shape now decodes eagerly (same tokens, "
                       "without the compiled speed-up), as will any other shape that cannot, without another "
                       "warning. compile_stats(model).eager_shapes lists such shapes",
                       RuntimeWarning, stacklevel=4)
+
+
+def _marking(fn):
+    """``fn`` (a guarded ``torch.compile`` of the step) with the cache length marked dynamic for each call's trace:
+    dynamo then keeps it symbolic, so another length passes the guards instead of recompiling."""
+
+    def call(*args):
+        mark_free_length(args)
+        return fn(*args)
+
+    return call
+
+
+class _LengthFixed(RuntimeError):
+    """Raised by the compiler callback when a step traced to keep the cache length symbolic came out fixing it."""
+
+
+def _symbolic(x) -> bool:
+    """Whether a graph input is, or has, a size still symbolic once the trace's guards are applied (a size the trace
+    fixed to one value reads as that value)."""
+    sizes = [x] if isinstance(x, torch.SymInt) else list(x.shape) if isinstance(x, torch.Tensor) else []
+    return any(isinstance(d, torch.SymInt) and d.node.maybe_as_int() is None for d in sizes)
+
+
+def _specialized(error: BaseException) -> bool:
+    """Whether a compile failed because the traced step fixes a size it was asked to keep symbolic (the cache length:
+    dynamo's and ``torch.export``'s constraint violations)."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if isinstance(error, (ConstraintViolationError, _LengthFixed)) or "Constraints violated" in text or (
+                "marked" in text and "dynamic" in text and "specializ" in text):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return False

@@ -12,9 +12,9 @@ import weakref
 import torch
 
 from ..generate import Forward
-from .aot import cache_slots, tensor_sig
+from .aot import args_sig, cache_sig, cache_slots
 
-__all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args"]
+__all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args", "mark_free_length"]
 
 
 def isolated_compile(fn, *, name: str, **kwargs):
@@ -80,6 +80,13 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
+def _shape_guards_only(entries):
+    """Keep the guard on the symbolic sizes alone (a graph with a free cache length assumes what it traced about the
+    length, such as the attention kernel's 16-key blocks; a call outside that compiles another graph), drop the
+    rest."""
+    return [getattr(e, "guard_type", None) == "SHAPE_ENV" for e in entries]
+
+
 def _contiguous(shape: tuple) -> tuple:
     strides, step = [], 1
     for n in reversed(shape):
@@ -88,14 +95,33 @@ def _contiguous(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def canonical_args(key: tuple, device: torch.device) -> tuple:
+def canonical_args(key: tuple, device: torch.device, free: bool = False) -> tuple:
     """The signature (dtype, device, shape, strides) of the four tensor arguments the decode loop passes a step
     of shape ``key``: contiguous int64 token ids ``[B, k]``, positions ``[B, k]``, cache positions ``[k]`` and,
-    when padded, an attention mask ``[B, length]``."""
+    when padded, an attention mask ``[B, length]`` (``free``: of any length, as :func:`~infopt.compile.aot.args_sig`
+    writes it)."""
     b, k, length, padded = key
     i64 = torch.int64
-    return ((i64, device, (b, k), (k, 1)), (i64, device, (b, k), (k, 1)), (i64, device, (k,), (1,)),
-            (i64, device, (b, length), (length, 1)) if padded else None)
+    mask = ((i64, device, (b, None), None) if free else (i64, device, (b, length), (length, 1))) if padded else None
+    return (i64, device, (b, k), (k, 1)), (i64, device, (b, k), (k, 1)), (i64, device, (k,), (1,)), mask
+
+
+def mark_free_length(args: tuple) -> None:
+    """Mark the cache length of a decode step's arguments dynamic for the compile about to trace them: the attention
+    mask's width, dimension 2 of the static cache's keys and values.
+
+    The marks are hints (``torch._dynamo.maybe_mark_dynamic``, kept on the tensors: dynamo checks a graph's marks
+    against the call's): where the model fixes the length, the trace specializes, which the compiler callback sees (no
+    symbolic size among the graph's inputs) and answers by compiling one graph per length; what the graph assumes of
+    a symbolic length is checked by the guard on the sizes, which a guard-free step keeps (:func:`_shape_guards_only`).
+    """
+    mask, cache = args[3], args[4]
+    for o, n in cache_slots(cache):
+        t = getattr(o, n)
+        if t.dim() == 4:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+    if mask is not None:
+        torch._dynamo.maybe_mark_dynamic(mask, 1)
 
 
 class GuardFreeStep:
@@ -129,12 +155,13 @@ class GuardFreeStep:
         p = next(fwd.model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
-        self._cache_sig: tuple | None = None
+        self._cache_sig: list | None = None
+        self.free = fwd.is_free(key) if hasattr(fwd, "is_free") else False  # one graph for every cache length
 
     def __call__(self, *args):
         fwd = self.fwd
         p = next(fwd.model.parameters())
-        sig = tuple(tensor_sig(a) for a in args[:4])
+        sig = args_sig(args, self.free)
         if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
                 or torch.is_autocast_enabled(p.device.type)
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
@@ -147,9 +174,12 @@ class GuardFreeStep:
         if self.fn is None:
             b, k, length, padded = self.key
             # compiled on this first call; a failure is the step's to handle (eager, as for a guarded compile)
-            fn = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{length}_{'p' if padded else 'u'}",
-                                  backend=weak_backend(fwd), fullgraph=True, dynamic=fwd.config.dynamic,
-                                  options={"guard_filter_fn": _drop_all_guards})
+            fn = isolated_compile(fwd._forward, name=f"free_b{b}_k{k}_l{'any' if self.free else length}_"
+                                  f"{'p' if padded else 'u'}", backend=weak_backend(fwd), fullgraph=True,
+                                  dynamic=fwd.config.dynamic,
+                                  options={"guard_filter_fn": _shape_guards_only if self.free else _drop_all_guards})
+            if self.free:
+                mark_free_length(args)
             out = fn(*args)
             self.fn, self._args_sig = fn, sig
             return out
@@ -158,10 +188,10 @@ class GuardFreeStep:
     def _cache_fits(self, cache) -> bool:
         if self._cache_ref is not None and self._cache_ref() is cache:
             return True
-        sig = tuple(tensor_sig(getattr(o, n)) for o, n in cache_slots(cache))
+        sig = cache_sig(cache, self.free)
         if self._cache_sig is None:
-            if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or t[3] != _contiguous(t[2]))
-                                           for t in sig):
+            if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or (
+                    t[3] is not None and (None in t[2] or t[3] != _contiguous(t[2])))) for t in sig):
                 return False  # a loaded step was saved over a contiguous cache (keys, values) of the model's dtype
             self._cache_sig = sig
         elif sig != self._cache_sig:
@@ -182,7 +212,8 @@ class _GraphNotHeld(RuntimeError):
     """Raised by the compiler callback when one shape compiles more than :data:`MAX_GRAPHS_PER_SHAPE` graphs."""
 
 
-def _shape_name(key: tuple) -> str:
+def _shape_name(key: tuple, free: bool = False) -> str:
     b, k, length, padded = key
     tokens = "" if k == 1 else f"{k} tokens, "
-    return f"batch {b}, {tokens}cache {length}, {'padded' if padded else 'unpadded'}"
+    cache = "any cache length" if free else f"cache {length}"
+    return f"batch {b}, {tokens}{cache}, {'padded' if padded else 'unpadded'}"

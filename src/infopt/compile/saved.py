@@ -58,7 +58,7 @@ from ..kvcache.static import StaticCaches
 from . import decoder as decoder_module
 from .aot import AotStep, fingerprint, load_saved
 from .decoder import CompiledForward, CompiledForwards, module_signature, step_options
-from .guard_free import GuardFreeStep, _drop_all_guards, _shape_name, canonical_args
+from .guard_free import GuardFreeStep, _drop_all_guards, canonical_args
 
 log = logging.getLogger("infopt.compile")
 
@@ -283,12 +283,14 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
         # the package reads these very tensors: the per-call module check must see one of them replaced (and drop
         # the package for an export over the new ones), where a graph would simply read the new tensor
         fwd._signature = module_signature(fwd.model)
-    step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device))
+    if aot.free and fwd.free_length:  # the package serves every cache length
+        fwd._classes[(key[0], key[1], key[3])] = key
+    step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device, fwd.is_free(key)))
     # called with the step's arguments, as a package built in this process is; loaded: made for the saved cache
     step.fn, step.loaded, step.aot = aot, True, True
     fwd._fns[key] = step
     fwd._graphs[key] = 1
-    fwd.stats.shapes.append(_shape_name(key))
+    fwd.stats.shapes.append(fwd.name(key))
     fwd.stats.loaded += 1
     fwd.stats.aot += 1
     return True
@@ -337,7 +339,7 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
             continue
         fwd._fns[key] = GuardFreeStep(fwd, key, fn, canonical_args(key, p.device))
         fwd._graphs[key] = 1
-        fwd.stats.shapes.append(_shape_name(key))
+        fwd.stats.shapes.append(fwd.name(key))
         fwd.stats.loaded += 1
         loaded += 1
     fwd.stats.warmed_up = fwd.stats.warmed_up or loaded > 0  # the saved shapes are the warm-up's

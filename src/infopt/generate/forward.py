@@ -11,7 +11,7 @@ import inspect
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from ..core.compat import CACHE_KWARG
 
@@ -88,7 +88,13 @@ class Forward:
 
 def croppable(cache) -> bool:
     """True when every layer of ``cache`` can drop its newest tokens (dynamic or static full-attention layers)."""
-    return all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers)
+    return all(type(layer) is DynamicLayer or _full_static(layer) for layer in cache.layers)
+
+
+def _full_static(layer) -> bool:
+    """A static layer holding every slot at a fixed address (transformers' own, or a subclass such as
+    :class:`infopt.kvcache.static.SizedStaticLayer`), not a rolling sliding-window one."""
+    return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
 
 
 def full_length_dynamic_cache(config):
@@ -122,7 +128,7 @@ def rollback(cache, n: int) -> None:
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
-        if type(layer) is StaticLayer:
+        if _full_static(layer):
             layer.cumulative_length.sub_(n)
         else:
             layer.crop(-n)

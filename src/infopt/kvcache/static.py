@@ -18,7 +18,7 @@ from ..generate import CachePart, Unsupported, decoder_for, set_part, tensors_by
 from .api import register_use
 
 __all__ = ["Static", "StaticCaches", "StaticAllocation", "use_", "bucket_length", "static_max_length",
-           "full_length_static_cache"]
+           "full_length_static_cache", "SizedStaticLayer"]
 
 
 @register_step
@@ -102,8 +102,37 @@ def bucket_length(needed: int, max_length: int, bucket: int = BUCKET) -> int:
     return min(max_length, -(-needed // bucket) * bucket)
 
 
+class SizedStaticLayer(StaticLayer):
+    """transformers' full-attention ``StaticLayer`` whose length is read from its tensors' shape once they exist.
+
+    transformers' layer keeps its length as a Python int (``max_cache_len``) and reports it as the attention mask's
+    key length, so a compiled decode step bakes the cache length into its graph as a constant (dynamo guards on it,
+    ``torch.export`` specializes on it): each 256-token cache bucket then needs a graph of its own, compiled inside
+    whichever call first reaches it. Here ``max_cache_len`` is ``keys.shape[-2]`` once the keys are allocated, a size
+    a compiled step can keep symbolic, so one graph serves every cache length
+    (:class:`~infopt.compile.decoder.CompiledForward`); wherever the model reads the length, it reads that size.
+    Everything else is the parent's.
+
+    Example:
+        >>> import torch
+        >>> layer = SizedStaticLayer(max_cache_len=512)
+        >>> _ = layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+        >>> layer.get_mask_sizes(1), layer.keys.shape[-2]
+        ((512, 0), 512)
+    """
+
+    @property
+    def max_cache_len(self):
+        keys = self.__dict__.get("keys")
+        return self._length if keys is None else keys.shape[-2]
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int) -> None:
+        self._length = value
+
+
 def full_length_static_cache(config, length: int):
-    """transformers' ``StaticCache`` of ``length`` slots whose sliding-window layers are full-length static layers.
+    """transformers' ``StaticCache`` of ``length`` slots whose layers are all full-length :class:`SizedStaticLayer`.
 
     transformers' sliding-window static layer keeps only the window, in a buffer it rolls through Python-int
     control flow (``cumulative_length_int``): a compiled decode step guards on that int and recompiles every token
@@ -111,17 +140,18 @@ def full_length_static_cache(config, length: int):
     holds all ``length`` slots at fixed addresses; the model's sliding-window mask (over cache slots, as transformers
     builds it for any layer) keeps each query to its window, so the attention result is the same. The price is the
     slots past the window: ``length`` is the call's 256-token bucket, not the model's context (Gemma 3 270M: 2 KiB
-    per token per sliding layer in fp32).
+    per token per sliding layer in fp32). Every layer reports its mask width from its tensors' shape
+    (:class:`SizedStaticLayer`), so one compiled step serves every length.
 
     Example:
         >>> from infopt.models import tiny_model
         >>> cache = full_length_static_cache(tiny_model("gemma3").config, 256)
         >>> [type(layer).__name__ for layer in cache.layers], cache.get_max_length()
-        (['StaticLayer', 'StaticLayer'], 256)
+        (['SizedStaticLayer', 'SizedStaticLayer'], 256)
     """
     cache = StaticCache(config=config, max_cache_len=length)
-    cache.layers = [StaticLayer(max_cache_len=length) if type(layer) is StaticSlidingWindowLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [SizedStaticLayer(max_cache_len=length) if type(layer) in (StaticLayer, StaticSlidingWindowLayer)
+                    else layer for layer in cache.layers]
     return cache
 
 
