@@ -1,0 +1,67 @@
+"""First and second call of a compiled recipe at prompts that reach new static-cache buckets (issue: no compile while
+serving). A compiled recipe warms its decode step at one length (256 slots); before the cache length was symbolic in
+its AOTInductor packages, the first call in the 512 or 768 bucket exported and compiled a package inside the user's
+``generate`` (about 50 s on 2 cores for the default model). Prints, per prompt length: the cache bucket, the first
+and second call's seconds, and the compiles since the warm-up; ``--fixed`` runs the old way (one package per bucket)
+for comparison, in the same process.
+
+Usage: python benchmarks/cache_buckets.py [--recipe cpu-fast] [--prompts 40 300 700] [--new-tokens 64] [--fixed]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+import infopt
+from infopt.compile import compile_stats
+from infopt.compile import decoder as compiled_decoder
+from infopt.generate import decoder_for
+from infopt.models import load_default
+
+p = argparse.ArgumentParser()
+p.add_argument("--recipe", default="cpu-fast")
+p.add_argument("--prompts", type=int, nargs="+", default=[40, 300, 700])
+p.add_argument("--new-tokens", type=int, default=64)
+p.add_argument("--fixed", action="store_true", help="also a model whose packages fix the cache length (the old way)")
+args = p.parse_args()
+
+
+def build(fixed: bool):
+    init = compiled_decoder.CompiledForward.__init__
+    if fixed:
+        def one_length(self, *a, **k):
+            init(self, *a, **k)
+            self.free_length = False
+
+        compiled_decoder.CompiledForward.__init__ = one_length
+    try:
+        model, _ = load_default()
+        t0 = time.perf_counter()
+        model = infopt.optimize(model, args.recipe)
+        return model, time.perf_counter() - t0
+    finally:
+        compiled_decoder.CompiledForward.__init__ = init
+
+
+def run(model, ids) -> float:
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    return time.perf_counter() - t0
+
+
+results = {}
+for name in (("symbolic", "fixed") if args.fixed else ("symbolic",)):
+    model, apply_s = build(name == "fixed")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for n in args.prompts:
+        ids = torch.randint(100, 10000, (1, n), generator=g)
+        first, second = run(model, ids), run(model, ids)
+        stats = compile_stats(model)
+        rows.append({"prompt": n, "cache": decoder_for(model).cache.allocation().length, "first_s": round(first, 2),
+                     "second_s": round(second, 2), "compiles_after_warmup": stats.compiles_after_warmup})
+        print(name, rows[-1], flush=True)
+    results[name] = {"apply_s": round(apply_s, 1), "shapes": compile_stats(model).shapes, "calls": rows}
+print(json.dumps(results, indent=1))
