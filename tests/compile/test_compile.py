@@ -97,12 +97,12 @@ def _prompts():
 
 @pytest.mark.slow
 def test_inductor_decode_token_identical_counts_and_undo():
-    """The real thing: inductor compiles the decode step once at apply time; calls in the warmed bucket
-    never compile again and stay token-identical to plain generate; a new bucket compiles once."""
+    """The real thing: inductor compiles the decode step once at apply time, keeping the cache length symbolic;
+    calls in any 256-token bucket never compile again and stay token-identical to plain generate."""
     ref, m = tiny_model(), tiny_model()
     infopt.optimize(m, [Static(max_length=512), Compile()])
     stats = compile_stats(m)
-    assert stats.compiles == 1 and stats.warmed_up and stats.shapes == ["batch 1, cache 256, unpadded"]
+    assert stats.compiles == 1 and stats.warmed_up and stats.shapes == ["batch 1, any cache length, unpadded"]
     assert "1 graph(s)" in " ".join(m.infopt.steps[-1].notes)
     for p in _prompts():
         assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
@@ -110,10 +110,11 @@ def test_inductor_decode_token_identical_counts_and_undo():
     assert stats.compiles_after_warmup == 0 and stats.calls >= 3 * 11
     assert routing_stats(m).infopt == 3 and routing_stats(m).loops == {"lean": 3}  # the warm-up is not a user call
 
-    long = torch.randint(3, 1000, (1, 250))  # 250 + 12 tokens: the 512 bucket, not warmed
+    long = torch.randint(3, 1000, (1, 250))  # 250 + 12 tokens: the 512 bucket, served by the warm-up's graph
     assert torch.equal(m.generate(long, max_new_tokens=12, do_sample=False),
                        ref.generate(long, max_new_tokens=12, do_sample=False))
-    assert stats.compiles_after_warmup == 1 and stats.shapes[-1] == "batch 1, cache 512, unpadded"
+    assert decoder_for(m).cache.allocation().length == 512
+    assert stats.compiles == 1 and stats.compiles_after_warmup == 0 and not stats.eager_shapes
 
     infopt.undo(m)
     assert decoder_for(m) is None and compile_stats(m) is None
@@ -143,7 +144,7 @@ def test_warmup_function_covers_padded_and_lengths():
     stats = compile_stats(m)
     assert stats.compiles == 0 and not stats.warmed_up
     warmup(m, batch_sizes=(1, 2), lengths=(100, 300), padded=True)
-    assert stats.compiles == 8 and stats.warmed_up
+    assert stats.compiles == 8 and stats.warmed_up  # backend eager: guarded graphs, one per cache bucket
     assert "batch 2, cache 512, padded" in stats.shapes
     ids = torch.randint(3, 1000, (2, 280))
     m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
@@ -557,3 +558,30 @@ def test_a_guard_free_step_steps_aside_under_autocast_and_grad(monkeypatch):
     with torch.enable_grad():
         assert step(*args) == "guarded"
     assert handed == [key, key]
+
+
+@pytest.mark.slow
+def test_a_step_that_fixes_the_cache_length_compiles_a_graph_per_bucket(monkeypatch):
+    """A step that branches on the cache length fixes it in its graph: the guards kept on the step's arguments send
+    the next bucket to a recompile instead of the graph traced for 256 slots, which the step answers with one graph
+    per bucket from then on: the tokens stay the plain model's and nothing falls back to eager."""
+    from infopt.compile.decoder import CompiledForward
+
+    plain = CompiledForward._forward
+
+    def branching(self, input_ids, position_ids, cache_position, attention_mask, cache):
+        out = plain(self, input_ids, position_ids, cache_position, attention_mask, cache)
+        return out + 1.0 if cache.layers[0].keys.shape[2] == 256 else out  # a shift greedy decoding cannot see
+
+    monkeypatch.setattr(CompiledForward, "_forward", branching)
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile()])
+    stats = compile_stats(m)
+    assert stats.shapes == ["batch 1, any cache length, unpadded"]
+    for n in (250, 5):  # the 512 bucket, then the 256 one again
+        ids = torch.randint(3, 1000, (1, n))
+        assert torch.equal(m.generate(ids, max_new_tokens=12, do_sample=False),
+                           ref.generate(ids, max_new_tokens=12, do_sample=False))
+    assert not decoder_for(m).forward_for(m).free_length
+    assert "batch 1, cache 512, unpadded" in stats.shapes and "batch 1, cache 256, unpadded" in stats.shapes
+    assert not stats.eager_shapes and stats.eager_calls == 0

@@ -217,7 +217,7 @@ class CompiledForward(Forward):
         # the one it was exported at. torch.export proves the program valid for every length it declares, or fails
         # (the model fixes the length: _fix_length, one package per bucket). Not for torch.compile's guard-free
         # graphs, whose dropped guards would leave a length the trace fixed unchecked, nor on CUDA.
-        self.free_length = self._guard_free() and self._wants_aot()
+        self.free_length = self._guard_free()
         self._classes: dict[tuple, tuple] = {}
         self._signature: int | None = None  # module_signature at compile time (module_guards "per_call")
         self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
@@ -255,7 +255,9 @@ class CompiledForward(Forward):
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
-        if self.is_free(key) and not any(_symbolic(x) for x in example_inputs):
+        if self.is_free(key) and (n > 1 or not any(_symbolic(x) for x in example_inputs)):
+            # a graph that does not serve every length: it fixed the length (the guards on the arguments sent another
+            # length to a recompile) or traced no symbolic size at all
             raise _LengthFixed("the traced decode step fixes the static cache's length")
         self._note_cold(key)
         t0 = time.perf_counter()

@@ -80,11 +80,20 @@ def _drop_all_guards(entries):
     return [False] * len(entries)
 
 
+_ARGS = ("input_ids", "position_ids", "cache_position", "attention_mask", "cache")
+
+
 def _shape_guards_only(entries):
-    """Keep the guard on the symbolic sizes alone (a graph with a free cache length assumes what it traced about the
-    length, such as the attention kernel's 16-key blocks; a call outside that compiles another graph), drop the
-    rest."""
-    return [getattr(e, "guard_type", None) == "SHAPE_ENV" for e in entries]
+    """Keep the guards on the step's arguments' sizes (the relations among symbolic sizes, and each argument tensor's
+    match: a graph with a free cache length assumes what it traced of the length, such as the attention kernel's
+    16-key blocks, and a trace that fixed it checks it there; a call outside that recompiles, which the compiled
+    forward answers with one graph per length), drop the rest (the modules', checked once per call instead)."""
+    return [getattr(e, "guard_type", None) == "SHAPE_ENV" or (
+        getattr(e, "guard_type", None) == "TENSOR_MATCH" and _argument(getattr(e, "name", ""))) for e in entries]
+
+
+def _argument(name: str) -> bool:
+    return name.split(".", 1)[0].split("[", 1)[0] in _ARGS
 
 
 def _contiguous(shape: tuple) -> tuple:

@@ -337,6 +337,9 @@ def load_steps(model: nn.Module, directory: str | Path) -> int:
             warnings.warn(f"infopt: the saved decode step {name} did not load ({type(e).__name__}: {str(e)[:200]}); "
                           "it is compiled instead", RuntimeWarning, stacklevel=2)
             continue
+        if fwd.free_length:  # a saved graph was traced at its own cache length: one graph per bucket, as it was
+            fwd.free_length = False
+            fwd._classes.clear()
         fwd._fns[key] = GuardFreeStep(fwd, key, fn, canonical_args(key, p.device))
         fwd._graphs[key] = 1
         fwd.stats.shapes.append(fwd.name(key))
