@@ -212,11 +212,12 @@ class CompiledForward(Forward):
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
-        # Where shapes are built as AOTInductor packages, each package keeps the cache length symbolic and serves
-        # every whole bucket: (batch, token bucket, padded) -> the key of the package made for it, whose length is
-        # the one it was exported at. torch.export proves the program valid for every length it declares, or fails
-        # (the model fixes the length: _fix_length, one package per bucket). Not for torch.compile's guard-free
-        # graphs, whose dropped guards would leave a length the trace fixed unchecked, nor on CUDA.
+        # Where shapes compile guard-free (Inductor on CPU), each graph or AOTInductor package keeps the cache length
+        # symbolic and serves every whole bucket: (batch, token bucket, padded) -> the key of the graph made for it,
+        # whose length is the one it was traced at. torch.export proves a package for every length it declares, or
+        # fails; a torch.compile graph keeps the guards on its arguments, so a length its trace fixed recompiles
+        # instead of running it. Either way the model fixes the length: _fix_length, one graph per bucket. Not on
+        # CUDA, whose graphs are captured per shape.
         self.free_length = self._guard_free()
         self._classes: dict[tuple, tuple] = {}
         self._signature: int | None = None  # module_signature at compile time (module_guards "per_call")
@@ -371,7 +372,7 @@ class CompiledForward(Forward):
                 kw["options"] = {"guard_filter_fn": skip}
                 if self._signature is None:
                     self._signature = module_signature(self.model)
-            fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{'any' if self.free_length else length}_"
+            fn = isolated_compile(self._forward, name=f"step_b{b}_k{k}_l{'any' if self.is_free(key) else length}_"
                                   f"{'padded' if padded else 'unpadded'}", backend=weak_backend(self),
                                   fullgraph=self.config.fullgraph, dynamic=self.config.dynamic, **kw)
             if self.is_free(key):

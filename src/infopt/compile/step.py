@@ -49,7 +49,9 @@ class Compile(StepConfig):
     """Compile the one-token decode step with ``torch.compile`` over the static KV cache.
 
     The prompt runs eagerly and every decode token runs one compiled graph: one graph per
-    ``(batch size, cache bucket, padded or not)``. The warm-up compiles the listed shapes while the
+    ``(batch size, padded or not)`` that keeps the cache length symbolic and so serves every 256-token cache bucket
+    (with Inductor on CPU; per ``(batch size, cache bucket, padded or not)`` otherwise, or where the model's step fixes
+    the length). The warm-up compiles the listed shapes while the
     recipe is applied, so calls that use them never wait for a compile;
     :func:`infopt.compile.compile_stats` counts the graphs compiled, and those compiled after the
     warm-up. Needs ``kvcache.Static`` (its 256-token buckets are the cache lengths).
