@@ -47,6 +47,7 @@ from torch.export.graph_signature import InputKind, InputSpec
 
 from .._version import __version__
 from ..core.caches import cache_dir, limit_bytes, prune, touch
+from ..kvcache.static import BUCKET
 
 log = logging.getLogger("infopt.compile")
 
@@ -195,7 +196,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     if free:  # one symbolic cache length: the mask's width and the keys' and values' dimension 2. In 16-slot blocks
         # (the static attention kernel's; calls bring whole 256-slot buckets), from one bucket up: a derived size whose
         # root is not 1 at the traced length, which export would specialize
-        blocks = _bucket() // 16
+        blocks = BUCKET // 16
         length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
         rest = ({1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
         dynamic = (None, None, None, rest + tuple({2: length} if t.dim() == 4 else None for t in tensors))
@@ -268,7 +269,7 @@ class AotStep:
             slots = cache_slots(cache)
             now = [getattr(o, n) for o, n in slots]
             if cache_sig(cache, self.free) != self._sig or (self.free and any(
-                    t.dim() == 4 and t.shape[2] % _bucket() for t in now)):
+                    t.dim() == 4 and t.shape[2] % BUCKET for t in now)):
                 raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
                                    "for (dtype, shape or strides)")
             self._slots, self._tensors, self._cache_id = slots, now, id(cache)
@@ -312,12 +313,6 @@ def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
 def _is_param(model: nn.Module, name: str) -> bool:
     owner, _, leaf = name.rpartition(".")
     return leaf in (model.get_submodule(owner) if owner else model)._parameters
-
-
-def _bucket() -> int:
-    from ..kvcache.static import BUCKET
-
-    return BUCKET
 
 
 def tensor_sig(t: torch.Tensor | None, free: int | None = None) -> tuple | None:
