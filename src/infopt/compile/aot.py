@@ -52,8 +52,8 @@ from ..kvcache.static import BUCKET
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "local_key", "find_indexed", "index_package",
-           "fingerprint"]
+           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "local_key", "find_indexed",
+           "index_package", "fingerprint"]
 
 
 def aot_available() -> bool:
@@ -187,7 +187,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
 
     t0 = time.perf_counter()
     padded = bool(key[3])
-    free = bool(getattr(fwd, "is_free", lambda key: False)(key))
+    free = fwd.is_free(key)
     cache = args[4]
     tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
     module = _StepModule(fwd, cache, padded)
@@ -199,7 +199,8 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
         blocks = BUCKET // 16
         length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
         rest = ({1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
-        dynamic = (None, None, None, rest + tuple({2: length} if t.dim() == 4 else None for t in tensors))
+        dynamic = (None, None, None, rest + tuple(None if length_dim(t) is None else {length_dim(t): length}
+                                                  for t in tensors))
     with torch.no_grad(), _torch_internal_notices():
         ep = torch.export.export(module, flat, dynamic_shapes=dynamic, strict=False)
     _constants_as_buffers(ep)
@@ -269,7 +270,7 @@ class AotStep:
             slots = cache_slots(cache)
             now = [getattr(o, n) for o, n in slots]
             if cache_sig(cache, self.free) != self._sig or (self.free and any(
-                    t.dim() == 4 and t.shape[2] % BUCKET for t in now)):
+                    length_dim(t) is not None and t.shape[length_dim(t)] % BUCKET for t in now)):
                 raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
                                    "for (dtype, shape or strides)")
             self._slots, self._tensors, self._cache_id = slots, now, id(cache)
@@ -329,10 +330,16 @@ def tensor_sig(t: torch.Tensor | None, free: int | None = None) -> tuple | None:
     return (t.dtype, t.device, shape, None if t.is_contiguous() else t.stride())
 
 
+def length_dim(t: torch.Tensor) -> int | None:
+    """The dimension of a static cache tensor that is the cache length: 2 for the layers' keys and values (their only
+    4-d tensors, ``[batch, kv heads, length, head dim]``), None for the rest (fill counters)."""
+    return 2 if t.dim() == 4 else None
+
+
 def cache_sig(cache, free: bool) -> list[tuple]:
     """:func:`tensor_sig` of each of the cache's tensors (:func:`cache_slots` order); ``free``: for a step that keeps
-    the cache length symbolic (dimension 2 of the static layers' keys and values, their only 4-d tensors)."""
-    return [tensor_sig(t, 2 if free and t.dim() == 4 else None) for t in (getattr(o, n) for o, n in cache_slots(cache))]
+    the cache length (:func:`length_dim`) symbolic."""
+    return [tensor_sig(t, length_dim(t) if free else None) for t in (getattr(o, n) for o, n in cache_slots(cache))]
 
 
 def args_sig(args: tuple, free: bool) -> tuple:
@@ -440,7 +447,7 @@ def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint
     h = hashlib.sha256()
     h.update(_source_hash().encode())
     h.update(_describe_model(fwd.model))
-    free = bool(getattr(fwd, "is_free", lambda key: False)(key))
+    free = fwd.is_free(key)
     if free:  # the package serves every cache length: the length it is traced at is no part of it
         key = (*key[:2], None, *key[3:])
     h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free))).encode())

@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from ..generate import Forward
-from .aot import args_sig, cache_sig, cache_slots
+from .aot import args_sig, cache_sig, cache_slots, length_dim
 
 __all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args", "mark_free_length"]
 
@@ -127,8 +127,8 @@ def mark_free_length(args: tuple) -> None:
     mask, cache = args[3], args[4]
     for o, n in cache_slots(cache):
         t = getattr(o, n)
-        if t.dim() == 4:
-            torch._dynamo.maybe_mark_dynamic(t, 2)
+        if length_dim(t) is not None:
+            torch._dynamo.maybe_mark_dynamic(t, length_dim(t))
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, 1)
 
@@ -165,7 +165,7 @@ class GuardFreeStep:
         self.dtype, self.device = p.dtype, p.device
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
         self._cache_sig: list | None = None
-        self.free = fwd.is_free(key) if hasattr(fwd, "is_free") else False  # one graph for every cache length
+        self.free = fwd.is_free(key)  # one graph for every cache length
 
     def __call__(self, *args):
         fwd = self.fwd
