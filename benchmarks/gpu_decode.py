@@ -4,6 +4,8 @@ Usage:
     python benchmarks/gpu_decode.py --model default --recipes none,gpu-fast,int4,fp8 --json out.json
     python benchmarks/gpu_decode.py --model llama-1b --recipes none,gpu-fast,gpu-fast+int4 --json out.json
     python benchmarks/gpu_decode.py --model llama-1b --recipes gpu-fast --profile   # where each token's time goes
+    python benchmarks/gpu_decode.py --model llama-8b --recipes gpu-fast,gpu-fast+int4-gemv@tuned \
+        --gemv-tiles gemv.json   # the GEMV kernels on the fastest tiles of a gpu_gemv.py --sweep
 
 For each recipe the model is loaded afresh in bf16 on the GPU, optimized, and timed: decode tokens/s is
 ``(n - 1) / (t(n) - t(1))`` over greedy generates of ``n`` and 1 new tokens (the prompt's cost cancels), the
@@ -96,6 +98,33 @@ def gemlite_int4_(model, group_size: int = 64) -> int:
                     count += 1
     torch.cuda.empty_cache()
     return count
+
+
+def sweep_tiles(path: str) -> list[dict]:
+    """The fastest tiles at one row for each weight shape and width (8 or 4 bits) of a ``benchmarks/gpu_gemv.py
+    --sweep`` JSON, as :func:`infopt.quantize.triton_gemv.set_gemv_tiles` takes them (fp8 and int8 weights share the
+    8-bit kernel and so its tiles)."""
+    with open(path) as f:
+        doc = json.load(f)
+    best: dict = {}
+    for r in doc.get("sweep", []):
+        if r.get("rows") != 1 or "gbs" not in r:
+            continue
+        bits = 4 if r["kernel"] == "gemv_int4" else 8
+        key = (r["n"], r["k"], bits)
+        if key not in best or r["gbs"] > best[key]["gbs"]:
+            best[key] = r
+    return [{"n": n, "k": k, "bits": bits, "group_size": doc["group_size"] if bits == 4 else None,
+             "tiles": r["tiles"], "gbs": r["gbs"], "of_copy": r.get("of_copy")} for (n, k, bits), r in best.items()]
+
+
+def use_tiles(tiles: list[dict] | None, tuned: bool) -> list[dict]:
+    """Set the swept tiles for a ``@tuned`` recipe, the table's for any other; returns those set."""
+    from infopt.quantize.triton_gemv import set_gemv_tiles
+
+    for t in tiles or ():
+        set_gemv_tiles(t["n"], t["k"], t["bits"], tuple(t["tiles"]) if tuned else None, group_size=t["group_size"])
+    return list(tiles or ()) if tuned else []
 
 
 def load(name: str, seed: int = 0):
@@ -209,10 +238,16 @@ def main() -> None:
     p.add_argument("--quality", action="store_true", help="KL / top-1 of each recipe against bf16 (default model)")
     p.add_argument("--profile", action="store_true",
                    help="per token: the host's busiest functions and the GPU's kernel time (where_time_goes)")
+    p.add_argument("--gemv-tiles", default=None, metavar="SWEEP_JSON",
+                   help="a benchmarks/gpu_gemv.py --sweep JSON: recipes named RECIPE@tuned run the GEMV kernels on its "
+                        "fastest one-row tiles per layer shape (the others on the table's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA device")
+    swept = sweep_tiles(args.gemv_tiles) if args.gemv_tiles else None
+    if any(n.endswith("@tuned") for n in args.recipes.split(",")) and not swept:
+        raise SystemExit("recipes named ...@tuned need --gemv-tiles SWEEP_JSON with one-row sweep rows")
 
     machine = machine_info("cuda")
 
@@ -243,7 +278,9 @@ def main() -> None:
                 eval_ids = encode_text(default_text(), tok, max_tokens=512).cuda()
                 with torch.no_grad():
                     ref_logits = model(eval_ids).logits.float()
-            steps = recipe_steps(name)
+            tuned = name.endswith("@tuned")
+            row["gemv_tiles"] = use_tiles(swept, tuned)  # before the steps compile: a CUDA graph keeps its tiles
+            steps = recipe_steps(name.removesuffix("@tuned"))
             t0 = time.perf_counter()
             if isinstance(steps, dict) and "gemlite" in steps:
                 row["gemlite_layers"] = gemlite_int4_(model)

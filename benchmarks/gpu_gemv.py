@@ -218,9 +218,10 @@ SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "warps": (4, 8), "
 sized for a lane stage of a few minutes, not yet run)."""
 
 
-SWEEP_SPLIT = {"block_n": (8, 16, 32), "split": (2, 4, 8)}
+SWEEP_SPLIT = {"block_n": (8, 16, 32), "split": (1, 2, 4, 8)}
 """``--sweep-kernels gemv_w8_split`` / ``gemv_w4_split``: the 8-bit kernel (fp8 weights) / the 4-bit one with K split
-among 2, 4 or 8 programs per output block of 8, 16 or 32 rows (9 configurations per layer and kernel; for the
+among 1 (the table's unsplit kernel), 2, 4 or 8 programs per output block of 8, 16 or 32 rows (12 configurations per
+layer and kernel, their other tiles the table's; ``benchmarks/gpu_decode.py --gemv-tiles`` decodes on the fastest; for the
 4,096-output o and down projections, where the unsplit kernels read at 35-41% (8-bit) and 17-19% (4-bit) of the copy
 bandwidth in the sixth run)."""
 
@@ -278,7 +279,7 @@ def main() -> None:
             if "gemv_w8_split" in swept:  # the 8-bit kernel with K split among programs, on its first tiles
                 from infopt.quantize.triton_gemv import gemv_tiles
 
-                _, bk, warps, stages = gemv_tiles(n, k, 8)
+                _, bk, warps, stages, _ = gemv_tiles(n, k, 8)
                 for bn, split in itertools.product(SWEEP_SPLIT["block_n"], SWEEP_SPLIT["split"]):
                     for kernel in ("gemv_fp8",):  # the int8 kernel is the same code on other weights
                         record(doc["sweep"], measure(sets, args.rows, args.group_size, only=(kernel,),
@@ -287,7 +288,7 @@ def main() -> None:
             if "gemv_w4_split" in swept:  # the 4-bit kernel likewise
                 from infopt.quantize.triton_gemv import gemv_tiles
 
-                _, bk, warps, stages = gemv_tiles(n, k, 4, args.group_size)
+                _, bk, warps, stages, _ = gemv_tiles(n, k, 4, args.group_size)
                 for bn, split in itertools.product(SWEEP_SPLIT["block_n"], SWEEP_SPLIT["split"]):
                     record(doc["sweep"], measure(sets, args.rows, args.group_size, only=("gemv_int4",),
                                                  tiles4=(bn, bk, warps, stages, split)),

@@ -91,7 +91,8 @@ def test_ops_schema_fake_and_compile():
                                     (576, 576, 64), (1536, 576, 32), (192, 960, 32), (64, 256, 256)])
 def test_tile_table(n, k, gs):
     for bits in (8, 4):
-        bn, bk, warps, stages = gemv_tiles(n, k, bits, gs)
+        bn, bk, warps, stages, split = gemv_tiles(n, k, bits, gs)
+        assert split == 1  # the table never splits K
         for block in (bn, bk):
             assert block & (block - 1) == 0  # tl.arange takes powers of two
         assert -(-n // bn) >= 128 or bn == 4  # enough programs per row, unless the rows are too few
@@ -104,6 +105,26 @@ def test_tile_table(n, k, gs):
         gemv_tiles(64, 96, 4, 64)
     with pytest.raises(ValueError, match="group_size"):
         gemv_tiles(64, 96, 4, 1)
+
+
+def test_set_gemv_tiles_takes_measured_tiles_and_refuses_what_the_kernel_cannot_run():
+    try:
+        tg.set_gemv_tiles(4096, 14336, 4, (8, 512, 4, 3, 4), group_size=64)
+        assert gemv_tiles(4096, 14336, 4, 64) == (8, 512, 4, 3, 4)
+        assert gemv_tiles(4096, 14336, 4, 128) == (16, 512, 4, 3, 1)  # another group size: the table
+        tg.set_gemv_tiles(4096, 4096, 8, (32, 512, 8, 1))
+        assert gemv_tiles(4096, 4096, 8) == (32, 512, 8, 1, 1)  # split 1 when left out
+    finally:
+        tg.set_gemv_tiles(4096, 14336, 4, None, group_size=64)
+        tg.set_gemv_tiles(4096, 4096, 8, None)
+    assert gemv_tiles(4096, 14336, 4, 64) == (16, 512, 4, 3, 1) and gemv_tiles(4096, 4096, 8) == (16, 256, 4, 3, 1)
+    for bits, tiles, gs, match in [(6, (16, 256, 4, 3), None, "bits=6"), (8, (16, 256, 4), None, "tiles"),
+                                   (8, (12, 256, 4, 3), None, "powers of two"), (8, (16, 256, 0, 3), None, "positive"),
+                                   (4, (16, 32, 4, 3), 64, "multiple of group_size=64"),
+                                   (4, (16, 512, 4, 3), 48, "group_size")]:
+        with pytest.raises(ValueError, match=match):
+            tg.set_gemv_tiles(4096, 4096, bits, tiles, group_size=gs)
+    assert not tg._TUNED
 
 
 INTERPRETER_SCRIPT = r"""
@@ -218,6 +239,18 @@ for m, n, k, tiles in [(1, 40, 1024, (16, 128, 1, 1, 4)), (3, 24, 1000, (8, 64, 
     y1, y2 = tg.launch_w8(x, q, s, tiles), tg.launch_w8(x, q, s, tiles)
     rows.append([sqnr_db(x @ (q.float() * s[:, None]).T, y1), bool(torch.equal(y1, y2)),
                  int(tg._COUNTERS[x.device].abs().sum())])
+# tiles set for a shape reach the op's own launches (and leave with None): split four ways, its bits differ from
+# the table's unsplit sum and equal an explicit launch of the same tiles
+w = torch.randn(40, 1024, generator=g)
+q, s = (t.to(device) for t in quantize_int8_per_channel(w))
+x = torch.randn(1, 1024, generator=g).to(device)
+tg.set_gemv_tiles(40, 1024, 8, (16, 128, 1, 1, 4))
+y_set = tg.w8_gemv(x, q, s)
+tg.set_gemv_tiles(40, 1024, 8, None)
+y_table = tg.w8_gemv(x, q, s)
+rows.append([sqnr_db(x @ (q.float() * s[:, None]).T, y_set),
+             bool(torch.equal(y_set, tg.launch_w8(x, q, s, (16, 128, 1, 1, 4))) and not torch.equal(y_set, y_table)),
+             int(tg._COUNTERS[x.device].abs().sum())])
 for m, n, k, gs, tiles in [(1, 40, 1024, 64, (16, 128, 1, 1, 4)), (2, 24, 1088, 64, (8, 128, 1, 1, 3)),
                            (1, 4096, 4096, 64, (16, 512, 4, 3, 4))][: 2 + (device.type == "cuda")]:
     qw, so, *_ = w4_operands(n, k, gs, seed=n, device=device)
@@ -231,7 +264,8 @@ print(json.dumps(rows))
 
 def test_split_k_kernels(device):
     """The 8-bit and 4-bit kernels with K split among several programs per output block (what
-    ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` measures; no default uses it yet): the
+    ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` measures, and tiles set with
+    ``set_gemv_tiles`` reach the op with): the
     last program to arrive adds the partial
     sums in a fixed order, so the product is the exact one to fp32 rounding, two calls give the same bits, and every
     ticket counter is back at zero for the next call (or CUDA-graph replay); uneven K slices included. On CPU the
@@ -243,7 +277,7 @@ def test_split_k_kernels(device):
                          timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == (5 if device == "cpu" else 7)
+    assert len(rows) == (6 if device == "cpu" else 8)
     assert all(db > 100 and same and left == 0 for db, same, left in rows), rows
 
 
@@ -271,7 +305,7 @@ def test_kernels_compile_for_ampere_and_hopper_with_16_byte_weight_loads():
                             "cnt_ptr": "*i32"}, n, k, gs)
                       for n, k, gs in ((4096, 4096, 128), (14336, 4096, 32), (1536, 576, 64))]
             for kernel, ptrs, n, k, gs in cases:
-                bn, bk, warps, stages = gemv_tiles(n, k, 8 if gs is None else 4, gs)
+                bn, bk, warps, stages, _ = gemv_tiles(n, k, 8 if gs is None else 4, gs)
                 # whole, and split four ways along K on the 4,096-output layers (as gpu_gemv.py --sweep tries it)
                 split = 4 if n == 4096 else 1
                 const = {"K": k, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split,

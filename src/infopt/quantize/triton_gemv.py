@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from .primitives import unpack_int4
 from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
-__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "GEMV_MAX_ROWS",
+__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "set_gemv_tiles",
+           "GEMV_MAX_ROWS",
            "kernel_calls", "W8_DTYPES"]
 
 GEMV_MAX_ROWS = 8
@@ -236,20 +237,28 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[N, K]`` weight of ``bits`` (8 or 4) bits.
+_TUNED: dict[tuple[int, int, int, int | None], tuple[int, int, int, int, int]] = {}
+"""Tiles set with :func:`set_gemv_tiles`, by ``(N, K, bits, group_size or None)``."""
+
+
+def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for an ``[N, K]`` weight of ``bits`` (8 or 4) bits:
+    the tiles :func:`set_gemv_tiles` set for that shape, else the table below.
 
     A first table, not yet tuned on a GPU: 16 weight rows per program where that leaves at least 128 programs
     per activation row (else 8, then 4); chunks of 256 bytes per weight row (``BLOCK_K`` 256 for 8-bit weights, 512
     for 4-bit ones: a multiple of ``group_size``, whole groups per chunk), fewer for narrower layers; as many warps
-    (at most 4) as leave each thread 16 bytes of weight per load; 3 stages.
+    (at most 4) as leave each thread 16 bytes of weight per load; 3 stages; K not split (``split`` 1).
 
     Example:
         >>> gemv_tiles(4096, 4096, 8), gemv_tiles(4096, 4096, 4, 128), gemv_tiles(576, 576, 4, 64)
-        ((16, 256, 4, 3), (16, 512, 4, 3), (4, 512, 2, 3))
+        ((16, 256, 4, 3, 1), (16, 512, 4, 3, 1), (4, 512, 2, 3, 1))
     """
     if bits == 4 and (group_size is None or group_size <= 1 or group_size & (group_size - 1) or k % group_size):
         raise ValueError(f"gemv_tiles: 4-bit weights need a power-of-two group_size dividing K={k}, got {group_size}")
+    tuned = _TUNED.get((n, k, bits, group_size if bits == 4 else None))
+    if tuned is not None:
+        return tuned
     block_n = next((b for b in (16, 8) if -(-n // b) >= 128), 4)
     if bits == 8:
         block_k = min(256, max(16, 1 << (max(1, k) - 1).bit_length()))
@@ -257,7 +266,40 @@ def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None) -> tupl
         block_k = max(group_size, min(512, 1 << (k - 1).bit_length()))
     row_bytes = block_k * bits // 8
     warps = max(1, min(4, block_n * row_bytes // (32 * 16)))
-    return block_n, block_k, warps, 3
+    return block_n, block_k, warps, 3, 1
+
+
+def set_gemv_tiles(n: int, k: int, bits: int, tiles: tuple[int, ...] | None, group_size: int | None = None) -> None:
+    """Launch every product on an ``[n, k]`` weight of ``bits`` bits (4-bit: of ``group_size``) with ``tiles``
+    ``(BLOCK_N, BLOCK_K, num_warps, num_stages[, split])`` from now on, or with ``tiles=None`` by the table again:
+    for tiles measured on a device (``benchmarks/gpu_gemv.py --sweep``). Steps already captured in a CUDA graph keep
+    the tiles they were captured with.
+
+    Raises:
+        ValueError: ``bits`` not 4 or 8; tiles that are not 4 or 5 positive ints, a ``BLOCK_N`` or ``BLOCK_K`` that is
+            not a power of two (``tl.arange`` takes those only), a 4-bit ``BLOCK_K`` that is not a whole number of
+            groups.
+
+    Example:
+        >>> set_gemv_tiles(4096, 4096, 8, (8, 256, 4, 3, 4)); gemv_tiles(4096, 4096, 8)
+        (8, 256, 4, 3, 4)
+        >>> set_gemv_tiles(4096, 4096, 8, None); gemv_tiles(4096, 4096, 8)
+        (16, 256, 4, 3, 1)
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"set_gemv_tiles: bits={bits}; allowed: 8 (w8_gemv) or 4 (w4_gemv)")
+    gemv_tiles(n, k, bits, group_size)  # the group size's own check
+    key = (n, k, bits, group_size if bits == 4 else None)
+    if tiles is None:
+        _TUNED.pop(key, None)
+        return
+    tiles = tuple(tiles)
+    if (len(tiles) not in (4, 5) or not all(isinstance(t, int) and t > 0 for t in tiles)
+            or any(b & (b - 1) for b in tiles[:2]) or (bits == 4 and tiles[1] % group_size)):
+        raise ValueError(f"set_gemv_tiles: tiles {tiles}; allowed: (BLOCK_N, BLOCK_K, num_warps, num_stages[, split]) "
+                         "of positive ints, BLOCK_N and BLOCK_K powers of two"
+                         + (f", BLOCK_K a multiple of group_size={group_size}" if bits == 4 else ""))
+    _TUNED[key] = (*tiles, 1)[:5]
 
 
 def _check_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -312,7 +354,7 @@ def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """Run the 8-bit kernel on checked operands (``x2 [M, K]`` with unit column stride): what :func:`w8_gemv` calls,
     and ``benchmarks/gpu_gemv.py`` with its own ``tiles`` (``(BLOCK_N, BLOCK_K, num_warps, num_stages[, split])``:
     ``split`` > 1 divides K among that many programs per output block, whose partial sums one of them adds in a
-    fixed order; not yet measured on a GPU, so :func:`gemv_tiles` never chooses it)."""
+    fixed order; the table never chooses it, :func:`set_gemv_tiles` may)."""
     n, k = weight.shape
     bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8)
     return _launch_split(_kernels()[0], x2, n, k, bn, bk, rest[0] if rest else 1, (weight, scale),
