@@ -146,8 +146,9 @@ def test_a_fused_model_saves_and_loads_in_plain_transformers(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [None, {"method": "int8"}, {"method": "int8", "cuda_kernel": "gemv"},
-                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"}],
-                         ids=["float", "int8", "int8-gemv", "int4-gemv"])
+                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"},
+                                   {"method": "fp8", "activations": "none"}],
+                         ids=["float", "int8", "int8-gemv", "int4-gemv", "fp8-wo"])
 def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens(quant):
     """On CUDA the point of fusing is the kernel count: per decode token the fused step launches fewer kernels
     (two matmuls per layer where there were five), with the same greedy tokens (fp32, TF32 off); for float and for
@@ -201,17 +202,28 @@ def test_gradients_reach_each_fused_and_packed_weight():
 
 
 @pytest.mark.parametrize("quant", [{"method": "int8"}, {"method": "int8", "compute_dtype": "bfloat16"},
-                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"}],
-                         ids=["int8-f32", "int8-bf16", "int4-gemv"])
+                                   {"method": "int4", "group_size": 32, "cuda_kernel": "gemv"},
+                                   {"method": "fp8", "activations": "none"}, {"method": "fp8"}],
+                         ids=["int8-f32", "int8-bf16", "int4-gemv", "fp8-wo", "fp8-dynamic"])
 def test_quantized_projections_fuse_into_one_layer_of_their_class(quant):
-    """Per-channel int8 layers and int4 layers in the gemv layout: codes and scales move into shared buffers (the
+    """Per-channel int8 layers, int4 layers in the gemv layout and per-row FP8 layers: codes and scales move into shared buffers (the
     layers' become views), one hidden layer of the class computes the group; outputs, state_dict and undo as
     before; a load into the layers is seen (in place) or refused and fused again (new tensors)."""
     from infopt.compile.fuse import QuantizedFusedGroup
 
     ref, m = tiny_model(), tiny_model()
-    infopt.optimize(ref, [{"quantize": quant}])
-    infopt.optimize(m, [{"quantize": quant}])
+    for model in (ref, m):
+        if quant["method"] == "fp8":  # the quantize step refuses FP8 on CPU (no fp8 matmul): the layers directly
+            from infopt.quantize.fp8 import FP8Linear
+
+            for layer in model.model.layers:
+                for parent in (layer.self_attn, layer.mlp):
+                    for name, child in list(parent.named_children()):
+                        if isinstance(child, torch.nn.Linear):
+                            setattr(parent, name, FP8Linear.from_float(child, activations=quant.get("activations",
+                                                                                                    "dynamic")))
+        else:
+            infopt.optimize(model, [{"quantize": quant}])
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with torch.no_grad():
         want = ref(IDS).logits

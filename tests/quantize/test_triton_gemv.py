@@ -107,6 +107,33 @@ def test_tile_table(n, k, gs):
         gemv_tiles(64, 96, 4, 1)
 
 
+def test_hopper_rule_gives_the_tiles_the_h200_sweep_found_fastest():
+    """On sm_90 parts (``sms`` given) the rule splits K on the 8B Llama's 4,096-output layers as the seventh lane
+    run's sweep found fastest at one row (``benchmarks/results/gpu/2026-11-28-h200-seventh-run-gemv.json``), keeps
+    16 unsplit rows where there are programs enough, and leaves layers under 16M weights to the first table."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "gpu",
+                        "2026-11-28-h200-seventh-run-gemv.json")
+    with open(path) as f:
+        sweep = json.load(f)["sweep"]
+    best = {}
+    for r in sweep:
+        if r.get("rows") == 1 and "gbs" in r:
+            key = (r["n"], r["k"], 4 if r["kernel"] == "gemv_int4" else 8)
+            if key not in best or r["gbs"] > best[key]["gbs"]:
+                best[key] = r
+    for n, k in ((4096, 4096), (4096, 14336)):  # o: both widths; down: the 8-bit kernel (4-bit: a tie within 1%)
+        assert gemv_tiles(n, k, 8, sms=132) == tuple(best[(n, k, 8)]["tiles"])
+    assert gemv_tiles(4096, 4096, 4, 64, sms=132) == tuple(best[(4096, 4096, 4)]["tiles"])
+    for (n, k, bits), r in best.items():  # elsewhere within 15% of the fastest tile measured
+        mine = gemv_tiles(n, k, bits, 64 if bits == 4 else None, sms=132)
+        got = next(x["gbs"] for x in sweep if x.get("rows") == 1 and x["n"] == n and x["k"] == k
+                   and (x["kernel"] == "gemv_int4") == (bits == 4) and tuple(x["tiles"]) == mine)
+        assert got >= 0.85 * r["gbs"], (n, k, bits, mine, got, r)
+    assert gemv_tiles(28672, 4096, 8, sms=132)[::4] == (16, 1)  # gate/up: 1,792 blocks of 16 rows, unsplit
+    assert gemv_tiles(1024, 4096, 8, sms=132) == gemv_tiles(1024, 4096, 8)  # under 16M weights: the first table
+    assert tg._sms(torch.device("cpu")) is None
+
+
 def test_set_gemv_tiles_takes_measured_tiles_and_refuses_what_the_kernel_cannot_run():
     try:
         tg.set_gemv_tiles(4096, 14336, 4, (8, 512, 4, 3, 4), group_size=64)

@@ -24,8 +24,8 @@ How it stays invisible to everything else:
   prompt eagerly first, so the check runs once per ``generate`` call.
 
 Quantized layers fuse the same way where one layer of their class can compute the group (:class:`QuantizedFusedGroup`:
-per-channel ``Int8Linear`` with float activations, ``Int4Linear`` in the ``gemv`` layout): their code and scale
-buffers move into shared buffers, and a hidden layer of the class over those buffers runs whichever kernel the class
+per-channel ``Int8Linear`` with float activations, ``Int4Linear`` in the ``gemv`` layout, ``FP8Linear`` with
+per-row scales, weight-only or not): their code and scale buffers move into shared buffers, and a hidden layer of the class over those buffers runs whichever kernel the class
 picks for the call. Int4 layers in the CPU and tinygemm kernels' packed layouts (whose rows do not concatenate) and
 int8-activation layers (fused by :mod:`infopt.compile.passes` in the compiled graph) stay as they are.
 
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
+from ..quantize.fp8 import FP8Linear
 from ..quantize.int4 import Int4Linear
 from ..quantize.int8 import Int8Linear
 from .packed import usable as packed_usable
@@ -186,8 +187,8 @@ class FusedGroup:
 
 
 class QuantizedFusedGroup(FusedGroup):
-    """One group of sibling quantized layers of one class (per-channel ``Int8Linear`` with float activations, or
-    ``Int4Linear`` in the ``gemv`` layout): each of their code and scale buffers moves into one buffer, back to back
+    """One group of sibling quantized layers of one class (per-channel ``Int8Linear`` with float activations,
+    ``Int4Linear`` in the ``gemv`` layout, per-row ``FP8Linear``): each of their code and scale buffers moves into one buffer, back to back
     (theirs become views), and one hidden layer of the same class over those buffers computes the group's output, so
     every kernel path of that class serves the fused call. ``weight`` is None (nothing here is packed)."""
 
@@ -218,6 +219,8 @@ def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
         return ("weight_int8", "weight_scale")
     if type(m) is Int4Linear and m.layout == "gemv" and m.in_perm is None and m.weight_dense is None:
         return ("qweight", "scale_offset")
+    if type(m) is FP8Linear and m.granularity == "row":  # one scale per output row: rows concatenate
+        return ("weight_fp8", "weight_scale")
     return None
 
 
@@ -228,6 +231,11 @@ def _like(first: nn.Module, out_features: int, tensors: dict[str, torch.Tensor],
         new = Int8Linear(first.in_features, out_features, bias=bias is not None, dtype=first.out_dtype,
                          compute_dtype=first.compute_dtype, device="meta")
         new.cuda_kernel = first.cuda_kernel
+    elif isinstance(first, FP8Linear):
+        new = FP8Linear(first.in_features, out_features, bias=bias is not None,
+                        dtype=bias.dtype if bias is not None else torch.float32, granularity=first.granularity,
+                        activations=first.activations, device="meta")
+        new.kernel = first.kernel
     else:
         new = Int4Linear(first.in_features, out_features, first.group_size, bias=bias is not None,
                          dtype=first.out_dtype, device="meta", layout=first.layout)
@@ -281,7 +289,8 @@ def _eligible_quantized(layers: list) -> tuple[str, ...] | None:
     if tensors is None or any(type(m) is not type(layers[0]) or _quantized_tensors(m) != tensors for m in layers):
         return None
     first = layers[0]
-    keys = ("in_features", "out_dtype", "compute_dtype", "cuda_kernel", "group_size", "layout")
+    keys = ("in_features", "out_dtype", "compute_dtype", "cuda_kernel", "group_size", "layout", "granularity",
+            "activations", "kernel")
     if any(getattr(m, k, None) != getattr(first, k, None) for m in layers for k in keys):
         return None
     device = getattr(first, tensors[0]).device

@@ -37,6 +37,7 @@ the kernel does not take, they compute their reference (dequantize, then ``F.lin
 # no `from __future__ import annotations`: torch.library.custom_op reads the op's schema from real annotations
 
 import functools
+import math
 import warnings
 
 import torch
@@ -241,32 +242,64 @@ _TUNED: dict[tuple[int, int, int, int | None], tuple[int, int, int, int, int]] =
 """Tiles set with :func:`set_gemv_tiles`, by ``(N, K, bits, group_size or None)``."""
 
 
-def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None) -> tuple[int, int, int, int, int]:
+def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None, sms: int | None = None
+               ) -> tuple[int, int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, split)`` for an ``[N, K]`` weight of ``bits`` (8 or 4) bits:
-    the tiles :func:`set_gemv_tiles` set for that shape, else the table below.
+    the tiles :func:`set_gemv_tiles` set for that shape, else the rule below.
 
-    A first table, not yet tuned on a GPU: 16 weight rows per program where that leaves at least 128 programs
-    per activation row (else 8, then 4); chunks of 256 bytes per weight row (``BLOCK_K`` 256 for 8-bit weights, 512
-    for 4-bit ones: a multiple of ``group_size``, whole groups per chunk), fewer for narrower layers; as many warps
-    (at most 4) as leave each thread 16 bytes of weight per load; 3 stages; K not split (``split`` 1).
+    Chunks of 256 bytes per weight row (``BLOCK_K`` 256 for 8-bit weights, 512 for 4-bit ones: a multiple of
+    ``group_size``, whole groups per chunk), fewer for narrower layers; as many warps (at most 4) as leave each thread
+    16 bytes of weight per load; 3 stages. Output rows per program and K split:
+
+    - ``sms`` given (a Hopper part's streaming multiprocessors; what the kernels' launch passes on sm_90) and at
+      least 16M weights (4096 x 4096; smaller layers as below): measured on an H200 (the seventh GPU lane run, ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` on an
+      8B Llama's layers): 16 rows unsplit where that makes at least 4 programs per SM (gate/up), else 32 rows with K
+      split among 2, 4 or 8 programs, the power of two nearest to 3 programs per SM (o and down: split 4, the fastest
+      of the 12 tiles swept at one row, the 8-bit kernel from 35-41% of the copy bandwidth to 50-72%; q/k/v: 2);
+    - otherwise (not measured): 16 rows where that leaves at least 128 programs per activation row (else 8, then 4),
+      K not split.
 
     Example:
         >>> gemv_tiles(4096, 4096, 8), gemv_tiles(4096, 4096, 4, 128), gemv_tiles(576, 576, 4, 64)
         ((16, 256, 4, 3, 1), (16, 512, 4, 3, 1), (4, 512, 2, 3, 1))
+        >>> gemv_tiles(4096, 4096, 8, sms=132), gemv_tiles(6144, 4096, 4, 64, sms=132)
+        ((32, 256, 4, 3, 4), (32, 512, 4, 3, 2))
     """
     if bits == 4 and (group_size is None or group_size <= 1 or group_size & (group_size - 1) or k % group_size):
         raise ValueError(f"gemv_tiles: 4-bit weights need a power-of-two group_size dividing K={k}, got {group_size}")
     tuned = _TUNED.get((n, k, bits, group_size if bits == 4 else None))
     if tuned is not None:
         return tuned
-    block_n = next((b for b in (16, 8) if -(-n // b) >= 128), 4)
     if bits == 8:
         block_k = min(256, max(16, 1 << (max(1, k) - 1).bit_length()))
     else:  # at least one group, at most 512 weights unless a group is longer, no more than K needs
         block_k = max(group_size, min(512, 1 << (k - 1).bit_length()))
+    split = 1
+    if sms and n * k >= 1 << 24:
+        block_n = 16 if -(-n // 16) >= 4 * sms else 32
+        if block_n == 32:
+            want = 3 * sms / -(-n // 32)  # programs per output block for about 3 per SM
+            split = min(8, max(1, 1 << max(0, round(math.log2(want))))) if want > 1 else 1
+            split = min(split, _pow2_floor(k // block_k))  # at least one chunk per program
+    else:
+        block_n = next((b for b in (16, 8) if -(-n // b) >= 128), 4)
     row_bytes = block_k * bits // 8
     warps = max(1, min(4, block_n * row_bytes // (32 * 16)))
-    return block_n, block_k, warps, 3, 1
+    return block_n, block_k, warps, 3, split
+
+
+@functools.cache
+def _hopper_sms(index: int) -> int | None:
+    """Streaming multiprocessors of CUDA device ``index`` if it is an sm_90 part (where the split-K rule of
+    :func:`gemv_tiles` was measured), else None."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count if (props.major, props.minor) == (9, 0) else None
+
+
+def _sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return _hopper_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def set_gemv_tiles(n: int, k: int, bits: int, tiles: tuple[int, ...] | None, group_size: int | None = None) -> None:
@@ -354,9 +387,9 @@ def launch_w8(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """Run the 8-bit kernel on checked operands (``x2 [M, K]`` with unit column stride): what :func:`w8_gemv` calls,
     and ``benchmarks/gpu_gemv.py`` with its own ``tiles`` (``(BLOCK_N, BLOCK_K, num_warps, num_stages[, split])``:
     ``split`` > 1 divides K among that many programs per output block, whose partial sums one of them adds in a
-    fixed order; the table never chooses it, :func:`set_gemv_tiles` may)."""
+    fixed order: :func:`gemv_tiles` chooses it on sm_90 parts, :func:`set_gemv_tiles` anywhere)."""
     n, k = weight.shape
-    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8)
+    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 8, sms=_sms(x2.device))
     return _launch_split(_kernels()[0], x2, n, k, bn, bk, rest[0] if rest else 1, (weight, scale),
                          {"num_warps": warps, "num_stages": stages})
 
@@ -366,7 +399,7 @@ def launch_w4(x2: torch.Tensor, qweight: torch.Tensor, scale_offset: torch.Tenso
     """The 4-bit kernel's counterpart of :func:`launch_w8` (``BLOCK_K`` a multiple of ``group_size`` dividing K; the
     same optional ``split``)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 4, group_size)
+    bn, bk, warps, stages, *rest = tiles or gemv_tiles(n, k, 4, group_size, sms=_sms(x2.device))
     return _launch_split(_kernels()[1], x2, n, k, bn, bk, rest[0] if rest else 1, (qweight, scale_offset),
                          {"GS": group_size, "num_warps": warps, "num_stages": stages})
 
