@@ -21,13 +21,14 @@ what counts is keeping enough weight bytes in flight, so each program streams ``
 groups, so each group's scale multiplies a partial sum (``s * sum(c * x) + (offset - 8 s) * sum(x)``), not every
 weight.
 
-**Measured once on a GPU, and short of the mark.** On an H200 (the fifth GPU lane run,
-``benchmarks/results/gpu/2026-11-27-h200-fifth-run.json``), at one row on an 8B Llama's q/k/v and o layers, the
-8-bit kernel read its weights at 30-50% of the device's copy bandwidth (fp8 35-50%, int8 30-44%; cuBLAS bf16 59-75%)
-and the 4-bit one at 17-23% (tinygemm 31-34%); batch-1 decode of the 8B model: FP8 weight-only 1.015x ``gpu-fast``
-in bf16, int4 0.92x (tinygemm 1.21x). The tile table below was never swept on a device (``benchmarks/gpu_gemv.py
---sweep``). The kernels are checked here in Triton's CPU interpreter (numerics against the references). They stay
-opt-in: nothing in infopt calls them by default.
+**Measured on a GPU, and short of the mark for 4 bits.** On an H200, at one row on an 8B Llama's layers, the 8-bit
+kernel unsplit read its weights at 35-85% of the device's copy bandwidth (cuBLAS bf16 63-89%), the 4-bit one at
+17-36% (tinygemm 30-44%). Splitting K among programs (the seventh GPU lane run,
+``benchmarks/results/gpu/2026-11-28-h200-seventh-run-gemv.json``) lifts the 8-bit kernel on the 4,096-output layers
+from 35% to 50% (o) and 39% to 72% (down), the 4-bit one only to 23% and 30%: :func:`gemv_tiles` splits on sm_90
+parts by that sweep. Batch-1 decode of the 8B model with FP8 weight-only layers: 1.08x ``gpu-fast`` in bf16 on the
+swept tiles, 0.92x on the unsplit ones (same process). The kernels are checked here in Triton's CPU interpreter
+(numerics against the references). They stay opt-in: nothing in infopt calls them by default.
 
 Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces each as one call and
 CUDA graphs capture its launch. Without Triton, on a CPU (unless ``TRITON_INTERPRET=1``), or for an activation dtype
