@@ -6,6 +6,10 @@ and second call's seconds, and the compiles since the warm-up; ``--fixed`` runs 
 for comparison, in the same process.
 
 Usage: python benchmarks/cache_buckets.py [--recipe cpu-fast] [--prompts 40 300 700] [--new-tokens 64] [--fixed]
+    [--json out.json]
+
+Run it with an empty ``INFOPT_CACHE_DIR`` (``INFOPT_CACHE_DIR=$(mktemp -d) python benchmarks/cache_buckets.py ...``):
+packages cached on disk by an earlier run would spare the fixed-length model its compiles.
 """
 
 import argparse
@@ -25,6 +29,7 @@ p.add_argument("--recipe", default="cpu-fast")
 p.add_argument("--prompts", type=int, nargs="+", default=[40, 300, 700])
 p.add_argument("--new-tokens", type=int, default=64)
 p.add_argument("--fixed", action="store_true", help="also a model whose packages fix the cache length (the old way)")
+p.add_argument("--json", default=None)
 args = p.parse_args()
 
 
@@ -64,4 +69,11 @@ for name in (("symbolic", "fixed") if args.fixed else ("symbolic",)):
                      "second_s": round(second, 2), "compiles_after_warmup": stats.compiles_after_warmup})
         print(name, rows[-1], flush=True)
     results[name] = {"apply_s": round(apply_s, 1), "shapes": compile_stats(model).shapes, "calls": rows}
-print(json.dumps(results, indent=1))
+from infopt.bench import machine_info  # noqa: E402
+
+doc = {"machine": machine_info("cpu"), "recipe": args.recipe, "new_tokens": args.new_tokens, "threads":
+       torch.get_num_threads(), **results}
+print(json.dumps(doc, indent=1))
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
