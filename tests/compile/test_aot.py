@@ -285,6 +285,27 @@ def test_the_package_cache_drops_the_packages_used_longest_ago(tmp_path, monkeyp
 
 
 @needs_aot
+def test_one_package_serves_every_batch_from_two_rows(aot_cache):
+    """Exported at two rows, the package keeps the batch symbolic too (``Dim`` from 2): batches of 2, 3 and 4, padded
+    or not, in two cache buckets, run the warm-up's two packages, token-identical, exporting nothing more."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(pack_linears=False, aot=True, warmup_batch_sizes=(1, 2))])
+    stats = compile_stats(m)
+    assert stats.aot == 2 and not stats.aot_failed
+    assert stats.shapes == ["batch 1, any cache length, unpadded", "any batch from 2, any cache length, padded"]
+    fwd = decoder_for(m).forward_for(m)
+    assert [s.fn.free_batch for s in fwd._fns.values()] == [False, True]
+    g = torch.Generator().manual_seed(3)
+    for rows, length, pad in ((3, 7, 2), (4, 5, 0), (2, 270, 1)):
+        ids = torch.randint(3, 1000, (rows, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[-1, :pad] = 0
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw)), (rows, length, pad)
+    assert stats.compiles == 2 and stats.compiles_after_warmup == 0 and not stats.eager_shapes
+    assert len(list(aot_cache.glob("*.pt2"))) == 2
+
+
 def test_one_package_serves_every_cache_bucket(aot_cache):
     """The exported step keeps the cache length symbolic (in whole buckets): calls that reach the 512 bucket
     run the warm-up's package, export nothing, and stay token-identical; a cache of another length (a capped last

@@ -52,7 +52,8 @@ from ..kvcache.static import BUCKET
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "local_key", "find_indexed",
+           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free",
+           "free_dims", "local_key", "find_indexed",
            "index_package", "fingerprint"]
 
 
@@ -188,6 +189,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     t0 = time.perf_counter()
     padded = bool(key[3])
     free = fwd.is_free(key)
+    rows = batch_free(key, free)
     cache = args[4]
     tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
     module = _StepModule(fwd, cache, padded)
@@ -195,12 +197,14 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     dynamic = None
     if free:  # one symbolic cache length: the mask's width and the keys' and values' dimension 2. In 16-slot blocks
         # (the static attention kernel's; calls bring whole 256-slot buckets), from one bucket up: a derived size whose
-        # root is not 1 at the traced length, which export would specialize
+        # root is not 1 at the traced length, which export would specialize. From two rows up, one symbolic batch too:
+        # dimension 0 of the ids, positions, mask, keys and values
         blocks = BUCKET // 16
         length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
-        rest = ({1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
-        dynamic = (None, None, None, rest + tuple(None if length_dim(t) is None else {length_dim(t): length}
-                                                  for t in tensors))
+        batch = {0: torch.export.Dim("batch", min=2, max=1 << 12)} if rows else {}
+        rest = ({**batch, 1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
+        dynamic = (batch or None, batch or None, None,
+                   rest + tuple(None if length_dim(t) is None else {**batch, length_dim(t): length} for t in tensors))
     with torch.no_grad(), _torch_internal_notices():
         ep = torch.export.export(module, flat, dynamic_shapes=dynamic, strict=False)
     _constants_as_buffers(ep)
@@ -234,7 +238,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
                            f"{sorted(missing)[:5]}")
     weights = {k: constants[k] for k in wanted}
     runner.load_constants(weights, check_full_update=True, user_managed=True)
-    step = AotStep(runner, padded, weights, cache_sig(cache, free), path, free=free)
+    step = AotStep(runner, padded, weights, cache_sig(cache, free, rows), path, free=free, free_batch=rows)
     return step, time.perf_counter() - t0, cached
 
 
@@ -253,11 +257,13 @@ class AotStep:
             compiled for (:func:`cache_sig`).
         path: the package's file (kept with a saved model).
         free: the package keeps the cache length symbolic (any length serves).
+        free_batch: and its batch (any batch from two rows).
     """
 
     def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache_sig: list[tuple],
-                 path: Path | None = None, free: bool = False):
+                 path: Path | None = None, free: bool = False, free_batch: bool = False):
         self.runner, self.padded, self.constants, self.path, self.free = runner, padded, constants, path, free
+        self.free_batch = free and free_batch
         self._sig = list(cache_sig)
         self._slots: list = []
         self._tensors: list = []
@@ -269,7 +275,7 @@ class AotStep:
         if id(cache) != self._cache_id or any(getattr(o, n) is not t for (o, n), t in zip(self._slots, tensors, strict=True)):
             slots = cache_slots(cache)
             now = [getattr(o, n) for o, n in slots]
-            if cache_sig(cache, self.free) != self._sig or (self.free and any(
+            if cache_sig(cache, self.free, self.free_batch) != self._sig or (self.free and any(
                     length_dim(t) is not None and t.shape[length_dim(t)] % BUCKET for t in now)):
                 raise RuntimeError("the static cache's tensors differ from those the AOTInductor package was compiled "
                                    "for (dtype, shape or strides)")
@@ -288,7 +294,7 @@ class AotStep:
             if id(t) not in names:
                 return None
             constants[fqn] = names[id(t)]
-        return {"constants": constants, "padded": self.padded, "free_length": self.free,
+        return {"constants": constants, "padded": self.padded, "free_length": self.free, "free_batch": self.free_batch,
                 "cache": [[str(d).removeprefix("torch."), str(dev), list(shape), None if stride is None else list(stride)]
                           for d, dev, shape, stride in self._sig]}
 
@@ -308,7 +314,8 @@ def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
     runner.load_constants(constants, check_full_update=True, user_managed=True)
     sig = [(getattr(torch, d), torch.device(dev), tuple(shape), None if stride is None else tuple(stride))
            for d, dev, shape, stride in form["cache"]]
-    return AotStep(runner, bool(form["padded"]), constants, sig, path, free=bool(form.get("free_length", False)))
+    return AotStep(runner, bool(form["padded"]), constants, sig, path, free=bool(form.get("free_length", False)),
+                   free_batch=bool(form.get("free_batch", False)))
 
 
 def _is_param(model: nn.Module, name: str) -> bool:
@@ -316,17 +323,18 @@ def _is_param(model: nn.Module, name: str) -> bool:
     return leaf in (model.get_submodule(owner) if owner else model)._parameters
 
 
-def tensor_sig(t: torch.Tensor | None, free: int | None = None) -> tuple | None:
+def tensor_sig(t: torch.Tensor | None, free: int | tuple[int, ...] | None = None) -> tuple | None:
     """What a compiled step assumes of a tensor argument: ``(dtype, device, shape, strides)``; None for None.
 
-    ``free``: a dimension the step keeps symbolic (the cache length): its size is left out (None), and so are the
-    strides of a contiguous tensor, which follow from its shape.
+    ``free``: the dimension or dimensions the step keeps symbolic (the cache length, the batch): their sizes are left
+    out (None), and so are the strides of a contiguous tensor, which follow from its shape.
     """
     if t is None:
         return None
     if free is None:
         return (t.dtype, t.device, tuple(t.shape), t.stride())
-    shape = tuple(None if d == free else n for d, n in enumerate(t.shape))
+    dims = (free,) if isinstance(free, int) else free
+    shape = tuple(None if d in dims else n for d, n in enumerate(t.shape))
     return (t.dtype, t.device, shape, None if t.is_contiguous() else t.stride())
 
 
@@ -336,16 +344,36 @@ def length_dim(t: torch.Tensor) -> int | None:
     return 2 if t.dim() == 4 else None
 
 
-def cache_sig(cache, free: bool) -> list[tuple]:
+def batch_free(key: tuple, free: bool) -> bool:
+    """Whether a step of shape ``key`` (``(batch, token bucket, cache length, padded)``) that keeps the cache length
+    symbolic (``free``) keeps its batch symbolic too: from two rows up, one graph for every batch size (a trace at one
+    row fixes it: torch specializes sizes 0 and 1)."""
+    return free and key[0] >= 2
+
+
+def free_dims(t: torch.Tensor, batch: bool) -> tuple[int, ...] | None:
+    """The dimensions of a static cache tensor that a free step keeps symbolic: its length (:func:`length_dim`) and,
+    with ``batch``, its rows (dimension 0 of the keys and values); None for a tensor with neither."""
+    d = length_dim(t)
+    if d is None:
+        return None
+    return (0, d) if batch else (d,)
+
+
+def cache_sig(cache, free: bool, batch: bool = False) -> list[tuple]:
     """:func:`tensor_sig` of each of the cache's tensors (:func:`cache_slots` order); ``free``: for a step that keeps
-    the cache length (:func:`length_dim`) symbolic."""
-    return [tensor_sig(t, length_dim(t) if free else None) for t in (getattr(o, n) for o, n in cache_slots(cache))]
+    the cache length (:func:`length_dim`) symbolic, ``batch``: and its batch (:func:`batch_free`)."""
+    return [tensor_sig(t, free_dims(t, batch) if free else None)
+            for t in (getattr(o, n) for o, n in cache_slots(cache))]
 
 
-def args_sig(args: tuple, free: bool) -> tuple:
+def args_sig(args: tuple, free: bool, batch: bool = False) -> tuple:
     """:func:`tensor_sig` of a decode step's four tensor arguments (token ids, positions, cache positions, attention
-    mask); ``free``: the mask's width, the cache length, left out."""
-    return tuple(tensor_sig(a, 1 if free and i == 3 else None) for i, a in enumerate(args[:4]))
+    mask); ``free``: the mask's width, the cache length, left out; ``batch``: the rows of the ids, positions and mask
+    too."""
+    rows = (0,) if free and batch else None
+    dims = (rows, rows, None, ((0, 1) if rows else (1,)) if free else None)
+    return tuple(tensor_sig(a, d) for a, d in zip(args[:4], dims, strict=True))
 
 
 def fingerprint(model: nn.Module) -> dict[str, Any]:
@@ -448,11 +476,12 @@ def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint
     h.update(_source_hash().encode())
     h.update(_describe_model(fwd.model))
     free = fwd.is_free(key)
-    if free:  # the package serves every cache length: the length it is traced at is no part of it
-        key = (*key[:2], None, *key[3:])
-    h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free))).encode())
+    rows = batch_free(key, free)
+    if free:  # the package serves every cache length (and batch from 2): what it is traced at is no part of it
+        key = ("2+" if rows else key[0], key[1], None, *key[3:])
+    h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free, rows))).encode())
     h.update(repr([(type(o).__qualname__, n) for o, n in cache_slots(args[4])]).encode())
-    h.update(repr(cache_sig(args[4], free)).encode())
+    h.update(repr(cache_sig(args[4], free, rows)).encode())
     h.update(json.dumps({k: v.uuid().hex() if hasattr(v, "uuid") else repr(v) for k, v in sorted(options.items())}
                         ).encode())
     h.update(json.dumps(fingerprint, sort_keys=True).encode())

@@ -29,12 +29,13 @@ from ..kvcache.static import BUCKET
 from . import aot  # by module: a test replaces aot.export_step
 from .aot import (
     aot_available,
+    batch_free,
     find_indexed,
     fingerprint,
     index_package,
     local_key,
 )
-from .guard_free import GuardFreeStep, _GraphNotHeld, _shape_name, isolated_compile, mark_free_length, weak_backend
+from .guard_free import GuardFreeStep, _GraphNotHeld, _shape_name, isolated_compile, mark_free_sizes, weak_backend
 
 log = logging.getLogger("infopt.compile")
 
@@ -213,8 +214,8 @@ class CompiledForward(Forward):
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
         # Where shapes compile guard-free (Inductor on CPU), each graph or AOTInductor package keeps the cache length
-        # symbolic and serves every whole bucket: (batch, token bucket, padded) -> the key of the graph made for it,
-        # whose length is the one it was traced at. torch.export proves a package for every length it declares, or
+        # symbolic and serves every whole bucket, and from two rows up the batch too: (1 or 2 for "two rows or more",
+        # token bucket, padded) -> the key of the graph made for it, whose length and batch are those it was traced at. torch.export proves a package for every length it declares, or
         # fails; a torch.compile graph keeps the guards on its arguments, so a length its trace fixed recompiles
         # instead of running it. Either way the model fixes the length: _fix_length, one graph per bucket. Not on
         # CUDA, whose graphs are captured per shape.
@@ -232,8 +233,9 @@ class CompiledForward(Forward):
 
     def is_free(self, key: tuple) -> bool:
         """Whether shape ``key``'s graph keeps the cache length symbolic, serving every length that is a multiple of
-        the static cache's 256-token bucket (a capped last bucket of another length has a graph of its own)."""
-        return self.free_length and self._classes.get((key[0], key[1], key[3])) == key
+        the static cache's 256-token bucket (a capped last bucket of another length has a graph of its own), and,
+        traced at two rows or more, the batch (:func:`~infopt.compile.aot.batch_free`)."""
+        return self.free_length and self._classes.get(_class(key)) == key
 
     def name(self, key: tuple) -> str:
         """The shape ``key`` in words, as :class:`CompileStats` lists it."""
@@ -256,10 +258,10 @@ class CompiledForward(Forward):
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
-        if self.is_free(key) and (n > 1 or not any(_symbolic(x) for x in example_inputs)):
-            # a graph that does not serve every length: it fixed the length (the guards on the arguments sent another
-            # length to a recompile) or traced no symbolic size at all
-            raise _LengthFixed("the traced decode step fixes the static cache's length")
+        if self.is_free(key) and (n > 1 or len(_free_symbols(example_inputs)) < (2 if batch_free(key, True) else 1)):
+            # a graph that does not serve every length (or batch): it fixed one (the guards on the arguments sent
+            # another to a recompile) or traced fewer symbolic sizes than were marked
+            raise _LengthFixed("the traced decode step fixes the static cache's length or the batch")
         self._note_cold(key)
         t0 = time.perf_counter()
         cfg = self.config
@@ -421,6 +423,9 @@ class CompiledForward(Forward):
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], dim=1)
             cache_position = torch.cat([cache_position, cache_position[-1:] + more])
+        if attention_mask is None and B >= 2 and self.free_length:
+            # several rows, none padded: the padded graph on a mask of ones, so that one graph serves every batch
+            attention_mask = input_ids.new_ones(B, length)
         if attention_mask is not None and attention_mask.shape[1] != length:  # [B, length]: one width per graph
             wide = attention_mask.new_ones(B, length)
             w = min(length, attention_mask.shape[1])
@@ -428,7 +433,7 @@ class CompiledForward(Forward):
             attention_mask = wide
         key = (B, kb, length, attention_mask is not None)
         if self.free_length and length % BUCKET == 0:
-            key = self._classes.setdefault((B, kb, key[3]), key)
+            key = self._classes.setdefault(_class(key), key)
         args = (input_ids, position_ids, cache_position, attention_mask, cache)
         out = self._run(key, args)
         if pad:
@@ -463,8 +468,8 @@ class CompiledForward(Forward):
             return self._forward(*args)
 
     def _fix_length(self, key: tuple, error: BaseException) -> None:
-        """Compile one graph per cache length from now on: the model's step fixes the length (a trace that keeps it
-        symbolic failed on it)."""
+        """Compile one graph per cache length and batch from now on: the model's step fixes the length or the batch
+        (a trace that keeps them symbolic failed on it)."""
         name = self.name(key)
         if name in self.stats.shapes:
             self.stats.shapes.remove(name)
@@ -472,8 +477,8 @@ class CompiledForward(Forward):
         self._classes.clear()
         self._fns.pop(key, None)
         self._graphs.pop(key, None)
-        log.info("the decode step of %s depends on the static cache's length (%s: %s); it compiles one graph per "
-                 "256-token cache bucket", type(self.model).__name__, type(error).__name__,
+        log.info("the decode step of %s depends on the static cache's length or the batch (%s: %s); it compiles one "
+                 "graph per batch size and 256-token cache bucket", type(self.model).__name__, type(error).__name__,
                  (str(error).strip().splitlines() or [""])[0][:200])
 
     def _fall_back(self, key: tuple, error: BaseException) -> None:
@@ -500,25 +505,36 @@ class CompiledForward(Forward):
 
 
 def _marking(fn):
-    """``fn`` (a guarded ``torch.compile`` of the step) with the cache length marked dynamic for each call's trace:
-    dynamo then keeps it symbolic, so another length passes the guards instead of recompiling."""
+    """``fn`` (a guarded ``torch.compile`` of the step) with the cache length (and from two rows the batch) marked
+    dynamic for each call's trace: dynamo then keeps them symbolic, so another length passes the guards instead of
+    recompiling."""
 
     def call(*args):
-        mark_free_length(args)
+        mark_free_sizes(args)
         return fn(*args)
 
     return call
+
+
+def _class(key: tuple) -> tuple:
+    """The shapes one free graph serves: ``key`` without its cache length, its batch as 1 or 2 (two rows or more)."""
+    return min(key[0], 2), key[1], key[3]
 
 
 class _LengthFixed(RuntimeError):
     """Raised by the compiler callback when a step traced to keep the cache length symbolic came out fixing it."""
 
 
-def _symbolic(x) -> bool:
-    """Whether a graph input is, or has, a size still symbolic once the trace's guards are applied (a size the trace
-    fixed to one value reads as that value)."""
-    sizes = [x] if isinstance(x, torch.SymInt) else list(x.shape) if isinstance(x, torch.Tensor) else []
-    return any(isinstance(d, torch.SymInt) and d.node.maybe_as_int() is None for d in sizes)
+def _free_symbols(example_inputs) -> set:
+    """The symbols still free in the graph inputs' sizes once the trace's guards are applied (a size the trace fixed
+    to one value reads as that value): one per size the graph keeps symbolic."""
+    out = set()
+    for x in example_inputs:
+        sizes = [x] if isinstance(x, torch.SymInt) else list(x.shape) if isinstance(x, torch.Tensor) else []
+        for d in sizes:
+            if isinstance(d, torch.SymInt) and d.node.maybe_as_int() is None:
+                out |= d.node.expr.free_symbols
+    return out
 
 
 def _specialized(error: BaseException) -> bool:

@@ -12,9 +12,9 @@ import weakref
 import torch
 
 from ..generate import Forward
-from .aot import args_sig, cache_sig, cache_slots, length_dim
+from .aot import args_sig, batch_free, cache_sig, cache_slots, free_dims
 
-__all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args", "mark_free_length"]
+__all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args", "mark_free_sizes"]
 
 
 def isolated_compile(fn, *, name: str, **kwargs):
@@ -107,17 +107,21 @@ def _contiguous(shape: tuple) -> tuple:
 def canonical_args(key: tuple, device: torch.device, free: bool = False) -> tuple:
     """The signature (dtype, device, shape, strides) of the four tensor arguments the decode loop passes a step
     of shape ``key``: contiguous int64 token ids ``[B, k]``, positions ``[B, k]``, cache positions ``[k]`` and,
-    when padded, an attention mask ``[B, length]`` (``free``: of any length, as :func:`~infopt.compile.aot.args_sig`
-    writes it)."""
+    when padded, an attention mask ``[B, length]`` (``free``: of any length, and from two rows of any batch, as
+    :func:`~infopt.compile.aot.args_sig` writes it)."""
     b, k, length, padded = key
     i64 = torch.int64
+    if batch_free(key, free):
+        rows = (i64, device, (None, k), None)
+        return rows, rows, (i64, device, (k,), (1,)), (i64, device, (None, None), None) if padded else None
     mask = ((i64, device, (b, None), None) if free else (i64, device, (b, length), (length, 1))) if padded else None
     return (i64, device, (b, k), (k, 1)), (i64, device, (b, k), (k, 1)), (i64, device, (k,), (1,)), mask
 
 
-def mark_free_length(args: tuple) -> None:
+def mark_free_sizes(args: tuple) -> None:
     """Mark the cache length of a decode step's arguments dynamic for the compile about to trace them: the attention
-    mask's width, dimension 2 of the static cache's keys and values.
+    mask's width, dimension 2 of the static cache's keys and values; and from two rows up the batch: dimension 0 of
+    the token ids, positions, mask, keys and values (:func:`~infopt.compile.aot.batch_free`).
 
     The marks are hints (``torch._dynamo.maybe_mark_dynamic``, kept on the tensors: dynamo checks a graph's marks
     against the call's): where the model fixes the length, the trace specializes, which the compiler callback sees (no
@@ -125,12 +129,17 @@ def mark_free_length(args: tuple) -> None:
     a symbolic length is checked by the guard on the sizes, which a guard-free step keeps (:func:`_shape_guards_only`).
     """
     mask, cache = args[3], args[4]
+    rows = args[0].shape[0] >= 2
     for o, n in cache_slots(cache):
         t = getattr(o, n)
-        if length_dim(t) is not None:
-            torch._dynamo.maybe_mark_dynamic(t, length_dim(t))
+        for d in free_dims(t, rows) or ():
+            torch._dynamo.maybe_mark_dynamic(t, d)
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, 1)
+    if rows:
+        for t in (args[0], args[1], mask):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class GuardFreeStep:
@@ -166,11 +175,12 @@ class GuardFreeStep:
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
         self._cache_sig: list | None = None
         self.free = fwd.is_free(key)  # one graph for every cache length
+        self.rows = batch_free(key, self.free)  # and for every batch from two rows
 
     def __call__(self, *args):
         fwd = self.fwd
         p = next(fwd.model.parameters())
-        sig = args_sig(args, self.free)
+        sig = args_sig(args, self.free, self.rows)
         if (torch.is_grad_enabled() or p.dtype != self.dtype or p.device != self.device
                 or torch.is_autocast_enabled(p.device.type)
                 or (self._args_sig is not None and sig != self._args_sig) or not self._cache_fits(args[4])):
@@ -188,7 +198,7 @@ class GuardFreeStep:
                                   dynamic=fwd.config.dynamic,
                                   options={"guard_filter_fn": _shape_guards_only if self.free else _drop_all_guards})
             if self.free:
-                mark_free_length(args)
+                mark_free_sizes(args)
             out = fn(*args)
             self.fn, self._args_sig = fn, sig
             return out
@@ -197,7 +207,7 @@ class GuardFreeStep:
     def _cache_fits(self, cache) -> bool:
         if self._cache_ref is not None and self._cache_ref() is cache:
             return True
-        sig = cache_sig(cache, self.free)
+        sig = cache_sig(cache, self.free, self.rows)
         if self._cache_sig is None:
             if self.loaded and any(t[0].is_floating_point and (t[0] != self.dtype or (
                     t[3] is not None and (None in t[2] or t[3] != _contiguous(t[2])))) for t in sig):
@@ -225,4 +235,5 @@ def _shape_name(key: tuple, free: bool = False) -> str:
     b, k, length, padded = key
     tokens = "" if k == 1 else f"{k} tokens, "
     cache = "any cache length" if free else f"cache {length}"
-    return f"batch {b}, {tokens}{cache}, {'padded' if padded else 'unpadded'}"
+    batch = "any batch from 2" if batch_free(key, free) else f"batch {b}"
+    return f"{batch}, {tokens}{cache}, {'padded' if padded else 'unpadded'}"

@@ -283,8 +283,8 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
         # the package reads these very tensors: the per-call module check must see one of them replaced (and drop
         # the package for an export over the new ones), where a graph would simply read the new tensor
         fwd._signature = module_signature(fwd.model)
-    if aot.free and fwd.free_length:  # the package serves every cache length
-        fwd._classes[(key[0], key[1], key[3])] = key
+    if aot.free and fwd.free_length and (key[0] == 1 or aot.free_batch):  # it serves every cache length (and batch)
+        fwd._classes[(min(key[0], 2), key[1], key[3])] = key
     step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device, fwd.is_free(key)))
     # called with the step's arguments, as a package built in this process is; loaded: made for the saved cache
     step.fn, step.loaded, step.aot = aot, True, True
