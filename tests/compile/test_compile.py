@@ -125,12 +125,13 @@ def test_inductor_decode_token_identical_counts_and_undo():
 def test_one_inductor_graph_serves_every_batch_from_two_rows():
     """Traced at two rows, the guard-free step keeps the batch symbolic as it keeps the cache length: batches of 2, 3
     and 5, padded or not, in the 256 and 512 buckets, run one graph (equal-length rows go through it on a mask of
-    ones), token-identical to plain generate, with no compile after the warm-up."""
+    ones), token-identical to plain generate, with no compile after the warm-up; 33 rows, past FREE_BATCH, get a
+    graph of their own."""
     ref, m = tiny_model(), tiny_model()
     infopt.optimize(m, [Static(max_length=512), Compile(warmup_batch_sizes=(1, 2))])
     stats = compile_stats(m)
     assert stats.compiles == 2 and stats.shapes == ["batch 1, any cache length, unpadded",
-                                                    "any batch from 2, any cache length, padded"]
+                                                    "any batch 2-32, any cache length, padded"]
     g = torch.Generator().manual_seed(0)
     for rows, length, pad in ((3, 6, 2), (5, 9, 0), (2, 260, 3)):
         ids = torch.randint(3, 1000, (rows, length), generator=g)
@@ -140,6 +141,11 @@ def test_one_inductor_graph_serves_every_batch_from_two_rows():
         assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw)), (rows, length, pad)
     assert decoder_for(m).cache.allocation().length == 512
     assert stats.compiles == 2 and stats.compiles_after_warmup == 0 and not stats.eager_shapes
+    ids = torch.randint(3, 1000, (33, 4), generator=g)  # past FREE_BATCH: a graph of its own batch, any length
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    # (all-ones mask: unpadded; only a batch a free graph serves is routed through the padded one)
+    assert stats.shapes[2:] == ["batch 33, any cache length, unpadded"] and stats.compiles_after_warmup == 1
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ from ..kvcache.static import BUCKET
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
-           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free",
+           "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free", "FREE_BATCH",
            "free_dims", "local_key", "find_indexed",
            "index_package", "fingerprint"]
 
@@ -197,11 +197,11 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     dynamic = None
     if free:  # one symbolic cache length: the mask's width and the keys' and values' dimension 2. In 16-slot blocks
         # (the static attention kernel's; calls bring whole 256-slot buckets), from one bucket up: a derived size whose
-        # root is not 1 at the traced length, which export would specialize. From two rows up, one symbolic batch too:
+        # root is not 1 at the traced length, which export would specialize. Over FREE_BATCH rows, one symbolic batch too:
         # dimension 0 of the ids, positions, mask, keys and values
         blocks = BUCKET // 16
         length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
-        batch = {0: torch.export.Dim("batch", min=2, max=1 << 12)} if rows else {}
+        batch = {0: torch.export.Dim("batch", min=FREE_BATCH[0], max=FREE_BATCH[1])} if rows else {}
         rest = ({**batch, 1: length},) if padded else ()  # (the forward takes the mask and the cache's tensors as *rest)
         dynamic = (batch or None, batch or None, None,
                    rest + tuple(None if length_dim(t) is None else {**batch, length_dim(t): length} for t in tensors))
@@ -257,7 +257,7 @@ class AotStep:
             compiled for (:func:`cache_sig`).
         path: the package's file (kept with a saved model).
         free: the package keeps the cache length symbolic (any length serves).
-        free_batch: and its batch (any batch from two rows).
+        free_batch: and its batch (any batch of :data:`FREE_BATCH`).
     """
 
     def __init__(self, runner, padded: bool, constants: dict[str, torch.Tensor], cache_sig: list[tuple],
@@ -344,11 +344,16 @@ def length_dim(t: torch.Tensor) -> int | None:
     return 2 if t.dim() == 4 else None
 
 
+FREE_BATCH = (2, 32)
+"""The batch sizes one graph serves where the step keeps the batch symbolic: from two rows (a trace at one row fixes
+it: torch specializes sizes 0 and 1) to 32 (kernels may branch on the rows above that: the ``cpu-fast`` step's int4
+linears guard on at most 63). A larger batch gets graphs of its own size."""
+
+
 def batch_free(key: tuple, free: bool) -> bool:
     """Whether a step of shape ``key`` (``(batch, token bucket, cache length, padded)``) that keeps the cache length
-    symbolic (``free``) keeps its batch symbolic too: from two rows up, one graph for every batch size (a trace at one
-    row fixes it: torch specializes sizes 0 and 1)."""
-    return free and key[0] >= 2
+    symbolic (``free``) keeps its batch symbolic too: for every batch in :data:`FREE_BATCH`, one graph."""
+    return free and FREE_BATCH[0] <= key[0] <= FREE_BATCH[1]
 
 
 def free_dims(t: torch.Tensor, batch: bool) -> tuple[int, ...] | None:
@@ -477,7 +482,7 @@ def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint
     h.update(_describe_model(fwd.model))
     free = fwd.is_free(key)
     rows = batch_free(key, free)
-    if free:  # the package serves every cache length (and batch from 2): what it is traced at is no part of it
+    if free:  # the package serves every cache length (and batch of FREE_BATCH): what it is traced at is no part of it
         key = ("2+" if rows else key[0], key[1], None, *key[3:])
     h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free, rows))).encode())
     h.update(repr([(type(o).__qualname__, n) for o, n in cache_slots(args[4])]).encode())

@@ -214,8 +214,8 @@ class CompiledForward(Forward):
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
         # Where shapes compile guard-free (Inductor on CPU), each graph or AOTInductor package keeps the cache length
-        # symbolic and serves every whole bucket, and from two rows up the batch too: (1 or 2 for "two rows or more",
-        # token bucket, padded) -> the key of the graph made for it, whose length and batch are those it was traced at. torch.export proves a package for every length it declares, or
+        # symbolic and serves every whole bucket, and from two rows up the batch too: (batch, or 2 for any batch of
+        # aot.FREE_BATCH, token bucket, padded) -> the key of the graph made for it, whose length and batch are those it was traced at. torch.export proves a package for every length it declares, or
         # fails; a torch.compile graph keeps the guards on its arguments, so a length its trace fixed recompiles
         # instead of running it. Either way the model fixes the length: _fix_length, one graph per bucket. Not on
         # CUDA, whose graphs are captured per shape.
@@ -234,7 +234,7 @@ class CompiledForward(Forward):
     def is_free(self, key: tuple) -> bool:
         """Whether shape ``key``'s graph keeps the cache length symbolic, serving every length that is a multiple of
         the static cache's 256-token bucket (a capped last bucket of another length has a graph of its own), and,
-        traced at two rows or more, the batch (:func:`~infopt.compile.aot.batch_free`)."""
+        traced at two rows or more, every batch of :data:`~infopt.compile.aot.FREE_BATCH`."""
         return self.free_length and self._classes.get(_class(key)) == key
 
     def name(self, key: tuple) -> str:
@@ -423,7 +423,7 @@ class CompiledForward(Forward):
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], dim=1)
             cache_position = torch.cat([cache_position, cache_position[-1:] + more])
-        if attention_mask is None and B >= 2 and self.free_length:
+        if attention_mask is None and batch_free((B,), self.free_length):
             # several rows, none padded: the padded graph on a mask of ones, so that one graph serves every batch
             attention_mask = input_ids.new_ones(B, length)
         if attention_mask is not None and attention_mask.shape[1] != length:  # [B, length]: one width per graph
@@ -505,7 +505,7 @@ class CompiledForward(Forward):
 
 
 def _marking(fn):
-    """``fn`` (a guarded ``torch.compile`` of the step) with the cache length (and from two rows the batch) marked
+    """``fn`` (a guarded ``torch.compile`` of the step) with the cache length (and over two rows the batch) marked
     dynamic for each call's trace: dynamo then keeps them symbolic, so another length passes the guards instead of
     recompiling."""
 
@@ -517,8 +517,9 @@ def _marking(fn):
 
 
 def _class(key: tuple) -> tuple:
-    """The shapes one free graph serves: ``key`` without its cache length, its batch as 1 or 2 (two rows or more)."""
-    return min(key[0], 2), key[1], key[3]
+    """The shapes one free graph serves: ``key`` without its cache length, its batch as 2 where a graph serves every
+    batch of :data:`~infopt.compile.aot.FREE_BATCH`."""
+    return 2 if batch_free(key, True) else key[0], key[1], key[3]
 
 
 class _LengthFixed(RuntimeError):

@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from ..generate import Forward
-from .aot import args_sig, batch_free, cache_sig, cache_slots, free_dims
+from .aot import FREE_BATCH, args_sig, batch_free, cache_sig, cache_slots, free_dims
 
 __all__ = ["GuardFreeStep", "isolated_compile", "weak_backend", "canonical_args", "mark_free_sizes"]
 
@@ -107,7 +107,7 @@ def _contiguous(shape: tuple) -> tuple:
 def canonical_args(key: tuple, device: torch.device, free: bool = False) -> tuple:
     """The signature (dtype, device, shape, strides) of the four tensor arguments the decode loop passes a step
     of shape ``key``: contiguous int64 token ids ``[B, k]``, positions ``[B, k]``, cache positions ``[k]`` and,
-    when padded, an attention mask ``[B, length]`` (``free``: of any length, and from two rows of any batch, as
+    when padded, an attention mask ``[B, length]`` (``free``: of any length, and of any batch of :data:`~infopt.compile.aot.FREE_BATCH`, as
     :func:`~infopt.compile.aot.args_sig` writes it)."""
     b, k, length, padded = key
     i64 = torch.int64
@@ -120,8 +120,8 @@ def canonical_args(key: tuple, device: torch.device, free: bool = False) -> tupl
 
 def mark_free_sizes(args: tuple) -> None:
     """Mark the cache length of a decode step's arguments dynamic for the compile about to trace them: the attention
-    mask's width, dimension 2 of the static cache's keys and values; and from two rows up the batch: dimension 0 of
-    the token ids, positions, mask, keys and values (:func:`~infopt.compile.aot.batch_free`).
+    mask's width, dimension 2 of the static cache's keys and values; and for a batch of
+    :data:`~infopt.compile.aot.FREE_BATCH` the batch: dimension 0 of the token ids, positions, mask, keys and values.
 
     The marks are hints (``torch._dynamo.maybe_mark_dynamic``, kept on the tensors: dynamo checks a graph's marks
     against the call's): where the model fixes the length, the trace specializes, which the compiler callback sees (no
@@ -129,7 +129,7 @@ def mark_free_sizes(args: tuple) -> None:
     a symbolic length is checked by the guard on the sizes, which a guard-free step keeps (:func:`_shape_guards_only`).
     """
     mask, cache = args[3], args[4]
-    rows = args[0].shape[0] >= 2
+    rows = batch_free(tuple(args[0].shape[:1]), True)
     for o, n in cache_slots(cache):
         t = getattr(o, n)
         for d in free_dims(t, rows) or ():
@@ -175,7 +175,7 @@ class GuardFreeStep:
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
         self._cache_sig: list | None = None
         self.free = fwd.is_free(key)  # one graph for every cache length
-        self.rows = batch_free(key, self.free)  # and for every batch from two rows
+        self.rows = batch_free(key, self.free)  # and for every batch of FREE_BATCH
 
     def __call__(self, *args):
         fwd = self.fwd
@@ -235,5 +235,5 @@ def _shape_name(key: tuple, free: bool = False) -> str:
     b, k, length, padded = key
     tokens = "" if k == 1 else f"{k} tokens, "
     cache = "any cache length" if free else f"cache {length}"
-    batch = "any batch from 2" if batch_free(key, free) else f"batch {b}"
+    batch = f"any batch {FREE_BATCH[0]}-{FREE_BATCH[1]}" if batch_free(key, free) else f"batch {b}"
     return f"{batch}, {tokens}{cache}, {'padded' if padded else 'unpadded'}"
