@@ -344,8 +344,9 @@ class CompiledForward(Forward):
             self.owner._told_cold = True
             log.warning("compiling the decode step for a shape the warm-up did not cover (%s): this call waits for "
                         "the compile once; list the batch sizes and lengths your calls use in Compile("
-                        "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied",
-                        self.name(key))
+                        "warmup_batch_sizes=..., warmup_lengths=...) to compile them while the recipe is applied%s",
+                        self.name(key), " (on CPU one shape serves every batch of 2-32 and every cache length: "
+                        "warmup_batch_sizes=[1, 2] covers them)" if self.free_length else "")
         else:
             log.warning("compiling the decode step for another shape the warm-up did not cover (%s): this call waits "
                         "for it", self.name(key))
