@@ -263,6 +263,43 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     assert step.fn.saved_form(fused) is None  # so save_optimized keeps no package for it
 
 
+def test_a_saved_package_of_any_batch_serves_every_batch_after_load(aot_cache, tmp_path, monkeypatch):
+    """The package of every batch of 2-32 keeps that in its saved form: loaded, it serves batches of 3 and 5 (one
+    row padded) without an export, with the saved model's tokens."""
+    from infopt.compile import aot
+    from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
+
+    if not can_save_steps():
+        pytest.skip(f"torch {torch.__version__} saves no compiled steps")
+    recipe = {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64], "warmup_batch_sizes": [2],
+                                                            "pack_linears": False, "fuse_projections": False,
+                                                            "aot": True}}]}
+    torch.manual_seed(0)
+    m = tiny_model("llama")
+    infopt.optimize(m, recipe)
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    for rows in (3, 5):
+        ids = torch.randint(3, 1000, (rows, 6), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        calls.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0))
+    want = [m.generate(**kw) for kw in calls]
+    folder = infopt.save_optimized(m, tmp_path / "saved")
+    (form,) = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())["aot_packages"].values()
+    assert form["free_length"] and form["free_batch"]
+
+    def refuse(*a, **k):
+        raise AssertionError("a saved package must load without an export")
+
+    monkeypatch.setattr(aot, "export_step", refuse)
+    loaded, _ = infopt.load(folder, trust_compiled=True)
+    stats = compile_stats(loaded)
+    assert stats.loaded == 1 and stats.shapes == ["any batch 2-32, any cache length, padded"]
+    assert all(torch.equal(loaded.generate(**kw), w) for kw, w in zip(calls, want, strict=True))
+    assert stats.compiles == 0 and stats.calls >= 2 * 6
+
+
 def test_the_package_cache_drops_the_packages_used_longest_ago(tmp_path, monkeypatch):
     import os
 
