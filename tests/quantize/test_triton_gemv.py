@@ -473,6 +473,14 @@ def test_fp8_weight_only_layer_takes_the_gemv_op_for_decode_rows():
                 assert torch.allclose(y, q.reference_forward(x), atol=1e-5, rtol=1e-5), (granularity, rows)
                 # weight-only: only the weight's rounding, well within the dynamic-activation path's error
                 assert (y - lin(x)).abs().max() <= 0.1 * lin(x).abs().max()
+        # bf16 prompt rows: the codes cast to bf16, the scales on the product; within bf16's rounding of the reference
+        qb = FP8Linear.from_float(nn.Linear(64, 32, bias=False).to(torch.bfloat16), granularity=granularity,
+                                  activations="none")
+        xb = torch.randn(12, 64, dtype=torch.bfloat16)
+        with torch.no_grad():
+            yb, ref = qb(xb).float(), qb.reference_forward(xb).float()
+        assert qb.last_kernel == "dequantized"
+        assert (yb - ref).abs().max() <= 0.02 * ref.abs().max(), granularity
     assert FP8(activations="none").to_dict()["quantize"]["activations"] == "none"
     with pytest.raises(RecipeError, match="activations"):
         FP8(activations="static")
