@@ -53,8 +53,7 @@ log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
            "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free", "FREE_BATCH",
-           "free_dims", "local_key", "find_indexed",
-           "index_package", "fingerprint"]
+           "free_dims", "local_key", "find_indexed", "index_package", "fingerprint"]
 
 
 def aot_available() -> bool:
@@ -189,7 +188,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     t0 = time.perf_counter()
     padded = bool(key[3])
     free = fwd.is_free(key)
-    rows = batch_free(key, free)
+    rows = batch_free(key[0], free)
     cache = args[4]
     tensors = [getattr(obj, name) for obj, name in cache_slots(cache)]
     module = _StepModule(fwd, cache, padded)
@@ -197,8 +196,8 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     dynamic = None
     if free:  # one symbolic cache length: the mask's width and the keys' and values' dimension 2. In 16-slot blocks
         # (the static attention kernel's; calls bring whole 256-slot buckets), from one bucket up: a derived size whose
-        # root is not 1 at the traced length, which export would specialize. Over FREE_BATCH rows, one symbolic batch too:
-        # dimension 0 of the ids, positions, mask, keys and values
+        # root is not 1 at the traced length, which export would specialize. Over FREE_BATCH rows, one symbolic batch
+        # too: dimension 0 of the ids, positions, mask, keys and values
         blocks = BUCKET // 16
         length = 16 * torch.export.Dim("cache_blocks", min=blocks, max=blocks << 12)
         batch = {0: torch.export.Dim("batch", min=FREE_BATCH[0], max=FREE_BATCH[1])} if rows else {}
@@ -350,10 +349,10 @@ it: torch specializes sizes 0 and 1) to 32 (kernels may branch on the rows above
 linears guard on at most 63). A larger batch gets graphs of its own size."""
 
 
-def batch_free(key: tuple, free: bool) -> bool:
-    """Whether a step of shape ``key`` (``(batch, token bucket, cache length, padded)``) that keeps the cache length
-    symbolic (``free``) keeps its batch symbolic too: for every batch in :data:`FREE_BATCH`, one graph."""
-    return free and FREE_BATCH[0] <= key[0] <= FREE_BATCH[1]
+def batch_free(batch: int, free: bool) -> bool:
+    """Whether a step of ``batch`` rows that keeps the cache length symbolic (``free``) keeps its batch symbolic too:
+    for every batch in :data:`FREE_BATCH`, one graph."""
+    return free and FREE_BATCH[0] <= batch <= FREE_BATCH[1]
 
 
 def free_dims(t: torch.Tensor, batch: bool) -> tuple[int, ...] | None:
@@ -481,7 +480,7 @@ def local_key(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerprint
     h.update(_source_hash().encode())
     h.update(_describe_model(fwd.model))
     free = fwd.is_free(key)
-    rows = batch_free(key, free)
+    rows = batch_free(key[0], free)
     if free:  # the package serves every cache length (and batch of FREE_BATCH): what it is traced at is no part of it
         key = ("2+" if rows else key[0], key[1], None, *key[3:])
     h.update(repr((key, type(fwd).__qualname__, free, args_sig(args, free, rows))).encode())

@@ -214,9 +214,9 @@ class CompiledForward(Forward):
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
         self._key: tuple | None = None  # the shape being called, for the compiler callback
         # Where shapes compile guard-free (Inductor on CPU), each graph or AOTInductor package keeps the cache length
-        # symbolic and serves every whole bucket, and from two rows up the batch too: (batch, or 2 for any batch of
-        # aot.FREE_BATCH, token bucket, padded) -> the key of the graph made for it, whose length and batch are those it was traced at. torch.export proves a package for every length it declares, or
-        # fails; a torch.compile graph keeps the guards on its arguments, so a length its trace fixed recompiles
+        # symbolic and serves every whole bucket, and from two rows up the batch too: _class(key), (batch, or 2 for
+        # any batch of aot.FREE_BATCH, token bucket, padded) -> the key of the graph made for it, whose length and
+        # batch are those it was traced at. torch.export proves a package for every length it declares, or fails; a torch.compile graph keeps the guards on its arguments, so a length its trace fixed recompiles
         # instead of running it. Either way the model fixes the length: _fix_length, one graph per bucket. Not on
         # CUDA, whose graphs are captured per shape.
         self.free_length = self._guard_free()
@@ -258,7 +258,7 @@ class CompiledForward(Forward):
         if n > MAX_GRAPHS_PER_SHAPE and self.config.fullgraph:
             raise _GraphNotHeld(f"the decode step recompiled {n - 1} times for one shape")
         self._graphs[key] = n
-        if self.is_free(key) and (n > 1 or len(_free_symbols(example_inputs)) < (2 if batch_free(key, True) else 1)):
+        if self.is_free(key) and (n > 1 or len(_free_symbols(example_inputs)) < (2 if batch_free(key[0], True) else 1)):
             # a graph that does not serve every length (or batch): it fixed one (the guards on the arguments sent
             # another to a recompile) or traced fewer symbolic sizes than were marked
             raise _LengthFixed("the traced decode step fixes the static cache's length or the batch")
@@ -424,7 +424,7 @@ class CompiledForward(Forward):
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], dim=1)
             cache_position = torch.cat([cache_position, cache_position[-1:] + more])
-        if attention_mask is None and batch_free((B,), self.free_length):
+        if attention_mask is None and batch_free(B, self.free_length):
             # several rows, none padded: the padded graph on a mask of ones, so that one graph serves every batch
             attention_mask = input_ids.new_ones(B, length)
         if attention_mask is not None and attention_mask.shape[1] != length:  # [B, length]: one width per graph
@@ -520,7 +520,7 @@ def _marking(fn):
 def _class(key: tuple) -> tuple:
     """The shapes one free graph serves: ``key`` without its cache length, its batch as 2 where a graph serves every
     batch of :data:`~infopt.compile.aot.FREE_BATCH`."""
-    return 2 if batch_free(key, True) else key[0], key[1], key[3]
+    return 2 if batch_free(key[0], True) else key[0], key[1], key[3]
 
 
 class _LengthFixed(RuntimeError):

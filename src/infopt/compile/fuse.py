@@ -25,8 +25,8 @@ How it stays invisible to everything else:
 
 Quantized layers fuse the same way where one layer of their class can compute the group (:class:`QuantizedFusedGroup`:
 per-channel ``Int8Linear`` with float activations, ``Int4Linear`` in the ``gemv`` layout, ``FP8Linear`` with
-per-row scales, weight-only or not): their code and scale buffers move into shared buffers, and a hidden layer of the class over those buffers runs whichever kernel the class
-picks for the call. Int4 layers in the CPU and tinygemm kernels' packed layouts (whose rows do not concatenate) and
+per-row scales, weight-only or not): their code and scale buffers move into shared buffers, and a hidden layer of the
+class over those buffers runs whichever kernel the class picks for the call. Int4 layers in the CPU and tinygemm kernels' packed layouts (whose rows do not concatenate) and
 int8-activation layers (fused by :mod:`infopt.compile.passes` in the compiled graph) stay as they are.
 
 Outputs are the same sums over the same inputs; a BLAS library may block a wider GEMM differently, so results can
@@ -188,8 +188,8 @@ class FusedGroup:
 
 class QuantizedFusedGroup(FusedGroup):
     """One group of sibling quantized layers of one class (per-channel ``Int8Linear`` with float activations,
-    ``Int4Linear`` in the ``gemv`` layout, per-row ``FP8Linear``): each of their code and scale buffers moves into one buffer, back to back
-    (theirs become views), and one hidden layer of the same class over those buffers computes the group's output, so
+    ``Int4Linear`` in the ``gemv`` layout, per-row ``FP8Linear``): each of their code and scale buffers moves into one
+    buffer, back to back (theirs become views), and one hidden layer of the same class over those buffers computes the group's output, so
     every kernel path of that class serves the fused call. ``weight`` is None (nothing here is packed)."""
 
     def __init__(self, layers: list[nn.Module], names: tuple[str, ...], tensors: tuple[str, ...]):

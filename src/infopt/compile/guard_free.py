@@ -111,7 +111,7 @@ def canonical_args(key: tuple, device: torch.device, free: bool = False) -> tupl
     :func:`~infopt.compile.aot.args_sig` writes it)."""
     b, k, length, padded = key
     i64 = torch.int64
-    if batch_free(key, free):
+    if batch_free(b, free):
         rows = (i64, device, (None, k), None)
         return rows, rows, (i64, device, (k,), (1,)), (i64, device, (None, None), None) if padded else None
     mask = ((i64, device, (b, None), None) if free else (i64, device, (b, length), (length, 1))) if padded else None
@@ -129,7 +129,7 @@ def mark_free_sizes(args: tuple) -> None:
     a symbolic length is checked by the guard on the sizes, which a guard-free step keeps (:func:`_shape_guards_only`).
     """
     mask, cache = args[3], args[4]
-    rows = batch_free(tuple(args[0].shape[:1]), True)
+    rows = batch_free(args[0].shape[0], True)
     for o, n in cache_slots(cache):
         t = getattr(o, n)
         for d in free_dims(t, rows) or ():
@@ -175,7 +175,7 @@ class GuardFreeStep:
         self._cache_ref = None  # the cache object last checked (weakly), and what its tensors were
         self._cache_sig: list | None = None
         self.free = fwd.is_free(key)  # one graph for every cache length
-        self.rows = batch_free(key, self.free)  # and for every batch of FREE_BATCH
+        self.rows = batch_free(key[0], self.free)  # and for every batch of FREE_BATCH
 
     def __call__(self, *args):
         fwd = self.fwd
@@ -235,5 +235,5 @@ def _shape_name(key: tuple, free: bool = False) -> str:
     b, k, length, padded = key
     tokens = "" if k == 1 else f"{k} tokens, "
     cache = "any cache length" if free else f"cache {length}"
-    batch = f"any batch {FREE_BATCH[0]}-{FREE_BATCH[1]}" if batch_free(key, free) else f"batch {b}"
+    batch = f"any batch {FREE_BATCH[0]}-{FREE_BATCH[1]}" if batch_free(b, free) else f"batch {b}"
     return f"{batch}, {tokens}{cache}, {'padded' if padded else 'unpadded'}"

@@ -57,7 +57,7 @@ from ..generate import decoder_for, rollback
 from ..kvcache.static import StaticCaches
 from . import decoder as decoder_module
 from .aot import AotStep, batch_free, fingerprint, load_saved
-from .decoder import CompiledForward, CompiledForwards, module_signature, step_options
+from .decoder import CompiledForward, CompiledForwards, _class, module_signature, step_options
 from .guard_free import GuardFreeStep, _drop_all_guards, canonical_args
 
 log = logging.getLogger("infopt.compile")
@@ -283,8 +283,8 @@ def _load_package(fwd, key: tuple, path: Path, form: dict) -> bool:
         # the package reads these very tensors: the per-call module check must see one of them replaced (and drop
         # the package for an export over the new ones), where a graph would simply read the new tensor
         fwd._signature = module_signature(fwd.model)
-    if aot.free and fwd.free_length and aot.free_batch == batch_free(key, True):  # every cache length (and batch)
-        fwd._classes[(2 if aot.free_batch else key[0], key[1], key[3])] = key
+    if aot.free and fwd.free_length and aot.free_batch == batch_free(key[0], True):  # every length (and batch)
+        fwd._classes[_class(key)] = key
     step = GuardFreeStep(fwd, key, args_sig=canonical_args(key, fwd._device, fwd.is_free(key)))
     # called with the step's arguments, as a package built in this process is; loaded: made for the saved cache
     step.fn, step.loaded, step.aot = aot, True, True

@@ -357,9 +357,8 @@ class FP8Linear(KeepsFormat):
             # the codes in the activations' dtype (every e4m3 value is exact in bf16), the scales on the product: one
             # pass over the weight, where dequantizing in fp32 and casting took three (measured on an H200: about 40 ms
             # per generate for an 8B model's prompt). (fp16 keeps the path below: the unscaled product can overflow.)
-            s = self.weight_scale.to(x2.dtype)
-            y, kernel = F.linear(x2, self.weight_fp8.to(x2.dtype)) * (s if self.granularity == "row" else s[0]), \
-                "dequantized"
+            # (the scale: one per output column, or one in all: [out] or [1] broadcasts over the product's columns)
+            y, kernel = F.linear(x2, self.weight_fp8.to(x2.dtype)) * self.weight_scale.to(x2.dtype), "dequantized"
         elif self.activations == "none":
             y, kernel = F.linear(x2, self.dequantize().to(x2.dtype)), "dequantized"
         elif self._use_scaled_mm(x2.device):

@@ -47,9 +47,8 @@ import torch.nn.functional as F
 from .primitives import unpack_int4
 from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
-__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles", "set_gemv_tiles",
-           "GEMV_MAX_ROWS",
-           "kernel_calls", "W8_DTYPES"]
+__all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles",
+           "set_gemv_tiles", "GEMV_MAX_ROWS", "kernel_calls", "W8_DTYPES"]
 
 GEMV_MAX_ROWS = 8
 """Rows up to which the kernels are meant to run (each row re-reads the weight, from L2 when programs of one weight
@@ -253,8 +252,8 @@ def gemv_tiles(n: int, k: int, bits: int, group_size: int | None = None, sms: in
     16 bytes of weight per load; 3 stages. Output rows per program and K split:
 
     - ``sms`` given (a Hopper part's streaming multiprocessors; what the kernels' launch passes on sm_90) and at
-      least 16M weights (4096 x 4096; smaller layers as below): measured on an H200 (the seventh GPU lane run, ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` on an
-      8B Llama's layers): 16 rows unsplit where that makes at least 4 programs per SM (gate/up), else 32 rows with K
+      least 16M weights (4096 x 4096; smaller layers as below): measured on an H200 (the seventh GPU lane run,
+      ``benchmarks/gpu_gemv.py --sweep-kernels gemv_w8_split,gemv_w4_split`` on an 8B Llama's layers): 16 rows unsplit where that makes at least 4 programs per SM (gate/up), else 32 rows with K
       split among 2, 4 or 8 programs, the power of two nearest to 3 programs per SM (o and down: split 4, the fastest
       of the 12 tiles swept at one row, the 8-bit kernel from 35-41% of the copy bandwidth to 50-72%; q/k/v: 2);
     - otherwise (not measured): 16 rows where that leaves at least 128 programs per activation row (else 8, then 4),
