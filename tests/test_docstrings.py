@@ -17,8 +17,8 @@ PACKAGES = {m.name for m in _FOUND if m.ispkg}  # their __init__ re-exports name
 WITHOUT_EXAMPLES = {
     # modules with no ``>>>`` example of their own: a version string, pytest hooks, and machinery whose behaviour is
     # asserted by its own tests (not a STYLE exemption: adding an example means removing the name here)
-    "infopt._version", "infopt.attention.registry", "infopt.batching.compiled", "infopt.batching.core",
-    "infopt.batching.prepack", "infopt.compile.aot", "infopt.compile.passes", "infopt.compile.saved", "infopt.demo",
+    "infopt._version", "infopt.attention.registry", "infopt.batching.core",
+    "infopt.compile.aot", "infopt.compile.packed_step", "infopt.compile.passes", "infopt.compile.saved", "infopt.demo",
     "infopt.generate.lean", "infopt.parallel.layers", "infopt.quantize.community.gguf_ckpt",
     "infopt.quantize.community.gptq_ckpt", "infopt.speculative.drafters", "infopt.speculative.loop",
     "infopt.testing.plugin",

@@ -55,18 +55,18 @@ def test_cpu_fast_builds_its_package_on_the_default_model(default_model):
 def _engine_stats(m):
     engine = decoder_for(m).engine
     assert engine is not None, "the throughput preset installs the batching engine"
-    compiled = engine.engine.core.compiled
-    assert compiled is not None, "the throughput preset compiles the engine's steps on CPU"
-    return compiled
+    forward = engine.engine.core.forward
+    assert forward.compiled, "the throughput preset compiles the engine's steps on CPU"
+    return forward
 
 
 @pytest.mark.slow
 def test_throughput_compiles_the_engines_two_graphs_while_applied():
     m = infopt.optimize(tiny_model("llama"), "throughput")
     compiled = _engine_stats(m)
-    assert compiled.warmed_up and compiled.stats.graphs == 2, compiled.stats.as_dict()
+    assert compiled.engine_graph.warmed_up and compiled.stats.compiles == 2, compiled.stats.as_dict()
     batch = torch.tensor([[2, 2, 1, 17, 400], [1, 30, 40, 50, 60]])
     out = m.generate(batch, attention_mask=(batch != 2).long(), max_new_tokens=6, do_sample=False, pad_token_id=2)
     assert out.shape == (2, 11)
-    assert compiled.stats.graphs == 2 and compiled.stats.after_warmup == 0, compiled.stats.as_dict()
+    assert compiled.stats.compiles == 2 and compiled.stats.compiles_after_warmup == 0, compiled.stats.as_dict()
     assert infopt.generate.routing_stats(m).original == 0

@@ -12,7 +12,7 @@ from torch import nn
 
 import infopt
 from infopt.batching import Engine, SamplingParams
-from infopt.batching.compiled import CompiledStep
+from infopt.compile.packed_step import PackedGraph, is_compile_error
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
 
@@ -38,7 +38,7 @@ def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_
     assert _linear_forwards(model) == 0
     eng = Engine(model, max_batch_tokens=48, max_seqs=12, kv=Paged(block_size=4, num_blocks=120), compile=True)
     stats = eng.metrics()["compile"]
-    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None
+    assert stats["compiles"] == 2 and stats["compiles_after_warmup"] == 0 and not stats["eager_shapes"]
     assert eng.metrics()["steps"] == 0  # the warm-up's steps are not counted
     rng = random.Random(1)
     prompts = _prompts(24, seed=2, hi=90)
@@ -51,8 +51,9 @@ def test_compiled_engine_greedy_matches_generate_with_two_graphs_and_none_while_
     single = eng.generate([[7]], SamplingParams(max_new_tokens=3))[0]
     assert single.token_ids == _solo(ref, [7], 3)
     stats = eng.metrics()["compile"]
-    assert stats["graphs"] == 2 and stats["after_warmup"] == 0, stats
+    assert stats["compiles"] == 2 and stats["compiles_after_warmup"] == 0, stats
     assert stats["calls"] > eng.metrics()["steps"] // 2
+    assert stats["shapes"] == ["engine step, 1 token", "engine step, 2+ tokens, any sequences"], stats
     # q/k/v and gate/up fused, the linears on packed weights through the custom operator (where oneDNN packs)
     assert _linear_forwards(model) >= 4 * model.config.num_hidden_layers
     assert "_infopt_fused" in model.model.layers[0].self_attn.q_proj.__dict__
@@ -79,21 +80,21 @@ def test_a_hook_added_after_compiling_runs_in_the_next_steps():
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
     assert [o.token_ids for o in outs] == expected
     stats = eng.metrics()["compile"]
-    assert stats["graphs"] > 2 and stats["eager_calls"] == eager, stats  # compiled again, not run eagerly
+    assert stats["compiles"] > 2 and stats["eager_calls"] == eager, stats  # compiled again, not run eagerly
 
 
 def test_compile_failure_falls_back_to_eager_steps_with_a_warning(monkeypatch, caplog):
     def broken(self, gm, example_inputs):  # dynamo raises this as a BackendCompilerFailed
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(CompiledStep, "_compiler", broken)
+    monkeypatch.setattr(PackedGraph, "_compiler", broken)
     ref = tiny_model("llama")
     model = tiny_model("llama")
-    with caplog.at_level(logging.WARNING, logger="infopt.batching"):
+    with caplog.at_level(logging.WARNING, logger="infopt.compile"):
         eng = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(block_size=4, num_blocks=64), compile=True)
     assert any("failed to compile" in r.getMessage() for r in caplog.records)
     stats = eng.metrics()["compile"]
-    assert stats["failed"] is not None and "no compiler here" in stats["failed"] and stats["graphs"] == 0
+    assert "no compiler here" in stats["eager_shapes"]["engine step"] and stats["compiles"] == 0
     prompts = _prompts(4, seed=5, hi=20)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=6))
     assert [o.token_ids for o in outs] == [_solo(ref, p, 6) for p in prompts]
@@ -101,7 +102,7 @@ def test_compile_failure_falls_back_to_eager_steps_with_a_warning(monkeypatch, c
 
 
 def test_a_forward_error_is_not_taken_for_a_compile_error():
-    assert CompiledStep.is_compile_error(RuntimeError("shape mismatch")) is False
+    assert is_compile_error(RuntimeError("shape mismatch")) is False
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
@@ -132,7 +133,7 @@ def test_compiled_engine_on_the_reference_attention_matches_generate_greedy():
         set_cpu_kernel(previous)
     assert [o.token_ids for o in outs] == [_solo(ref, p, 12) for p in prompts]
     assert single.token_ids == _solo(ref, [7], 3)
-    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
+    assert stats["compiles"] == 2 and stats["compiles_after_warmup"] == 0 and not stats["eager_shapes"], stats
 
 
 @pytest.mark.slow
@@ -144,7 +145,7 @@ def test_compiled_engine_on_the_device_matches_generate_greedy(device):
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=12))
     assert [o.token_ids for o in outs] == [_solo(ref, p, 12) for p in prompts]
     stats = eng.metrics()["compile"]
-    assert stats["graphs"] == 2 and stats["after_warmup"] == 0 and stats["failed"] is None, stats
+    assert stats["compiles"] == 2 and stats["compiles_after_warmup"] == 0 and not stats["eager_shapes"], stats
 
 
 def test_batching_step_compile_field():

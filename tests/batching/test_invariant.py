@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import infopt
 from infopt.batching import Batching, Engine, SamplingParams, batching_engine
-from infopt.batching.invariant import ROWS, invariant_linear, invariant_steps
+from infopt.batching.invariant import ROWS, InvariantForward, invariant_linear, invariant_steps
 from infopt.core.errors import RecipeError
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
@@ -135,7 +135,8 @@ def test_batching_step_batch_invariant_serves_eagerly_and_validates():
     model = tiny_model(dtype=torch.float32)
     infopt.optimize(model, [Batching(batch_invariant=True, num_blocks=64)])
     engine = batching_engine(model)
-    assert engine.core.batch_invariant and engine.core.compiled is None and engine.prepacked == 0
+    assert engine.batch_invariant and not engine.core.forward.compiled and engine.prepacked == 0
+    assert isinstance(engine.core.forward, InvariantForward)
     out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)
     infopt.undo(model)

@@ -1,7 +1,8 @@
 """The engine core: one step is schedule -> execute -> update, over a paged KV cache, with no threads or handles.
 
-:class:`EngineCore` owns the model's side of continuous batching: the paged cache, the scheduler, the packed
-forward and the choice of next tokens. Each :meth:`EngineCore.step` runs at most one forward and returns what
+:class:`EngineCore` owns the model's side of continuous batching: the paged cache, the scheduler and the choice of
+next tokens. Its forward is a :class:`~infopt.generate.Forward` it is given (``packed``: eager, or compiled by
+:func:`infopt.compile.engine_forward`), the one every decode loop calls. Each :meth:`EngineCore.step` runs at most one forward and returns what
 happened to each request as :class:`CoreEvent` values (a new token, a finish). The front-end
 (:class:`~infopt.batching.Engine`) turns them into streams and results for request handles, applies stop strings
 and cancellations, and runs the background thread.
@@ -9,8 +10,8 @@ and cancellations, and runs the background thread.
 
 from __future__ import annotations
 
-import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,38 +21,16 @@ from torch import nn
 from ..attention.backends import set_backend_
 from ..attention.paged import PAGED_IMPL, load_cpu_kernel
 from ..core.introspect import inspect_model, text_config
-from ..core.patch import record_custom
-from ..generate import takes_logits_to_keep
+from ..generate import Forward
 from ..generate.sampling import choose_tokens
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
-from .compiled import CompiledStep
-from .invariant import check_invariant_model, invariant_steps
 from .params import SamplingParams
-from .prepack import packed_forwards, prepack_linears_, supported
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
 __all__ = ["EngineCore", "CoreEvent", "DEFAULT_KV_BUDGET"]
 
-
-def _prepare_for_compile(model: nn.Module, pack: bool) -> int:
-    """Fuse each layer's q/k/v and gate/up projections into one matmul (:mod:`infopt.compile.fuse`), then, with
-    ``pack``, route every linear of the model's dtype through ``infopt::packed_linear`` on a prepacked weight (both
-    recorded: undo restores the model). Returns how many linears (and fused groups) were packed."""
-    from ..compile import fuse, packed
-
-    groups = fuse.fuse_projections_(model)
-    if groups:
-        record_custom(model, f"{len(groups)} fused projection groups for the compiled engine step",
-                      lambda: fuse.unfuse_projections_(groups), step="batching")
-    if not pack:
-        return 0
-    layers = packed.pack_linears_(model, min_elements=0, dtypes=(next(model.parameters()).dtype,))
-    if layers:
-        record_custom(model, f"{len(layers)} linears on prepacked weights for the compiled engine step",
-                      lambda: packed.unpack_linears_(layers), step="batching")
-    return len(layers)
 
 DEFAULT_KV_BUDGET = 2**30
 """KV-cache bytes an engine's pool gets when ``kv.num_blocks`` is not given (1 GiB)."""
@@ -79,31 +58,14 @@ class EngineCore:
     """Continuous batching's model side (module docstring). The arguments are :class:`~infopt.batching.Engine`'s,
     which documents them."""
 
-    def __init__(self, model: nn.Module, *, max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None,
-                 chunked_prefill: bool = True, prefill_chunk: int | None = None, max_skips: int = 16,
-                 prepack: bool | None = None, compile: bool = False, batch_invariant: bool = False):
+    def __init__(self, model: nn.Module, forward: Forward | Callable[[], Forward] | None = None, *,
+                 max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None, chunked_prefill: bool = True,
+                 prefill_chunk: int | None = None, max_skips: int = 16):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
-        packable = supported(model)
-        if prepack and not packable:
-            raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
-                             "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
-        if not isinstance(compile, bool):
-            raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True or False")
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"Engine batch_invariant={batch_invariant!r} is invalid; allowed: True or False")
-        if batch_invariant:
-            if compile:
-                raise ValueError("Engine batch_invariant=True runs its steps eagerly (a compiled step's matrix products "
-                                 "are Inductor's, sized by the batch); use compile=False")
-            if prepack:
-                raise ValueError("Engine batch_invariant=True multiplies the plain weights in fixed-size row blocks; "
-                                 "prepacked weights take oneDNN's own kernels: use prepack=None or False")
-            check_invariant_model(model)
-            packable = prepack = False
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
@@ -111,16 +73,11 @@ class EngineCore:
         kv.check(model, info, (kv,))
         if model.config._attn_implementation != PAGED_IMPL:
             set_backend_(model, "paged", step="batching")
-        packing = bool(packable if prepack is None else prepack)
-        # a compiled step calls the packed weights through a custom operator (the eager engine's packed forwards
-        # are opaque to dynamo); the eager engine switches its packed forwards on for its steps only
-        self._packed_steps = packing and not compile
-        if compile:
-            self.prepacked = _prepare_for_compile(model, packing)
-        else:
-            self.prepacked = prepack_linears_(model) if packing else 0
+        # made once the arguments are checked and the attention switched (a refused engine leaves the model as it was)
+        if forward is None:
+            forward = Forward(model)
+        self.forward: Forward = forward if isinstance(forward, Forward) else forward()
         self.model = model
-        self.batch_invariant = batch_invariant
         max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
         num_blocks = kv.num_blocks
         if num_blocks is None:  # the budget, but no more than max_seqs full-length sequences need
@@ -141,8 +98,7 @@ class EngineCore:
             if model.get_output_embeddings() is not None else None
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
-        self._logits_to_keep = takes_logits_to_keep(model)
-        self.compiled = CompiledStep(model, keeps=self._logits_to_keep) if compile else None
+        self._logits_to_keep = self.forward.keeps
         self.stats: dict[str, Any] = {}
         self.reset_stats()
 
@@ -239,31 +195,10 @@ class EngineCore:
         return due_rows, logits
 
     def _forward(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
-        """The step's logits ``[1, rows, vocab]``: through the compiled step once the KV pools exist (the first
-        step allocates them eagerly), else eagerly."""
-        compiled = self.compiled
-        if compiled is not None and compiled.stats.failed is None and self.cache.pool.allocated():
-            try:
-                return compiled(batch.input_ids, batch.position_ids, keep if self._logits_to_keep else None, step)
-            except Exception as e:
-                if not compiled.is_compile_error(e):
-                    raise
-                logits = self._eager(batch, keep, step)  # raises if the forward itself is at fault
-                compiled.disable(e)
-                return logits
-        if compiled is not None:
-            compiled.stats.eager_calls += 1
-        return self._eager(batch, keep, step)
-
-    def _eager(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        if self.batch_invariant:
-            context = invariant_steps()
-        else:
-            context = packed_forwards() if self._packed_steps else contextlib.nullcontext()
-        with context:
-            return self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                              paged_step=step, **kwargs).logits
+        """The step's logits ``[1, rows, vocab]`` from the forward's packed step (eager until the first step has
+        allocated the KV pools, which a compiled graph cannot do)."""
+        return self.forward.packed(batch.input_ids, batch.position_ids, keep if self._logits_to_keep else None, step,
+                                   eager=not self.cache.pool.allocated())
 
     def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,
                 events: list[CoreEvent]) -> None:
@@ -315,6 +250,7 @@ class EngineCore:
         s["preemptions"] = self.scheduler.preemptions
         s["tokens_per_busy_s"] = (s["prefill_tokens"] + s["decode_tokens"]) / s["busy_s"] if s["busy_s"] else 0.0
         s["kv_blocks"] = self.cache.allocator.stats()
-        if self.compiled is not None:
-            s["compile"] = self.compiled.stats.as_dict()
+        stats = getattr(self.forward, "stats", None)
+        if stats is not None:
+            s["compile"] = stats.as_dict()
         return s

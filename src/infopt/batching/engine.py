@@ -22,9 +22,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..compile import engine_forward
 from ..generate.sampling import make_generator
 from ..kvcache.paged import Paged
 from .core import DEFAULT_KV_BUDGET, CoreEvent, EngineCore
+from .invariant import InvariantForward, check_invariant_model
 from .params import RequestMetrics, RequestOutput, SamplingParams
 from .scheduler import SeqState
 
@@ -162,11 +164,11 @@ class Engine:
         max_skips: the starvation bound: how often later requests may be admitted ahead of a waiting one.
         default_sampling: :class:`SamplingParams` for requests submitted without any.
         prepack: pack the linear weights once into oneDNN's blocked layout and use them in the engine's steps
-            (:mod:`infopt.batching.prepack`; recorded, undone by :func:`infopt.undo`). None (default): where the
+            (:mod:`infopt.compile.packed`, scoped to the engine's steps; recorded, undone by :func:`infopt.undo`). None (default): where the
             model is fp32, or bf16 on a CPU whose oneDNN runs bf16 matmuls, on a CPU. False: the plain weights,
             even where an earlier engine packed them. The packed copies take as much memory again as the weights.
         compile: run the steps through one ``torch.compile``-d forward with dynamic shapes
-            (:mod:`infopt.batching.compiled`): its two graphs are compiled here, by a warm-up of a few tokens, so
+            (:meth:`infopt.compile.CompiledForward.packed`): its two graphs are compiled here, by a warm-up of a few tokens, so
             building the engine takes a minute or two longer on a small CPU model (less with Inductor's cache
             filled by an earlier process), and no step compiles while serving. ``metrics()["compile"]`` reports
             the graphs. With ``prepack``, the linears run through a custom operator on the packed weights
@@ -200,9 +202,36 @@ class Engine:
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
                  max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None,
                  compile: bool = False, batch_invariant: bool = False):
-        self.core = EngineCore(model, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
-                               chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips,
-                               prepack=prepack, compile=compile, batch_invariant=batch_invariant)
+        from ..compile.packed import can_pack_model  # registers infopt::packed_linear: only where an engine is made
+
+        packable = can_pack_model(model)
+        if prepack and not packable:
+            raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
+                             "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
+        if not isinstance(compile, bool):
+            raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True or False")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"Engine batch_invariant={batch_invariant!r} is invalid; allowed: True or False")
+        if batch_invariant:
+            if compile:
+                raise ValueError("Engine batch_invariant=True runs its steps eagerly (a compiled step's matrix products "
+                                 "are Inductor's, sized by the batch); use compile=False")
+            if prepack:
+                raise ValueError("Engine batch_invariant=True multiplies the plain weights in fixed-size row blocks; "
+                                 "prepacked weights take oneDNN's own kernels: use prepack=None or False")
+            check_invariant_model(model)
+        self.batch_invariant = batch_invariant
+        self.prepacked = 0
+
+        def forward():  # called by the core once it has checked its own arguments
+            if batch_invariant:
+                return InvariantForward(model)
+            fwd, self.prepacked = engine_forward(model, compile=compile, pack=bool(packable if prepack is None
+                                                                                   else prepack))
+            return fwd
+
+        self.core = EngineCore(model, forward, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
+                               chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips)
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling or SamplingParams()
         self._ids = itertools.count()
@@ -230,7 +259,6 @@ class Engine:
     def device(self, value: torch.device) -> None:
         self.core.device = value
 
-    prepacked = property(lambda self: self.core.prepacked)
     stats = property(lambda self: self.core.stats)
     capacity_tokens = property(lambda self: self.core.capacity_tokens)
 
@@ -243,8 +271,8 @@ class Engine:
         Raises:
             RuntimeError: a warm-up request failed (the model cannot run in this engine; the reason is given).
         """
-        compiled = self.core.compiled
-        if compiled is None or compiled.warmed_up:
+        fwd = self.core.forward
+        if not fwd.compiled or (fwd.engine_graph is not None and fwd.engine_graph.warmed_up):
             return
         vocab = self.core.vocab_size or 2
         ids = [[1 % vocab, 2 % vocab], [3 % vocab, 4 % vocab]]
@@ -256,7 +284,8 @@ class Engine:
                     if out.finish_reason == "error":
                         raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
                 bar.update()
-        compiled.warmed_up = True
+        if fwd.engine_graph is not None:
+            fwd.engine_graph.warmed_up = True
         self.core.reset_stats()
 
     # -- submission ----------------------------------------------------------------------------------

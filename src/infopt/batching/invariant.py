@@ -36,8 +36,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..attention.paged import fixed_key_order, load_cpu_kernel
+from ..generate import Forward
 
-__all__ = ["ROWS", "invariant_linear", "invariant_steps", "check_invariant_model"]
+__all__ = ["ROWS", "invariant_linear", "invariant_steps", "check_invariant_model", "InvariantForward"]
 
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
              if hasattr(torch, n))
@@ -89,6 +90,14 @@ class _FixedRows(TorchFunctionMode):
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].dim() == 2:
             return _invariant_addmm(*args)
         return func(*args, **kwargs)
+
+
+class InvariantForward(Forward):
+    """The engine's eager forward with every step batch-invariant (:func:`invariant_steps`) on the plain weights
+    (not the engine's prepacked copies, which oneDNN multiplies in its own blocking)."""
+
+    def packed_scope(self):
+        return invariant_steps()
 
 
 @contextlib.contextmanager

@@ -196,11 +196,10 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
 def _apply(model: nn.Module, config: Batching, ctx: ApplyContext) -> None:
     kv = next((s for s in ctx.steps if isinstance(s, Paged)), None)
     engine = enable_(model, config, tokenizer=ctx.tokenizer, kv=kv)
-    compiled = engine.core.compiled
+    stats = engine.core.metrics().get("compile")
     ctx.notes.append(
         f"continuous batching: up to {config.max_seqs} sequences and {config.max_batch_tokens} tokens per step, "
         f"{engine.cache.allocator.num_blocks} KV blocks of {engine.cache.block_size} tokens, chunked prefill "
         f"{'on' if config.chunked_prefill else 'off'}"
-        + (f"; steps compiled ({compiled.stats.graphs} graphs, {compiled.stats.seconds:.0f} s)"
-           if compiled is not None else "")
+        + (f"; steps compiled ({stats['compiles']} graphs, {stats['seconds']:.0f} s)" if stats is not None else "")
     )

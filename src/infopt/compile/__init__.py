@@ -1,6 +1,7 @@
-"""Compiled decoding (recipe stage ``compile``): the one-token decode step compiled over the static KV cache."""
+"""Compiled decoding (recipe stage ``compile``): the decode and verify steps compiled over the static KV cache, and
+the batching engine's packed step (:func:`engine_forward`)."""
 
 from .decoder import CompiledForward, CompiledForwards, CompileStats, compile_stats, token_bucket
-from .step import Compile, compile_, warmup
+from .step import Compile, compile_, engine_forward, warmup
 
-__all__ = ["Compile", "compile_", "warmup", "compile_stats", "CompileStats", "CompiledForwards", "CompiledForward", "token_bucket"]
+__all__ = ["Compile", "compile_", "engine_forward", "warmup", "compile_stats", "CompileStats", "CompiledForwards", "CompiledForward", "token_bucket"]

@@ -1,4 +1,5 @@
-"""The compiled one-token decode step: ``torch.compile`` of the model's forward at decode shape over a static cache.
+"""The compiled forward: ``torch.compile`` of the model's decode and verify steps over a static cache, and of the
+batching engine's packed step (:mod:`infopt.compile.packed_step`).
 
 Only the decode step is compiled. The prompt (prefill) runs eagerly: its length changes from call to
 call and a compiled prefill would recompile for each one, while the decode step has the same shapes
@@ -36,6 +37,8 @@ from .aot import (
     local_key,
 )
 from .guard_free import GuardFreeStep, _GraphNotHeld, _shape_name, isolated_compile, mark_free_sizes, weak_backend
+from .options import mode_options, module_signature
+from .packed_step import PackedGraph, is_compile_error
 
 log = logging.getLogger("infopt.compile")
 
@@ -105,31 +108,6 @@ def compile_stats(model: nn.Module) -> CompileStats | None:
     return forwards.stats if isinstance(forwards, CompiledForwards) else None
 
 
-def mode_options(mode: str, device: torch.device, cpp_wrapper: bool, size_asserts: bool | None = None
-                 ) -> dict[str, Any]:
-    """Inductor config for a compile ``mode`` on ``device``.
-
-    ``reduce-overhead`` is CUDA graphs; ``max-autotune`` also benchmarks kernel choices (on CPU, C++
-    GEMM templates, including the weight-only int8/int4 ones, against the ATen kernels). CUDA graphs
-    are dropped off CUDA, where they do not apply. ``size_asserts`` sets Inductor's checks of every input's and
-    every operator output's size and stride in the generated code (None: Inductor's default).
-    """
-    from torch._inductor import list_mode_options
-
-    opts = dict(list_mode_options(mode))
-    if device.type != "cuda":
-        opts.pop("triton.cudagraphs", None)
-    if cpp_wrapper:
-        opts["cpp_wrapper"] = True
-    if size_asserts is not None:
-        opts["size_asserts"] = size_asserts
-    from .passes import FuseSharedInputLinears
-
-    if FuseSharedInputLinears is not None:  # int8-activation linears on one input: one call (see .passes)
-        opts["post_grad_custom_post_pass"] = FuseSharedInputLinears()
-    return opts
-
-
 def step_options(config, device: torch.device) -> dict[str, Any]:
     """Inductor config for a decode step compiled under ``config`` (a :class:`~infopt.compile.Compile`) on
     ``device``: :func:`mode_options`, and on CPU with ``module_guards="per_call"`` no size asserts.
@@ -146,21 +124,6 @@ def step_options(config, device: torch.device) -> dict[str, Any]:
             and "TORCHINDUCTOR_SIZE_ASSERTS" not in os.environ):
         asserts = False
     return mode_options(config.mode, device, config.cpp_wrapper, size_asserts=asserts)
-
-
-def module_signature(model: nn.Module) -> int:
-    """A hash of what dynamo's module guards check, computed in one pass: each parameter's and buffer's identity,
-    dtype, device, shape and grad flag, each module's training flag and hooks, the config's values."""
-    parts: list = []
-    for m in model.modules():
-        parts.append((m.training, len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__))
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                parts.append((id(t), t.dtype, t.device, tuple(t.shape), t.requires_grad))
-    config = getattr(model, "config", None)
-    if config is not None:
-        parts.append(repr(sorted((k, repr(v)) for k, v in vars(config).items())))
-    return hash(tuple(parts))
 
 
 def token_bucket(k: int) -> int:
@@ -223,6 +186,7 @@ class CompiledForward(Forward):
         self._classes: dict[tuple, tuple] = {}
         self._signature: int | None = None  # module_signature at compile time (module_guards "per_call")
         self.timings: dict[tuple[int, int, int], float] = {}  # (batch, token bucket, cache length) -> seconds
+        self.engine_graph: PackedGraph | None = None  # the batching engine's packed step, made on its first call
         # unpadded steps tell the attention layers how many keys they hold (see attention.gqa.KV_LEN_KWARG): with
         # the GQA backend on CPU they then read only those keys, in place, on the C++ kernel
         self._pass_kv_len = (self._device.type == "cpu"
@@ -441,6 +405,24 @@ class CompiledForward(Forward):
             rollback(cache, pad)
             out = out[:, :k]
         return out
+
+    def packed(self, input_ids, position_ids, keep, paged_step, *, eager: bool = False) -> torch.Tensor:
+        """The batching engine's step through two graphs with dynamic shapes (:class:`PackedGraph`), or eagerly: with
+        ``eager`` (the first step allocates the KV pools), and for good once compiling failed (said once)."""
+        graph = self.engine_graph
+        if graph is None and not eager:
+            graph = self.engine_graph = PackedGraph(self.model, keeps=self.keeps, stats=self.stats)
+        if eager or graph.failed is not None:
+            self.stats.eager_calls += 1
+            return super().packed(input_ids, position_ids, keep, paged_step)
+        try:
+            return graph(input_ids, position_ids, keep if self.keeps else None, paged_step)
+        except Exception as e:
+            if not is_compile_error(e):
+                raise
+            logits = super().packed(input_ids, position_ids, keep, paged_step)  # raises if the forward is at fault
+            graph.disable(e)
+            return logits
 
     def _run(self, key: tuple, args: tuple) -> torch.Tensor:
         """The step ``args`` through shape ``key``'s graph (compiled on its first call), or eagerly where it cannot

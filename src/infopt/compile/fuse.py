@@ -46,7 +46,7 @@ from ..quantize.fp8 import FP8Linear
 from ..quantize.int4 import Int4Linear
 from ..quantize.int8 import Int8Linear
 from .packed import usable as packed_usable
-from .packed import wants_grad
+from .packed import uses_packed, wants_grad
 
 __all__ = ["FusedGroup", "QuantizedFusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
 
@@ -160,7 +160,7 @@ class FusedGroup:
         return [*self.fused.values(), *([self.bias] if self.bias is not None else [])]
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and packed_usable(x, self.weight):
+        if self.packed is not None and packed_usable(x, self.weight) and uses_packed(self.packed):
             return torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
         return nn.functional.linear(x, self.weight, self.bias)
 

@@ -1,4 +1,4 @@
-"""fp32 linears on oneDNN's prepacked weights, for the compiled decode step on CPUs.
+"""fp32 and bf16 linears on oneDNN's prepacked weights, for the decode step and the batching engine's steps on CPUs.
 
 On the CPUs measured here, ``F.linear`` in fp32 at the widths decoding uses (1 to 16 rows) runs well below the
 memory bandwidth: MKL's kernels for a 576 x 49152 head take 7.1 ms for one row and 11 ms for eight on a 2-core AVX2
@@ -13,6 +13,13 @@ counter or storage moved), so a packed layer never computes with stale weights. 
 the sums run in another order (like any other kernel), nothing is rounded. The cost is memory: the packed copy sits
 beside the original weight, which stays for ``undo``, ``state_dict`` and tied embeddings.
 
+A plain bf16 ``F.linear`` on CPU reorders its weight into oneDNN's blocked layout on every call, and MKL's fp32
+kernels run far below the memory bandwidth at the row counts of the batching engine's steps, so the engine packs
+its model too, *scoped* (``scoped=True``): those layers use the packed copy only inside its steps
+(:func:`infopt.generate.packed_call`, which :meth:`infopt.generate.Forward.packed` enters) and in compiled
+graphs; every other forward of the model (``generate`` outside the engine, training, a batch-invariant engine)
+multiplies the plain weights as before.
+
 :func:`kernel_calls` counts the operator's calls (compiled graphs' included) and the packed layers' eager calls that
 took ``F.linear`` instead.
 """
@@ -26,7 +33,9 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["can_pack", "can_pack_dtype", "pack_linears_", "unpack_linears_", "packed_bytes", "usable", "wants_grad",
+from ..generate import in_packed_call
+
+__all__ = ["can_pack", "can_pack_dtype", "can_pack_model", "pack_linears_", "uses_packed", "unpack_linears_", "packed_bytes", "usable", "wants_grad",
            "PACK_ROWS", "kernel_calls"]
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -46,6 +55,8 @@ _SLOTS: dict[int, int] = {}  # slot -> the token of the pack_linears_ call holdi
 _SLOT = 1 << 20
 _TOKENS = itertools.count()
 _MODEL_SLOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the slot it was last packed in
+_ROWS: dict[int, int] = {}  # handle -> the row count its weight was packed for, where not PACK_ROWS
+_SCOPED: set[int] = set()  # handles used only inside packed_call() blocks and compiled graphs
 
 
 _CALLS = {"packed_linear": 0, "linear": 0}  # since import (a diagnostic: unlocked, += under the GIL)
@@ -62,6 +73,12 @@ def kernel_calls() -> dict[str, int]:
         ['linear', 'packed_linear']
     """
     return dict(_CALLS)
+
+
+def _forget(handle: int) -> None:
+    _PACKED.pop(handle, None)
+    _ROWS.pop(handle, None)
+    _SCOPED.discard(handle)
 
 
 def _release(slot: int, token: int) -> None:
@@ -90,8 +107,21 @@ def can_pack_dtype(dtype: torch.dtype) -> bool:
         return False
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+def can_pack_model(model: nn.Module) -> bool:
+    """True when ``model``'s linears can run on prepacked weights: its parameters on the CPU in a dtype
+    :func:`can_pack_dtype` accepts."""
+    p = next(model.parameters(), None)
+    return p is not None and p.device.type == "cpu" and can_pack_dtype(p.dtype)
+
+
+def uses_packed(handle: int) -> bool:
+    """Whether the packed layer (or fused group) ``handle`` runs its packed copy now: always while compiling (a graph
+    calls the operator), and in eager calls unless it was packed ``scoped`` and this is not a packed call."""
+    return torch.compiler.is_compiling() or handle not in _SCOPED or in_packed_call()
+
+
+def _pack(weight: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
 def _packed_linear_impl(x, weight, bias, handle):
@@ -99,7 +129,7 @@ def _packed_linear_impl(x, weight, bias, handle):
     entry = _PACKED.get(handle)
     key = (weight.data_ptr(), weight._version)
     if entry is None or entry[:2] != key:  # a copy's weight, or the weight was written since it was packed
-        entry = (*key, _pack(weight))
+        entry = (*key, _pack(weight, _ROWS.get(handle, PACK_ROWS)))
         _PACKED[handle] = entry
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
@@ -137,8 +167,9 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not usable(x, self.weight):
-        if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
+    if not usable(x, self.weight) or not uses_packed(self._infopt_packed):
+        # (a count read while tracing would make dynamo guard on it; a scoped layer outside its steps is not counted)
+        if not torch.compiler.is_compiling() and uses_packed(self._infopt_packed):
             _CALLS["linear"] += 1
         return nn.functional.linear(x, self.weight, self.bias)
     return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
@@ -154,7 +185,7 @@ def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> li
         if group is not None:
             w = group.weight
             if (id(group) not in seen and w is not None and w.dtype in dtypes and w.device.type == "cpu"
-                    and w.numel() >= min_elements):
+                    and w.numel() >= min_elements and group.packed is None):
                 seen.add(id(group))
                 out.append(group)
         elif (type(m) is nn.Linear and id(m) not in seen and m.weight.dtype in dtypes
@@ -166,10 +197,16 @@ def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> li
 
 
 def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
-                  dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list:
+                  dtypes: tuple[torch.dtype, ...] = (torch.float32,), *, rows: int = PACK_ROWS,
+                  scoped: bool = False) -> list:
     """Route every CPU ``nn.Linear`` of ``model`` whose weight is of ``dtypes`` (exactly that class, its forward not
-    already patched, with at least ``min_elements`` weights), and every such fused projection group (:mod:`infopt.compile.fuse`), through
-    ``infopt::packed_linear``, in place.
+    already patched, with at least ``min_elements`` weights), and every such fused projection group not packed yet
+    (:mod:`infopt.compile.fuse`), through ``infopt::packed_linear``, in place.
+
+    Args:
+        rows: the row count oneDNN picks the blocked layout for (any row count runs on it).
+        scoped: use the packed copies only inside :func:`infopt.generate.packed_call` blocks and compiled graphs
+            (the batching engine's steps); other eager calls multiply the plain weights.
 
     Returns:
         The layers (and fused groups) changed; :func:`unpack_linears_` of them undoes it.
@@ -197,13 +234,17 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
     with torch.no_grad():
         for i, m in enumerate(layers):
             handle = slot * _SLOT + i
-            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight))
+            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight, rows))
+            if rows != PACK_ROWS:
+                _ROWS[handle] = rows
+            if scoped:
+                _SCOPED.add(handle)
             if isinstance(m, nn.Module):
                 m._infopt_packed = handle
                 m.forward = types.MethodType(_forward, m)
             else:  # a fused projection group: its fused matmul runs on the packed copy of its fused weight
                 m.packed = handle
-            weakref.finalize(m, _PACKED.pop, handle, None)
+            weakref.finalize(m, _forget, handle)
     weakref.finalize(layers[0], _release, slot, token)
     return layers
 
@@ -217,7 +258,7 @@ def unpack_linears_(layers: list[nn.Linear]) -> None:
         else:  # a fused projection group
             handle, m.packed = m.packed, None
         if handle is not None:
-            _PACKED.pop(handle, None)
+            _forget(handle)
             _SLOTS.pop(handle // _SLOT, None)
 
 

@@ -17,13 +17,13 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from ..generate import decoder_for, rollback, set_part, uncounted
+from ..generate import Forward, decoder_for, rollback, set_part, uncounted
 from ..kvcache.static import BUCKET, StaticCaches, bucket_length, static_max_length
 from .aot import aot_available
 from .decoder import CompiledForwards, CompileStats, compile_stats, token_bucket
 from .saved import warmup_skipped
 
-__all__ = ["Compile", "compile_", "warmup"]
+__all__ = ["Compile", "compile_", "warmup", "engine_forward"]
 
 _MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -184,6 +184,53 @@ def compile_(model: nn.Module, config: Compile | None = None, *, step: str | Non
     forwards = CompiledForwards(config)
     set_part(model, "forwards", forwards, step=step or config.key)  # undo drops it, and its graphs with it
     return forwards
+
+
+ENGINE_PACK_ROWS = 64
+"""The row count the batching engine's eager steps pack their weights for (oneDNN's blocking; any count runs)."""
+
+
+def engine_forward(model: nn.Module, *, compile: bool, pack: bool, step: str | None = "batching"
+                   ) -> tuple[Forward, int]:
+    """The :class:`~infopt.generate.Forward` a batching engine's steps call, its model prepared for it.
+
+    With ``compile``: the model's compiled forward (its compile step's, else one made here, whose graphs count in its
+    own :class:`~infopt.compile.decoder.CompileStats`), its q/k/v and gate/up projections fused into one matmul
+    each (:mod:`infopt.compile.fuse`), and with ``pack`` every linear of the model's dtype on a prepacked weight;
+    its ``packed`` step compiles on first use. Without: the eager forward, on prepacked weights with ``pack``.
+    Engine packing is scoped (:func:`~infopt.compile.packed.pack_linears_`): other calls of the model keep the plain
+    weights. Each change is recorded, so :func:`infopt.undo` restores the model.
+
+    Args:
+        model: the engine's model.
+        compile: compile the step.
+        pack: pack the linears (the caller checked :func:`~infopt.compile.packed.can_pack_model`).
+        step: the recipe step the changes are recorded under.
+
+    Returns:
+        The forward, and how many linears (and fused groups) were packed.
+    """
+    from . import fuse, packed
+
+    layers = []
+    if compile:
+        groups = fuse.fuse_projections_(model)
+        if groups:
+            record_custom(model, f"{len(groups)} fused projection groups for the compiled engine step",
+                          lambda: fuse.unfuse_projections_(groups), step=step)
+    if pack:
+        dtype = next(model.parameters()).dtype
+        rows = packed.PACK_ROWS if compile else ENGINE_PACK_ROWS
+        layers = packed.pack_linears_(model, min_elements=0, dtypes=(dtype,), rows=rows, scoped=True)
+        if layers:
+            record_custom(model, f"{len(layers)} linears on prepacked weights for the engine's steps",
+                          lambda: packed.unpack_linears_(layers), step=step)
+    if not compile:
+        return Forward(model, packed_weights=pack), len(layers)
+    dec = decoder_for(model)
+    if dec is not None and isinstance(dec.forwards, CompiledForwards):
+        return dec.forward_for(model), len(layers)
+    return CompiledForwards(Compile())(model), len(layers)
 
 
 @torch.no_grad()

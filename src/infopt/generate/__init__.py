@@ -4,7 +4,16 @@ See docs/architecture.md for the path of one call, file by file.
 """
 
 from .call import BEAM_KWARGS, GenerateCall, Unsupported, nondefault_fields, parse_call, sampling_field
-from .forward import Forward, croppable, full_length_dynamic_cache, rollback, static_length, takes_logits_to_keep
+from .forward import (
+    Forward,
+    croppable,
+    full_length_dynamic_cache,
+    in_packed_call,
+    packed_call,
+    rollback,
+    static_length,
+    takes_logits_to_keep,
+)
 from .lean import lean_decode, positions_of
 from .router import (
     CachePart,
@@ -22,7 +31,7 @@ from .sampling import choose_tokens, filter_logits, make_generator
 
 __all__ = [
     "BEAM_KWARGS", "CachePart", "choose_tokens", "filter_logits", "make_generator", "Decoder", "Forward", "GenerateCall", "LoopPart", "RoutingStats", "Unsupported",
-    "croppable", "decoder_for", "full_length_dynamic_cache", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
+    "croppable", "decoder_for", "full_length_dynamic_cache", "in_packed_call", "packed_call", "install", "lean_decode", "nondefault_fields", "parse_call", "positions_of",
     "rollback", "routing_stats", "sampling_field", "set_part", "static_length", "takes_logits_to_keep",
     "tensors_bytes", "uncounted",
 ]

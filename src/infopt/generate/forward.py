@@ -1,12 +1,16 @@
-"""The forward every decode loop calls: prompt, one-token decode and k-token verify go through one object.
+"""The forward every decode loop calls: prompt, one-token decode, k-token verify and the batching engine's packed
+step go through one object.
 
 :class:`Forward` runs the model eagerly. The ``compile`` step supplies a subclass that runs the fixed-shape
-calls (decode and verify over a static cache) through compiled graphs; the loops do not know which they got.
+calls (decode and verify over a static cache) through compiled graphs, and the engine's packed step through one
+graph with dynamic shapes; the loops do not know which they got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 
 import torch
 from torch import nn
@@ -15,9 +19,37 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 
 from ..core.compat import CACHE_KWARG
 
-__all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache"]
+__all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache",
+           "packed_call", "in_packed_call"]
 
 _TAKES: dict[type, bool] = {}
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def packed_call():
+    """Within this block (in this thread) a packed step runs: linears prepacked for the engine's steps only
+    (``infopt.compile.packed.pack_linears_(..., scoped=True)``) use their packed copies. :meth:`Forward.packed`
+    enters it; every other forward of the model keeps the plain weights.
+
+    Example:
+        >>> with packed_call():
+        ...     in_packed_call()
+        True
+        >>> in_packed_call()
+        False
+    """
+    before = getattr(_SCOPE, "on", False)
+    _SCOPE.on = True
+    try:
+        yield
+    finally:
+        _SCOPE.on = before
+
+
+def in_packed_call() -> bool:
+    """True inside :func:`packed_call` in this thread."""
+    return getattr(_SCOPE, "on", False)
 
 
 def takes_logits_to_keep(model: nn.Module) -> bool:
@@ -41,13 +73,16 @@ class Forward:
 
     Args:
         model: a transformers causal LM.
+        packed_weights: the engine's :meth:`packed` step uses the linears prepacked for it (a scoped
+            ``infopt.compile.packed.pack_linears_``); False: the plain weights.
     """
 
     compiled = False
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, packed_weights: bool = True):
         self.model = model
         self.keeps = takes_logits_to_keep(model)
+        self.packed_weights = packed_weights
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, keep: int = 1) -> torch.Tensor:
@@ -84,6 +119,31 @@ class Forward:
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          use_cache=True, **{CACHE_KWARG: cache}, **kw)
         return out.logits[:, -k:].float()
+
+    def packed_scope(self):
+        """The context an eager :meth:`packed` step runs in: :func:`packed_call` (the engine's prepacked weights), or
+        none without ``packed_weights``."""
+        return packed_call() if self.packed_weights else contextlib.nullcontext()
+
+    def packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, paged_step, *,
+               eager: bool = False) -> torch.Tensor:
+        """The batching engine's step: every scheduled sequence's new tokens packed into one row over a paged cache.
+
+        Args:
+            input_ids, position_ids: ``[1, T]``, the step's tokens and their positions.
+            keep: the token indices whose logits are due (``logits_to_keep``), or None for every position (a model
+                whose forward does not take ``logits_to_keep``).
+            paged_step: the paged cache's ``step_inputs()``: each attention layer writes its new K/V and attends.
+            eager: run this step eagerly whatever the forward (the engine's first step allocates the KV pools,
+                which a compiled graph cannot do); the eager forward ignores it.
+
+        Returns:
+            The logits as the model returns them, ``[1, rows, V]``.
+        """
+        kw = {"logits_to_keep": keep} if self.keeps and keep is not None else {}
+        with self.packed_scope():
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              paged_step=paged_step, **kw).logits
 
 
 def croppable(cache) -> bool:

@@ -1,4 +1,7 @@
-"""The engine's packed forward under ``torch.compile``: two graphs serve every step.
+"""The batching engine's packed step under ``torch.compile``: two graphs serve every step.
+
+:meth:`infopt.compile.decoder.CompiledForward.packed` runs it; its graphs count in the model's one
+:class:`~infopt.compile.decoder.CompileStats`, beside the fixed-shape decode and verify graphs.
 
 A step's shapes change every time: its token count (decode tokens plus prefill chunks), its sequence count, the
 width of its block table and the rows whose logits are due. The forward is compiled once with dynamic shapes, and
@@ -6,7 +9,7 @@ before each call the sequence, block and logit-row dimensions are marked *unback
 them (a backed size of 1 would get a graph of its own: one per combination of single sequence, single block,
 single due row). The token count stays backed because transformers' mask and rotary code branch on it; it splits
 the steps into single-token decodes and everything else. So an engine compiles two graphs, in its warm-up, and
-none while it serves (:class:`EngineCompileStats` counts them).
+none while it serves.
 
 What the graph buys on CPU is fusion of everything between the matmuls and the attention kernel (norms, rotary
 embeddings, activations, residual adds, the K/V writes), which the eager forward runs as hundreds of small
@@ -19,45 +22,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..compile.decoder import mode_options, module_signature
-from ..compile.guard_free import isolated_compile, weak_backend
+from .guard_free import isolated_compile, weak_backend
+from .options import mode_options, module_signature
 
-log = logging.getLogger("infopt.batching")
+log = logging.getLogger("infopt.compile")
 
-__all__ = ["CompiledStep", "EngineCompileStats"]
-
-
-@dataclass
-class EngineCompileStats:
-    """What an engine's compiled step did.
-
-    Attributes:
-        graphs: graphs compiled (two after the warm-up: single-token steps and the rest).
-        seconds: wall time spent compiling them.
-        after_warmup: graphs compiled while serving, each a stall of about ``seconds / graphs`` for the requests in
-            that step (0 when the warm-up covered every kind of step).
-        calls: steps run through the compiled graphs.
-        eager_calls: steps run eagerly (the first step, which allocates the KV pools, and every step after a
-            compile failure).
-        failed: why compiling failed (the engine then runs every step eagerly), or None.
-    """
-
-    graphs: int = 0
-    seconds: float = 0.0
-    after_warmup: int = 0
-    calls: int = 0
-    eager_calls: int = 0
-    failed: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"graphs": self.graphs, "seconds": round(self.seconds, 2), "after_warmup": self.after_warmup,
-                "calls": self.calls, "eager_calls": self.eager_calls, "failed": self.failed}
+__all__ = ["PackedGraph", "is_compile_error"]
 
 
 def _mark_unbacked(t: torch.Tensor | None, *dims: int) -> None:
@@ -68,23 +42,36 @@ def _mark_unbacked(t: torch.Tensor | None, *dims: int) -> None:
             mark_unbacked(t, d)
 
 
-class CompiledStep:
+def is_compile_error(e: BaseException) -> bool:
+    """True for errors raised by dynamo or Inductor. The caller then runs the step eagerly: if that fails too, the
+    forward itself is at fault; if it succeeds, compiling is."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(e, TorchDynamoException)
+
+
+class PackedGraph:
     """``model``'s packed forward (``input_ids`` and ``position_ids`` ``[1, T]``, a ``paged_step``, the logit rows to
     keep), compiled with dynamic shapes; see the module docstring.
 
     Args:
         model: the engine's model (its attention backend already ``paged``).
         keeps: the model's forward takes ``logits_to_keep``.
+        stats: the :class:`~infopt.compile.decoder.CompileStats` its graphs count in.
     """
 
-    def __init__(self, model: nn.Module, *, keeps: bool):
+    SHAPES = {True: "engine step, 1 token", False: "engine step, 2+ tokens, any sequences"}
+
+    def __init__(self, model: nn.Module, *, keeps: bool, stats):
         self.model = model
         self.keeps = keeps
-        self.stats = EngineCompileStats()
+        self.stats = stats
         self.warmed_up = False
+        self.failed: str | None = None  # why compiling failed (then every step runs eagerly)
         self._device = next(model.parameters()).device
         self._signature: int | None = None
         self._rebuilt = False  # compiling again after the model changed (said once, in __call__)
+        self._single = True  # a one-token step is being called (a graph of its own), for the compiler callback
         self._fn = self._new_fn()
 
     def _new_fn(self):
@@ -108,13 +95,17 @@ class CompiledStep:
 
         t0 = time.perf_counter()
         fn = compile_fx(gm, example_inputs, config_patches=mode_options("default", self._device, False))
-        self.stats.graphs += 1
-        self.stats.seconds += time.perf_counter() - t0
+        stats = self.stats
+        stats.compiles += 1
+        stats.seconds += time.perf_counter() - t0
+        name = self.SHAPES[self._single]
+        if name not in stats.shapes:
+            stats.shapes.append(name)
         if self.warmed_up:
-            self.stats.after_warmup += 1
-        if self.warmed_up and not self._rebuilt:
-            log.warning("the engine compiled a step shape its warm-up did not cover (graph %d): the requests in this "
-                        "step waited for it", self.stats.graphs)
+            stats.compiles_after_warmup += 1
+            if not self._rebuilt:
+                log.warning("the engine compiled a step shape its warm-up did not cover (%s): the requests in this "
+                            "step waited for it", name)
         return fn
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None, step
@@ -133,20 +124,14 @@ class CompiledStep:
         _mark_unbacked(meta.new_lens, 0)
         _mark_unbacked(starts, 0)
         _mark_unbacked(keep, 0)
+        self._single = input_ids.shape[1] == 1
         out = self._fn(input_ids, position_ids, keep, step)
         self.stats.calls += 1
         return out
 
-    @staticmethod
-    def is_compile_error(e: BaseException) -> bool:
-        """True for errors raised by dynamo or Inductor. The engine then runs the step eagerly: if that fails too,
-        the forward itself is at fault; if it succeeds, compiling is (:meth:`disable`)."""
-        from torch._dynamo.exc import TorchDynamoException
-
-        return isinstance(e, TorchDynamoException)
-
     def disable(self, e: BaseException) -> None:
-        """Give up on compiling for this engine (every later step runs eagerly), saying why once."""
+        """Give up on compiling the engine's step (every later step runs eagerly), saying why once."""
         text = " ".join(str(e).split())  # dynamo's messages span lines; the cause follows the first
-        self.stats.failed = f"{type(e).__name__}: {text[:400]}"
-        log.warning("the engine's compiled step failed to compile (%s); its steps run eagerly", self.stats.failed)
+        self.failed = f"{type(e).__name__}: {text[:400]}"
+        self.stats.eager_shapes["engine step"] = self.failed
+        log.warning("the engine's compiled step failed to compile (%s); its steps run eagerly", self.failed)
