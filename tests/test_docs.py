@@ -187,7 +187,9 @@ def test_recipes_rules_table_is_rules():
     from infopt.recipe import RULES
 
     rows = _table("docs/recipes.md", "The table below lists `RULES` exactly")
-    assert [tuple(r) for r in rows] == [(r.a, r.b, r.relation, r.reason, r.fix) for r in RULES], (
+    relation = [r.relation + (f" (unless `{r.unless}`)" if r.unless else "") for r in RULES]
+    assert [tuple(r) for r in rows] == [(r.a, r.b, rel, r.reason, r.fix) for r, rel in zip(RULES, relation,
+                                                                                            strict=True)], (
         "docs/recipes.md's rules table differs from infopt.recipe.RULES (order matters)")
 
 

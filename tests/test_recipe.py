@@ -105,12 +105,29 @@ def test_registry_matches_public_names():
 
 def test_rule_patterns_are_valid_and_match():
     for rule in RULES:
-        for pattern in (rule.a, rule.b):
+        for pattern in (rule.a, rule.b, *([rule.unless] if rule.unless else [])):
             matches(pattern, Attention())  # raises on a malformed pattern
     assert matches("attention[backend!=eager]", Attention("sdpa"))
     assert not matches("attention[backend!=eager]", Attention("eager"))
     assert matches("kvcache:static", Static())
     assert not matches("kvcache:paged", Static())
+
+
+def test_compile_beside_batching_compiles_the_engine_not_a_static_decode_step():
+    from infopt.batching import Batching
+    from infopt.kvcache import Paged
+
+    check_rules([Paged(), Compile(), Batching()])  # the throughput preset's shape: no rule broken
+    with pytest.raises(RecipeError, match="compile cannot be combined with kvcache:paged"):
+        check_rules([Paged(), Compile()])  # without batching, the compiled decode step needs a static cache
+    with pytest.raises(RecipeError, match="compile requires kvcache:static"):
+        check_rules([Compile()])
+    with pytest.raises(RecipeError, match="AOTInductor packages"):
+        check_rules([Compile(aot=True), Batching()])
+    check_rules([Compile(aot="auto"), Batching()])
+    with pytest.raises(RecipeError, match="batch-invariant steps run eagerly"):
+        check_rules([Compile(), Batching(batch_invariant=True)])
+    assert [s.stage for s in Recipe.parse("throughput").steps] == ["kvcache", "compile", "batching"]
 
 
 def test_to_dict_is_json_serializable():

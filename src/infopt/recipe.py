@@ -36,6 +36,7 @@ class Rule:
         relation: ``conflicts`` (a and b cannot both be present) or ``requires`` (a needs some b).
         reason: why, in one sentence.
         fix: what to use instead.
+        unless: a step pattern whose presence lifts the rule (None: always holds).
     """
 
     a: str
@@ -43,6 +44,7 @@ class Rule:
     relation: str
     reason: str
     fix: str
+    unless: str | None = None
 
     def __post_init__(self):
         if self.relation not in ("conflicts", "requires"):
@@ -70,12 +72,22 @@ def matches(pattern: str, step: StepConfig) -> bool:
 
 RULES: tuple[Rule, ...] = (
     Rule("compile", "kvcache:paged", "conflicts",
-         "a compiled forward needs static shapes, and the paged cache's block tables and packed batches change "
-         "shape every step",
-         "use kvcache static with compile, or drop compile to keep paged + prefix caching"),
+         "the compiled decode step needs static shapes, and the paged cache's block tables change shape every step "
+         "(the batching engine's step, compiled with dynamic shapes, serves a paged cache)",
+         "use kvcache static with compile, add batching, or drop compile to keep paged + prefix caching",
+         unless="batching"),
     Rule("compile", "kvcache:static", "requires",
-         "a compiled forward over a growing KV cache sees a new shape every token and recompiles each time",
-         "add kvcache.Static(max_length=...) to the recipe (it is applied before compile)"),
+         "a compiled decode step over a growing KV cache sees a new shape every token and recompiles each time",
+         "add kvcache.Static(max_length=...) to the recipe (it is applied before compile), or batching",
+         unless="batching"),
+    Rule("compile[aot=true]", "batching", "conflicts",
+         "AOTInductor packages are built for the decode step over a static cache; the batching engine's step is "
+         "compiled with dynamic shapes by torch.compile",
+         "use compile aot: auto or false with batching"),
+    Rule("batching[batch_invariant=true]", "compile", "conflicts",
+         "batch-invariant steps run eagerly in fixed row blocks; a compiled step's matrix products are Inductor's, "
+         "sized by the batch",
+         "drop compile with batching batch_invariant: true"),
     Rule("compile", "attention[backend=flex]", "conflicts",
          "flex attention compiles its own kernels; compiling the whole forward around it is not supported here",
          "use attention backend 'sdpa' with compile, or drop compile"),
@@ -111,9 +123,6 @@ RULES: tuple[Rule, ...] = (
     Rule("batching", "attention[backend!=paged]", "conflicts",
          "the batching engine packs every sequence into one row read by the paged attention kernel",
          "use attention backend 'paged' with batching, or leave the attention step out (batching switches it)"),
-    Rule("batching", "compile", "conflicts",
-         "the engine's packed batches change shape every step, which a compiled forward would recompile for",
-         "drop compile when using batching"),
     Rule("compile", "quantize:bnb_int8", "conflicts",
          "bitsandbytes kernels break the compiled graph",
          "use quantize int8 (native) with compile"),
@@ -146,7 +155,8 @@ def rules_markdown(rules: Iterable[Rule] = RULES) -> str:
         '| a | b | relation | reason | fix |'
     """
     rows = ["| a | b | relation | reason | fix |", "|---|---|---|---|---|"]
-    rows += [f"| `{r.a}` | `{r.b}` | {r.relation} | {r.reason} | {r.fix} |" for r in rules]
+    rows += [f"| `{r.a}` | `{r.b}` | {r.relation}{f' (unless `{r.unless}`)' if r.unless else ''} | {r.reason} | "
+             f"{r.fix} |" for r in rules]
     return "\n".join(rows)
 
 
@@ -158,12 +168,12 @@ def check_rules(steps: Iterable[StepConfig], rules: Iterable[Rule] = RULES) -> N
         >>> check_rules([Compile()])
         Traceback (most recent call last):
         ...
-        infopt.core.errors.RecipeError: compile requires kvcache:static: a compiled forward ...
+        infopt.core.errors.RecipeError: compile requires kvcache:static: a compiled decode step ...
     """
     steps = list(steps)
     for rule in rules:
         a_steps = [s for s in steps if matches(rule.a, s)]
-        if not a_steps:
+        if not a_steps or (rule.unless is not None and any(matches(rule.unless, s) for s in steps)):
             continue
         b_steps = [s for s in steps if s not in a_steps and matches(rule.b, s)]
         a_key = a_steps[0].key
@@ -214,10 +224,10 @@ PRESETS: dict[str, Preset] = {
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True}},
                 {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
-               "prefix caching, its steps compiled on CPU (a minute or so while the recipe is applied); lossless "
-               "(batched kernels sum in another order: greedy output parts only at near-ties)",
-               ({"kvcache": {"kind": "paged"}},
-                {"batching": {"max_seqs": 64, "max_batch_tokens": 512, "compile": "auto"}})),
+               "prefix caching, its steps compiled (a minute or so on a small CPU while the recipe is applied); "
+               "lossless (batched kernels sum in another order: greedy output parts only at near-ties)",
+               ({"kvcache": {"kind": "paged"}}, {"compile": {"mode": "default"}},
+                {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
         Preset("gpu-fast", "CUDA: static KV cache + compiled decode step with CUDA graphs (the original weights; fused "
                "kernels)",
                ({"attention": {"backend": "sdpa"}}, {"kvcache": {"kind": "static"}},

@@ -148,12 +148,33 @@ def test_compiled_engine_on_the_device_matches_generate_greedy(device):
     assert stats["compiles"] == 2 and stats["compiles_after_warmup"] == 0 and not stats["eager_shapes"], stats
 
 
-def test_batching_step_compile_field():
+def test_batching_compile_field_is_gone_with_advice():
     from infopt.batching import Batching
     from infopt.core.errors import RecipeError
 
-    assert Batching(compile="auto").compile == "auto"
-    with pytest.raises(RecipeError, match="compile"):
-        Batching(compile="yes")
-    with pytest.raises(RecipeError, match="compile"):
-        Batching(compile=1)
+    for make in (lambda: Batching(compile="auto"), lambda: infopt.Recipe.parse([{"batching": {"compile": True}}])):
+        with pytest.raises(RecipeError, match="batching.compile was removed: the compile stage decides"):
+            make()
+
+
+@pytest.mark.slow
+def test_a_compile_step_beside_batching_compiles_the_engines_steps_with_its_settings():
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    recipe = [{"kvcache": {"kind": "paged", "num_blocks": 64, "block_size": 4}},
+              {"compile": {"fuse_projections": False}}, {"batching": {"max_seqs": 4, "max_batch_tokens": 32}}]
+    infopt.optimize(model, recipe)
+    stats = infopt.compile.compile_stats(model)  # the compile step's stats count the engine's graphs
+    assert stats is not None and stats.compiles == 2 and stats.shapes == [
+        "engine step, 1 token", "engine step, 2+ tokens, any sequences"], stats.as_dict()
+    assert "_infopt_fused" not in model.model.layers[0].self_attn.q_proj.__dict__  # fuse_projections: false
+    prompts = _prompts(3, seed=11, hi=20)
+    batch = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[::-1]) for p in prompts], batch_first=True,
+                                            padding_value=0).flip(1)  # left padding
+    out = model.generate(batch, attention_mask=(batch != 0).long(), max_new_tokens=5, do_sample=False,
+                         pad_token_id=0)
+    for b, p in enumerate(prompts):
+        assert out[b, batch.shape[1]:].tolist() == _solo(ref, p, 5), b
+    assert stats.compiles == 2 and stats.compiles_after_warmup == 0 and stats.calls > 0, stats.as_dict()
+    infopt.undo(model)
+    assert infopt.compile.compile_stats(model) is None and _linear_forwards(model) == 0

@@ -128,8 +128,8 @@ def test_engine_refuses_what_it_cannot_make_invariant_and_leaves_the_model_alone
 
 
 def test_batching_step_batch_invariant_serves_eagerly_and_validates():
-    with pytest.raises(RecipeError, match="batch_invariant"):
-        Batching(batch_invariant=True, compile=True)
+    with pytest.raises(RecipeError, match="batch-invariant steps run eagerly"):
+        infopt.Recipe.parse([{"compile": {}}, {"batching": {"batch_invariant": True}}])
     with pytest.raises(RecipeError, match="batch_invariant"):
         Batching(batch_invariant=1)
     model = tiny_model(dtype=torch.float32)

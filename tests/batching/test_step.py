@@ -199,7 +199,7 @@ def test_throughput_preset_is_exact_and_undoes():
     ref, model = tiny_model(), tiny_model()
     ids, mask = _batch()
     infopt.optimize(model, "throughput")
-    assert [s.key for s in model.infopt.steps] == ["kvcache:paged", "batching"]
+    assert [s.key for s in model.infopt.steps] == ["kvcache:paged", "compile", "batching"]
     a = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
     assert torch.equal(a, ref.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False))
     assert routing_stats(model).infopt == 1

@@ -32,7 +32,7 @@ def _warnings(caplog) -> list[str]:
 
 
 # the throughput preset's steps without compiling the engine (seconds per model on CPU): the same routing
-ENGINE = [{"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512, "compile": False}}]
+ENGINE = [{"kvcache": {"kind": "paged"}}, {"batching": {"max_seqs": 64, "max_batch_tokens": 512}}]
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..compile import engine_forward
+from ..compile import Compile, engine_forward
 from ..generate.sampling import make_generator
 from ..kvcache.paged import Paged
 from .core import DEFAULT_KV_BUDGET, CoreEvent, EngineCore
@@ -168,11 +168,12 @@ class Engine:
             model is fp32, or bf16 on a CPU whose oneDNN runs bf16 matmuls, on a CPU. False: the plain weights,
             even where an earlier engine packed them. The packed copies take as much memory again as the weights.
         compile: run the steps through one ``torch.compile``-d forward with dynamic shapes
-            (:meth:`infopt.compile.CompiledForward.packed`): its two graphs are compiled here, by a warm-up of a few tokens, so
-            building the engine takes a minute or two longer on a small CPU model (less with Inductor's cache
-            filled by an earlier process), and no step compiles while serving. ``metrics()["compile"]`` reports
-            the graphs. With ``prepack``, the linears run through a custom operator on the packed weights
-            everywhere (recorded, undone by :func:`infopt.undo`). If compiling fails, the engine says so once and
+            (:meth:`infopt.compile.CompiledForward.packed`; True, or a :class:`~infopt.compile.Compile` step whose
+            ``pack_linears`` and ``fuse_projections`` apply, as a recipe's compile step does): its two graphs are
+            compiled here, by a warm-up of a few tokens, so building the engine takes a minute or two longer on a
+            small CPU model (less with Inductor's cache filled by an earlier process), and no step compiles while
+            serving. ``metrics()["compile"]`` reports the graphs (the model's compile step's
+            :class:`~infopt.compile.CompileStats`, where it has one). If compiling fails, the engine says so once and
             runs its steps eagerly.
         batch_invariant: a request's logits are the same bits whatever shares its steps (alone, beside 63 others,
             its prompt chunked otherwise, preempted and recomputed): matrix products in fixed blocks of rows and
@@ -208,8 +209,11 @@ class Engine:
         if prepack and not packable:
             raise ValueError("Engine prepack=True needs an fp32 model, or a bf16 one on a CPU whose oneDNN runs bf16 "
                              "matmuls, on a CPU torch build with oneDNN; use prepack=None (automatic) or False")
-        if not isinstance(compile, bool):
-            raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True or False")
+        if not isinstance(compile, (bool, Compile)):
+            raise ValueError(f"Engine compile={compile!r} is invalid; allowed: True, False or an infopt.compile.Compile")
+        if isinstance(compile, Compile) and compile.pack_linears is True and not packable and prepack is None:
+            raise ValueError("Engine compile=Compile(pack_linears=True) needs an fp32 model, or a bf16 one on a CPU "
+                             "whose oneDNN runs bf16 matmuls, on a CPU torch build with oneDNN; use pack_linears auto")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"Engine batch_invariant={batch_invariant!r} is invalid; allowed: True or False")
         if batch_invariant:
@@ -226,8 +230,7 @@ class Engine:
         def forward():  # called by the core once it has checked its own arguments
             if batch_invariant:
                 return InvariantForward(model)
-            fwd, self.prepacked = engine_forward(model, compile=compile, pack=bool(packable if prepack is None
-                                                                                   else prepack))
+            fwd, self.prepacked = engine_forward(model, compile, prepack)
             return fwd
 
         self.core = EngineCore(model, forward, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,

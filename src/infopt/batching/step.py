@@ -37,15 +37,15 @@ class Batching(StepConfig):
         chunked_prefill: split long prompts across steps, interleaved with decoding.
         block_size, num_blocks, prefix_caching: the engine's paged KV cache (``num_blocks`` None:
             a 1 GiB pool); a ``kvcache: {kind: paged}`` step in the same recipe supplies them instead.
-        compile: run the engine's steps through one compiled forward (``Engine(compile=True)``): its graphs are
-            compiled while the recipe is applied (a minute or so for a small model on a small CPU). ``"auto"``:
-            on CPU models (where it is measured) unless ``batch_invariant``, not elsewhere.
         batch_invariant: each request's logits are the same bits whatever shares its steps, so a served request
             reproduces exactly run to run (``Engine(batch_invariant=True)``: eager steps, CPU, float layers; it
             costs throughput).
 
+    A ``compile`` step in the same recipe compiles the engine's steps (``Engine(compile=...)`` with its settings):
+    their two graphs are compiled while the recipe is applied (a minute or so for a small model on a small CPU).
+
     Raises:
-        RecipeError: a non-positive size, a non-bool flag, or ``batch_invariant`` with ``compile: true``.
+        RecipeError: a non-positive size or a non-bool flag.
 
     Example:
         >>> Batching(max_seqs=32).to_dict()['batching']['max_seqs']
@@ -60,8 +60,10 @@ class Batching(StepConfig):
     block_size: int = 16
     num_blocks: int | None = None
     prefix_caching: bool = True
-    compile: bool | str = False
     batch_invariant: bool = False
+    removed: ClassVar[dict[str, str]] = {
+        "compile": "the compile stage decides: add a compile step to the recipe (e.g. {'compile': {}}) to compile "
+                   "the engine's steps, as the throughput preset does"}
 
     def __post_init__(self):
         for name in ("max_seqs", "max_batch_tokens", "block_size"):
@@ -72,11 +74,6 @@ class Batching(StepConfig):
         for name in ("chunked_prefill", "prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
-        if not isinstance(self.compile, bool) and self.compile != "auto":
-            raise bad_field(self, "compile", self.compile, "true, false or auto")
-        if self.batch_invariant and self.compile is True:
-            raise bad_field(self, "compile", self.compile,
-                            "false or auto with batch_invariant: true (batch-invariant steps run eagerly)")
 
     def paged(self) -> Paged:
         return Paged(block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching)
@@ -145,7 +142,7 @@ class EnginePart(LoopPart):
 
 
 def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None, kv: Paged | None = None,
-            step: str | None = None) -> Engine:
+            compile=None, step: str | None = None) -> Engine:
     """Route ``model.generate`` (and ``pipeline(..., batch_size=N)``) through a continuous-batching engine, in place.
 
     Each row of a (left-)padded batch becomes one request; the output is laid out as ``generate``'s
@@ -158,6 +155,8 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
         config: :class:`Batching` settings (default ``Batching()``).
         tokenizer: for ``stop_strings`` (optional).
         kv: paged cache settings overriding the config's (a recipe's ``kvcache: paged`` step).
+        compile: a recipe's :class:`~infopt.compile.Compile` step: the engine's steps compiled with its settings
+            (None: eager).
 
     Returns:
         The :class:`Engine` (also :func:`batching_engine`), for direct ``submit``/``stream`` use.
@@ -175,10 +174,8 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     """
     config = config or Batching()
     key = step or config.key
-    compile = config.compile if isinstance(config.compile, bool) else (
-        next(model.parameters()).device.type == "cpu" and not config.batch_invariant)
     engine = Engine(model, tokenizer, max_batch_tokens=config.max_batch_tokens, max_seqs=config.max_seqs,
-                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile,
+                    kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile or False,
                     batch_invariant=config.batch_invariant)
     set_part(model, "engine", EnginePart(engine, key), step=key)
     _ENGINES[model] = engine
@@ -195,7 +192,8 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
 @register_transform(Batching)
 def _apply(model: nn.Module, config: Batching, ctx: ApplyContext) -> None:
     kv = next((s for s in ctx.steps if isinstance(s, Paged)), None)
-    engine = enable_(model, config, tokenizer=ctx.tokenizer, kv=kv)
+    compile = next((s for s in ctx.steps if s.stage == "compile"), None)
+    engine = enable_(model, config, tokenizer=ctx.tokenizer, kv=kv, compile=compile)
     stats = engine.core.metrics().get("compile")
     ctx.notes.append(
         f"continuous batching: up to {config.max_seqs} sequences and {config.max_batch_tokens} tokens per step, "

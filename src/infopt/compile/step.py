@@ -1,4 +1,5 @@
-"""The ``compile`` recipe stage: ``torch.compile`` of the decode step over the static KV cache, warmed up."""
+"""The ``compile`` recipe stage: ``torch.compile`` of the decode step over the static KV cache, warmed up, or of the
+batching engine's step."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ class Compile(StepConfig):
     the length). The warm-up compiles the listed shapes while the
     recipe is applied, so calls that use them never wait for a compile;
     :func:`infopt.compile.compile_stats` counts the graphs compiled, and those compiled after the
-    warm-up. Needs ``kvcache.Static`` (its 256-token buckets are the cache lengths).
+    warm-up. Needs ``kvcache.Static`` (its 256-token buckets are the cache lengths), except beside a ``batching``
+    step: then the engine's steps are compiled instead (:func:`engine_forward`: two graphs with dynamic shapes over
+    its paged cache, warmed when the engine is made, with this step's ``pack_linears`` and ``fuse_projections``).
 
     Args:
         mode: ``default``; ``reduce-overhead`` (CUDA graphs, CUDA only); ``max-autotune`` (benchmarks
@@ -190,21 +193,23 @@ ENGINE_PACK_ROWS = 64
 """The row count the batching engine's eager steps pack their weights for (oneDNN's blocking; any count runs)."""
 
 
-def engine_forward(model: nn.Module, *, compile: bool, pack: bool, step: str | None = "batching"
-                   ) -> tuple[Forward, int]:
+def engine_forward(model: nn.Module, compile: bool | Compile, pack: bool | None = None, *,
+                   step: str | None = "batching") -> tuple[Forward, int]:
     """The :class:`~infopt.generate.Forward` a batching engine's steps call, its model prepared for it.
 
-    With ``compile``: the model's compiled forward (its compile step's, else one made here, whose graphs count in its
-    own :class:`~infopt.compile.decoder.CompileStats`), its q/k/v and gate/up projections fused into one matmul
-    each (:mod:`infopt.compile.fuse`), and with ``pack`` every linear of the model's dtype on a prepacked weight;
-    its ``packed`` step compiles on first use. Without: the eager forward, on prepacked weights with ``pack``.
-    Engine packing is scoped (:func:`~infopt.compile.packed.pack_linears_`): other calls of the model keep the plain
-    weights. Each change is recorded, so :func:`infopt.undo` restores the model.
+    Compiled (``compile`` True, or a :class:`Compile` step's settings): the model's compiled forward (its compile
+    step's, else one made here, whose graphs count in its own :class:`~infopt.compile.decoder.CompileStats`), its
+    q/k/v and gate/up projections fused into one matmul each (:mod:`infopt.compile.fuse`; not with
+    ``fuse_projections: false``); its ``packed`` step compiles on first use. Eager: :class:`~infopt.generate.Forward`.
+    Packed (``pack``; None: the step's ``pack_linears``, ``auto`` where :func:`~infopt.compile.packed.can_pack_model`):
+    every linear of the model's dtype on a prepacked weight, scoped to the engine's steps
+    (:func:`~infopt.compile.packed.pack_linears_`): other calls of the model keep the plain weights. Each change is
+    recorded, so :func:`infopt.undo` restores the model.
 
     Args:
         model: the engine's model.
-        compile: compile the step.
-        pack: pack the linears (the caller checked :func:`~infopt.compile.packed.can_pack_model`).
+        compile: compile the step (True: :class:`Compile`'s defaults).
+        pack: pack the linears (True: the caller checked :func:`~infopt.compile.packed.can_pack_model`).
         step: the recipe step the changes are recorded under.
 
     Returns:
@@ -212,25 +217,29 @@ def engine_forward(model: nn.Module, *, compile: bool, pack: bool, step: str | N
     """
     from . import fuse, packed
 
+    config = Compile() if compile is True else (compile or None)
+    if pack is None:
+        wanted = config.pack_linears if config is not None else "auto"
+        pack = packed.can_pack_model(model) if wanted == "auto" else bool(wanted)
     layers = []
-    if compile:
+    if config is not None and config.fuse_projections is not False:
         groups = fuse.fuse_projections_(model)
         if groups:
             record_custom(model, f"{len(groups)} fused projection groups for the compiled engine step",
                           lambda: fuse.unfuse_projections_(groups), step=step)
     if pack:
         dtype = next(model.parameters()).dtype
-        rows = packed.PACK_ROWS if compile else ENGINE_PACK_ROWS
+        rows = packed.PACK_ROWS if config is not None else ENGINE_PACK_ROWS
         layers = packed.pack_linears_(model, min_elements=0, dtypes=(dtype,), rows=rows, scoped=True)
         if layers:
             record_custom(model, f"{len(layers)} linears on prepacked weights for the engine's steps",
                           lambda: packed.unpack_linears_(layers), step=step)
-    if not compile:
+    if config is None:
         return Forward(model, packed_weights=pack), len(layers)
     dec = decoder_for(model)
     if dec is not None and isinstance(dec.forwards, CompiledForwards):
         return dec.forward_for(model), len(layers)
-    return CompiledForwards(Compile())(model), len(layers)
+    return CompiledForwards(config)(model), len(layers)
 
 
 @torch.no_grad()
@@ -392,6 +401,13 @@ def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
 @register_transform(Compile)
 def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
     info = ctx.info or inspect_model(model)
+    if any(s.stage == "batching" for s in ctx.steps):
+        # the engine's steps: the batching step makes the engine on this forward (engine_forward fuses and packs)
+        # and its warm-up compiles the step's two graphs
+        compile_(model, config)
+        ctx.notes.append("the batching engine's steps compiled by Inductor with dynamic shapes (two graphs, warmed "
+                         "when the engine is made)")
+        return
     if model.config._attn_implementation == "sdpa" and info.device.type == "cpu" and info.gqa_groups > 1:
         set_backend_(model, "sdpa_gqa", step=config.key)
         ctx.notes.append("attention sdpa -> sdpa_gqa: grouped K/V heads reach the CPU kernel unrepeated (a compiled "

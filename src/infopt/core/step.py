@@ -210,6 +210,7 @@ class StepConfig:
     kind: ClassVar[str | None] = None
     discriminator: ClassVar[str | None] = None
     fidelity: ClassVar[str] = "lossy"
+    removed: ClassVar[dict[str, str]] = {}  # a field an earlier version had -> what to write instead
 
     @property
     def lossless(self) -> bool:
@@ -374,6 +375,9 @@ def unknown_fields(cls: type[StepConfig], unknown: list[str]) -> UnknownFieldErr
     """
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     key = cls.stage if cls.kind is None else f"{cls.stage}:{cls.kind}"
+    gone = [u for u in unknown if u in cls.removed]
+    if gone:
+        return UnknownFieldError(" ".join(f"{key}.{u} was removed: {cls.removed[u]}." for u in gone))
     hints = "".join(did_you_mean(u, names) for u in unknown)
     return UnknownFieldError(
         f"{cls.__name__} ({key}) has no field(s) {', '.join(map(repr, unknown))}; "
