@@ -10,10 +10,9 @@ bandwidth measured in the same run. torch's kernels: ``_weight_int4pack_mm_for_c
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from _common import median_time  # this folder: the shared timing helpers
 
 from infopt.bench.harness import machine_info
 from infopt.quantize import a8
@@ -34,24 +33,8 @@ HEAD = (49152, 576)
 
 
 def timeit(fn, min_s=0.15):
-    for _ in range(3):
-        fn()
-    n = 1
-    while True:
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        dt = time.perf_counter() - t
-        if dt >= min_s:
-            break
-        n *= 2
-    runs = [dt / n]
-    for _ in range(args.repeats - 1):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t) / n)
-    return statistics.median(runs)
+    """Median seconds per call, over ``--repeats`` batches of calls that each last at least ``min_s``."""
+    return median_time(fn, runs=args.repeats, min_s=min_s)
 
 
 def copy_bandwidth():

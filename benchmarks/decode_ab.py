@@ -16,9 +16,9 @@ says whether they are those of plain transformers (what a lossless recipe must g
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from _common import decode_rate  # this folder: the shared timing helpers
 
 import infopt
 from infopt.bench.harness import machine_info
@@ -47,12 +47,8 @@ n = args.tokens
 for r in range(args.rounds):
     order = list(models.items()) if r % 2 == 0 else list(models.items())[::-1]
     for name, model in order:
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False)
-        prompt_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        rates[name].append((n - 1) / (time.perf_counter() - t0 - prompt_s))
+        rate, out = decode_rate(model, ids, n)
+        rates[name].append(rate)
         first.setdefault(name, out)
         stable[name] &= torch.equal(out, first[name])
 

@@ -12,10 +12,10 @@ the profiler) against the machine's measured copy bandwidth. Run on a quiet mach
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from _common import decode_rate  # this folder: the shared timing helpers
 from torch.profiler import ProfilerActivity, profile
 
 import infopt
@@ -47,19 +47,7 @@ n = args.tokens
 kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
 model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
 
-
-def decode_rate() -> float:
-    """Decode tokens/s: (n - 1) more tokens cost (t(n) - t(1))."""
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, do_sample=False)
-    t1 = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.generate(ids, **kw)
-    tn = time.perf_counter() - t0
-    return (n - 1) / (tn - t1)
-
-
-rates = [decode_rate() for _ in range(args.repeats)]
+rates = [decode_rate(model, ids, n)[0] for _ in range(args.repeats)]
 rate = statistics.median(rates)
 
 with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -19,9 +19,9 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from _common import decode_rate  # this folder: the shared timing helpers
 
 import infopt
 from infopt.bench.harness import machine_info
@@ -29,17 +29,7 @@ from infopt.models import load_default
 
 
 def rate(model, ids, n: int, device: str) -> tuple[float, torch.Tensor]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    kw = dict(do_sample=False)
-    sync()
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, **kw)
-    sync()
-    t1 = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-    sync()
-    return (n - 1) / (time.perf_counter() - t0 - t1), out
+    return decode_rate(model, ids, n, sync=torch.cuda.synchronize if device == "cuda" else None)
 
 
 def one(args) -> None:

@@ -11,12 +11,11 @@ quiet machine.
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import median_time  # this folder: the shared timing helpers
 
 from infopt.quantize import a8
 from infopt.quantize.int4 import Int4Linear
@@ -34,15 +33,7 @@ qa = Int4Linear.from_float(lin, group_size=32, layout="a8") if a8.available() el
 
 
 def ms(fn, n=30) -> float:
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(runs)
+    return median_time(fn, calls=n, runs=5, warmup=3) * 1e3
 
 
 def on_the_fly(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from _common import median_time  # this folder: the shared timing helpers
 
 from infopt.bench.harness import machine_info
 from infopt.quantize import W8A8Linear
@@ -28,14 +27,7 @@ SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 153
 
 
 def per_pass_ms(fn) -> float:
-    fn()
-    fn()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(runs)
+    return 1e3 * median_time(fn, runs=5, warmup=2)
 
 
 def measure(m: int, int8_t, w8a8, bf16, fp32) -> dict[str, float]:

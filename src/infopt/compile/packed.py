@@ -3,7 +3,7 @@
 On the CPUs measured here, ``F.linear`` in fp32 at the widths decoding uses (1 to 16 rows) runs well below the
 memory bandwidth: MKL's kernels for a 576 x 49152 head take 7.1 ms for one row and 11 ms for eight on a 2-core AVX2
 EPYC, where oneDNN's inner-product on a weight reordered once to its blocked layout takes 2.2 and 2.7 ms; a
-SmolLM2 layer's seven linears go from 0.57 ms to about 0.25 ms at eight rows (``benchmarks/packed_linear.py``).
+SmolLM2 layer's seven linears go from 0.57 ms to about 0.25 ms at eight rows (``benchmarks/studies/packed_linear.py``).
 Inductor's own weight prepacking (``freezing``) uses MKL's packed format on fp32, which does not help there.
 
 :func:`pack_linears_` gives each fp32 ``nn.Linear`` of a CPU model a prepacked copy of its weight and routes its
@@ -45,7 +45,7 @@ PACK_ROWS = 16
 
 MIN_ELEMENTS = 1 << 19
 """Smaller weights stay on ``F.linear``: the custom op's Python call (about 20 us) outweighs what packing saves on
-a 576 x 576 or 576 x 192 layer at one row (``benchmarks/packed_linear.py``)."""
+a 576 x 576 or 576 x 192 layer at one row (``benchmarks/studies/packed_linear.py``)."""
 
 # handle -> (weight storage pointer, weight version, packed weight); entries leave with their module. A handle is
 # the layer's index plus its model's slot times _SLOT: the same numbers each time a model is packed again, so its

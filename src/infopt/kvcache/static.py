@@ -92,7 +92,7 @@ def bucket_length(needed: int, max_length: int, bucket: int = BUCKET) -> int:
 
     transformers' static cache attends over its whole length at every decode step, so a cache far
     longer than the call wastes time (default model, 48 new tokens, quiet 2-core CPU: 17.1 tok/s
-    at 128 slots, 15.4 at 2,048, 13.3 at 4,096; ``benchmarks/static_cache_length.py``). Buckets keep
+    at 128 slots, 15.4 at 2,048, 13.3 at 4,096; ``benchmarks/studies/static_cache_length.py``). Buckets keep
     shapes static (few distinct shapes for ``torch.compile``) without that waste.
 
     Example:

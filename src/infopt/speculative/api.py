@@ -137,7 +137,7 @@ VERIFY_COST = 0.06
 def _self_draft_cost(model: nn.Module, config: SelfDraft) -> float:
     """A self draft's one-token forward time relative to the target's.
 
-    Measured with ``benchmarks/speculative_profile.py`` on the default model (fp32, 2-core CPU): see
+    Measured with ``benchmarks/studies/speculative_profile.py`` on the default model (fp32, 2-core CPU): see
     docs/speculative.md. Truncation scales the layers' share.
     """
     q = config.quantize.kind if config.quantize is not None else None

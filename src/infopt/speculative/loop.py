@@ -77,7 +77,7 @@ class Controller:
     with a rejection. While at 0 it probes with a one-token draft after ``probe_every`` plain rounds, doubling
     the wait (up to 8x) while probes fail. Costs are fixed for a decode call, never timed per round: a loaded
     machine's timing noise would steer the choice, and the same inputs give the same draft lengths (the
-    defaults were measured once per drafter kind with ``benchmarks/speculative_profile.py``).
+    defaults were measured once per drafter kind with ``benchmarks/studies/speculative_profile.py``).
 
     Args:
         fixed: a fixed draft length, or None for adaptive.

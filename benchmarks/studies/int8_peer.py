@@ -4,7 +4,7 @@ torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, torch.qint8) swaps ev
 included) for an fbgemm dynamic-quantized one: int8 weights and per-batch int8 activations. Greedy batch 1,
 a 32-token prompt, --tokens new tokens; medians of --repeats runs, interleaved.
 
-Usage: python benchmarks/int8_peer.py [--tokens 64] [--repeats 3] [--json out.json]
+Usage: python benchmarks/studies/int8_peer.py [--tokens 64] [--repeats 3] [--json out.json]
 """
 
 import argparse

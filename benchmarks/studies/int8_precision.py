@@ -12,7 +12,7 @@ lines up with its blocks, which flatters g32 against per-channel scales here.
 Also: distinct weight values per group of 32 in one MLP layer (the embedded model is a dequantized Q4_1
 GGUF: at most 16), and the bytes of the attention + MLP projections in fp32, int8 and int4 (g32, g64).
 
-Usage: python benchmarks/int8_precision.py [--max-tokens 1024] [--gptq] [--json out.json]
+Usage: python benchmarks/studies/int8_precision.py [--max-tokens 1024] [--gptq] [--json out.json]
 """
 
 import argparse

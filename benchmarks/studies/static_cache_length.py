@@ -1,6 +1,6 @@
 """Decode speed of the default model against transformers' StaticCache length (why kvcache.Static buckets).
 
-Usage: python benchmarks/static_cache_length.py [--new-tokens 48]
+Usage: python benchmarks/studies/static_cache_length.py [--new-tokens 48]
 """
 
 import argparse

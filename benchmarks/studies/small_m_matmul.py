@@ -4,7 +4,7 @@ On the development machine (torch 2.13.0+cpu, MKL), 2 and 3 rows cost about 2x a
 cost less than 3 rows: a slow path for M = 2..3. Speculative verify rounds of 2-3 tokens and batching-engine steps
 with 2-3 sequences pay it.
 
-    python benchmarks/small_m_matmul.py
+    python benchmarks/studies/small_m_matmul.py
 """
 
 from __future__ import annotations

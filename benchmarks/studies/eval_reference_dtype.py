@@ -1,6 +1,6 @@
 """How much storing a reference in fp16/bf16 moves KL and top-1, against exact fp32 (int8 copy vs original).
 
-Usage: python benchmarks/eval_reference_dtype.py [--max-tokens 1024]
+Usage: python benchmarks/studies/eval_reference_dtype.py [--max-tokens 1024]
 """
 
 import argparse

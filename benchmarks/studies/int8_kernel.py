@@ -1,6 +1,6 @@
 """One linear layer, batch 1: fp32 matmul vs torch._weight_int8pack_mm with fp32 and bf16 activations.
 
-Usage: python benchmarks/int8_kernel.py [--out 1536 --in 576]   (SmolLM2's MLP shape by default)
+Usage: python benchmarks/studies/int8_kernel.py [--out 1536 --in 576]   (SmolLM2's MLP shape by default)
 """
 
 import argparse

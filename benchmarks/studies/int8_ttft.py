@@ -1,7 +1,7 @@
 """Time to first token of int8 weight-only models with fp32 and with bf16 activations, against plain fp32,
 alternating in one process (one ``generate(max_new_tokens=1)`` per model per round; medians).
 
-Usage: python benchmarks/int8_ttft.py [--tokens 32 512] [--rounds 5] [--head] [--json out.json]
+Usage: python benchmarks/studies/int8_ttft.py [--tokens 32 512] [--rounds 5] [--head] [--json out.json]
 
 The prompts are the first N tokens of the embedded evaluation text.
 """

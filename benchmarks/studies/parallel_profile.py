@@ -2,8 +2,8 @@
 transformers' own DistributedConfig(tp_size=3), 24 greedy tokens, cProfile of rank 0 (where the time goes:
 matmuls vs waiting on collectives).
 
-    torchrun --nproc-per-node 3 benchmarks/parallel_profile.py infopt
-    torchrun --nproc-per-node 3 benchmarks/parallel_profile.py hf
+    torchrun --nproc-per-node 3 benchmarks/studies/parallel_profile.py infopt
+    torchrun --nproc-per-node 3 benchmarks/studies/parallel_profile.py hf
 """
 
 from __future__ import annotations

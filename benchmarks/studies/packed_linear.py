@@ -1,7 +1,7 @@
 """fp32 linear at decode widths: ``F.linear`` (MKL on x86 builds) against oneDNN's inner product on a weight
 prepacked once (``infopt.compile.packed``), on the default model's layer shapes.
 
-Run on a quiet machine: python benchmarks/packed_linear.py [--rows 1 2 8 16] [--repeats 50]
+Run on a quiet machine: python benchmarks/studies/packed_linear.py [--rows 1 2 8 16] [--repeats 50]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Profile the pieces of a speculative round on the default model: a k-token verify forward against a
 1-token forward, an int4/int8 or layer-truncated draft's 1-token forward, and the crop cost.
 
-Run: flock /tmp/infopt-bench.lock python benchmarks/speculative_profile.py [--repeats 30]
+Run: flock /tmp/infopt-bench.lock python benchmarks/studies/speculative_profile.py [--repeats 30]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Engine decode speed with 1-4 concurrent sequences on the default model (the tail of a batch, where steps carry
-2-3 rows and fp32 matmuls take their slow path; see benchmarks/small_m_matmul.py).
+2-3 rows and fp32 matmuls take their slow path; see benchmarks/studies/small_m_matmul.py).
 
-    python benchmarks/batching_small_steps.py
+    python benchmarks/studies/batching_small_steps.py
 """
 
 from __future__ import annotations

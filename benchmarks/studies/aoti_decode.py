@@ -20,7 +20,7 @@ The exported graph attends with SDPA over transformers' static cache where ``cpu
 so the two are not bit-identical.
 
 Usage:
-    python benchmarks/aoti_decode.py [--rounds 6] [--tokens 128] [--json out.json]
+    python benchmarks/studies/aoti_decode.py [--rounds 6] [--tokens 128] [--json out.json]
 """
 
 import argparse

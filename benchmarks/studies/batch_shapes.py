@@ -3,20 +3,24 @@ length (warm-up at batches 1 and 2) against packages fixed to both (the old way:
 process: apply time, the first call's seconds (compiles in the call), greedy tokens equal, and decode tokens/s over
 all rows (129 new tokens minus 1, seven alternating rounds, medians).
 
-Usage: INFOPT_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/batch_shapes.py [B] [--json out.json]
+Usage: INFOPT_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/studies/batch_shapes.py [B] [--json out.json]
 (empty caches: a package cached by an earlier run would spare either model its compiles)
 """
 
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from cache_buckets import build  # this folder: the model with its compiled forward free or fixed
 
 from infopt.bench import machine_info
 from infopt.compile import compile_stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for cache_buckets
+from cache_buckets import build  # noqa: E402  (the model with its compiled forward free or fixed)
 
 STEPS = [{"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                        "activations": "auto"}}, {"kvcache": {"kind": "static"}}]
