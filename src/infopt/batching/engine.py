@@ -289,6 +289,7 @@ class Engine:
                 bar.update()
         if fwd.engine_graph is not None:
             fwd.engine_graph.warmed_up = True
+        fwd.stats.warmed_up = True
         self.core.reset_stats()
 
     # -- submission ----------------------------------------------------------------------------------
