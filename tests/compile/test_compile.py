@@ -227,6 +227,20 @@ def test_inductor_without_a_cxx_compiler_is_refused_untouched(llama, monkeypatch
     infopt.optimize(llama, [Static(max_length=64), Compile(backend="eager")])  # eager needs none
 
 
+def test_without_a_cxx_compiler_a_compile_step_beside_batching_is_not_refused(llama, monkeypatch):
+    # the engine's compiled step falls back to eager steps with a warning where compiling fails
+    # (tests/batching/test_engine_compile.py), as the throughput preset did before it had a compile step
+    import infopt.compile.step as cs
+    from infopt.batching import Batching
+    from infopt.core.introspect import inspect_model
+
+    monkeypatch.setattr(cs, "_cxx_compiler", lambda: None)
+    info = inspect_model(llama)
+    assert Compile().check(llama, info, [Compile(), Batching()]) == []
+    with pytest.raises(IncompatibleModelError, match="C\\+\\+ compiler"):
+        Compile().check(llama, info, [Static(), Compile()])
+
+
 @pytest.mark.slow
 def test_compiled_models_do_not_add_up_against_one_recompile_limit():
     """Each compiled model's graphs sit on a code object of their own: dynamo's process-wide

@@ -138,7 +138,9 @@ class Compile(StepConfig):
             raise bad_field(self, "aot", self.aot, "auto, true or false")
 
     def check(self, model, info, steps):
-        if self.backend == "inductor" and info.device.type == "cpu" and _cxx_compiler() is None:
+        # beside batching a failed compile leaves the engine's steps eager, with a warning (as without a compiler)
+        engine = any(s.stage == "batching" for s in steps)
+        if self.backend == "inductor" and info.device.type == "cpu" and _cxx_compiler() is None and not engine:
             raise IncompatibleModelError(
                 "compile with the inductor backend on CPU builds C++ kernels and needs a C++ compiler; none was found "
                 "(g++, clang++ or $CXX). Install one (e.g. apt-get install g++), or use backend 'eager' / leave "
