@@ -179,10 +179,6 @@ class EngineCore:
         forward failed (the step is rolled back and its requests fail; the engine keeps serving the rest)."""
         due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
         keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
-        if keep.numel() in (2, 3) and keep.device.type == "cpu":
-            # fp32 CPU matmuls take a slow path for 2-3 rows (benchmarks/studies/small_m_matmul.py: 3 rows of the
-            # default model's head cost 2.3x 4 rows); repeat the last row to make 4, and drop the copies below
-            keep = torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
         try:
             logits = self._forward(batch, keep, self.cache.step_inputs())
         except Exception as e:

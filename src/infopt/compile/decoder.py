@@ -26,6 +26,7 @@ from ..attention import paged
 from ..attention.gqa import GQA_SDPA_IMPL, KV_LEN_KWARG
 from ..core.compat import CACHE_KWARG
 from ..generate import Forward, decoder_for, rollback, static_length
+from ..generate.forward import head_rows
 from ..kvcache.static import BUCKET
 from . import aot  # by module: a test replaces aot.export_step
 from .aot import (
@@ -416,7 +417,7 @@ class CompiledForward(Forward):
             self.stats.eager_calls += 1
             return super().packed(input_ids, position_ids, keep, paged_step)
         try:
-            return graph(input_ids, position_ids, keep if self.keeps else None, paged_step)
+            return graph(input_ids, position_ids, head_rows(keep) if self.keeps else None, paged_step)
         except Exception as e:
             if not is_compile_error(e):
                 raise

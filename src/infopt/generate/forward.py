@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from ..core.compat import CACHE_KWARG
 
 __all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache",
-           "packed_call", "in_packed_call"]
+           "packed_call", "in_packed_call", "head_rows"]
 
 _TAKES: dict[type, bool] = {}
 _SCOPE = threading.local()
@@ -45,6 +45,20 @@ def packed_call():
         yield
     finally:
         _SCOPE.on = before
+
+
+def head_rows(keep: torch.Tensor) -> torch.Tensor:
+    """``keep`` (the token indices whose logits are due) as the head should compute them: on a CPU, 2 or 3 rows get
+    the last one repeated to make 4 (fp32 CPU matmuls take a slow path for 2-3 rows: 3 rows of the default model's
+    head cost 2.3x 4 rows, ``benchmarks/studies/small_m_matmul.py``); the caller reads the first ``len(keep)`` rows.
+
+    Example:
+        >>> head_rows(torch.tensor([5, 9])).tolist()
+        [5, 9, 9, 9]
+    """
+    if keep.numel() in (2, 3) and keep.device.type == "cpu":
+        return torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
+    return keep
 
 
 def in_packed_call() -> bool:
@@ -138,9 +152,10 @@ class Forward:
                 which a compiled graph cannot do); the eager forward ignores it.
 
         Returns:
-            The logits as the model returns them, ``[1, rows, V]``.
+            The logits as the model returns them, ``[1, rows, V]``: the first ``len(keep)`` rows are ``keep``'s
+            (:func:`head_rows` may add copies after them).
         """
-        kw = {"logits_to_keep": keep} if self.keeps and keep is not None else {}
+        kw = {"logits_to_keep": head_rows(keep)} if self.keeps and keep is not None else {}
         with self.packed_scope():
             return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                               paged_step=paged_step, **kw).logits
