@@ -193,7 +193,7 @@ class EngineCore:
     def _forward(self, batch, keep: torch.Tensor, step) -> torch.Tensor:
         """The step's logits ``[1, rows, vocab]`` from the forward's packed step (eager until the first step has
         allocated the KV pools, which a compiled graph cannot do)."""
-        return self.forward.packed(batch.input_ids, batch.position_ids, keep if self._logits_to_keep else None, step,
+        return self.forward.packed(batch.input_ids, batch.position_ids, keep, step,
                                    eager=not self.cache.pool.allocated())
 
     def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,

@@ -50,12 +50,11 @@ a 576 x 576 or 576 x 192 layer at one row (``benchmarks/studies/packed_linear.py
 # handle -> (weight storage pointer, weight version, packed weight); entries leave with their module. A handle is
 # the layer's index plus its model's slot times _SLOT: the same numbers each time a model is packed again, so its
 # compiled graphs (which hold them as constants) hit inductor's cache after an undo; live models never share one.
-_PACKED: dict[int, tuple[int, int, torch.Tensor]] = {}
+_PACKED: dict[int, tuple[int, int, torch.Tensor, int]] = {}
 _SLOTS: dict[int, int] = {}  # slot -> the token of the pack_linears_ call holding it
 _SLOT = 1 << 20
 _TOKENS = itertools.count()
 _MODEL_SLOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the slot it was last packed in
-_ROWS: dict[int, int] = {}  # handle -> the row count its weight was packed for, where not PACK_ROWS
 _SCOPED: set[int] = set()  # handles used only inside packed_call() blocks and compiled graphs
 
 
@@ -77,7 +76,6 @@ def kernel_calls() -> dict[str, int]:
 
 def _forget(handle: int) -> None:
     _PACKED.pop(handle, None)
-    _ROWS.pop(handle, None)
     _SCOPED.discard(handle)
 
 
@@ -129,7 +127,8 @@ def _packed_linear_impl(x, weight, bias, handle):
     entry = _PACKED.get(handle)
     key = (weight.data_ptr(), weight._version)
     if entry is None or entry[:2] != key:  # a copy's weight, or the weight was written since it was packed
-        entry = (*key, _pack(weight, _ROWS.get(handle, PACK_ROWS)))
+        rows = entry[3] if entry is not None else PACK_ROWS
+        entry = (*key, _pack(weight, rows), rows)
         _PACKED[handle] = entry
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
@@ -167,12 +166,13 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not usable(x, self.weight) or not uses_packed(self._infopt_packed):
-        # (a count read while tracing would make dynamo guard on it; a scoped layer outside its steps is not counted)
-        if not torch.compiler.is_compiling() and uses_packed(self._infopt_packed):
-            _CALLS["linear"] += 1
-        return nn.functional.linear(x, self.weight, self.bias)
-    return _packed_linear_op(x, self.weight, self.bias, self._infopt_packed)
+    handle = self._infopt_packed
+    active = uses_packed(handle)  # (False: a scoped layer outside the engine's steps, which is not counted below)
+    if active and usable(x, self.weight):
+        return _packed_linear_op(x, self.weight, self.bias, handle)
+    if active and not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
+        _CALLS["linear"] += 1
+    return nn.functional.linear(x, self.weight, self.bias)
 
 
 def _targets(model: nn.Module, min_elements: int, dtypes=(torch.float32,)) -> list:
@@ -234,9 +234,7 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
     with torch.no_grad():
         for i, m in enumerate(layers):
             handle = slot * _SLOT + i
-            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight, rows))
-            if rows != PACK_ROWS:
-                _ROWS[handle] = rows
+            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight, rows), rows)
             if scoped:
                 _SCOPED.add(handle)
             if isinstance(m, nn.Module):
