@@ -43,7 +43,7 @@ QUANT = {
     "int8": {"method": "int8"},
     "int4": {"method": "int4", "group_size": 64},
     "fp8": {"method": "fp8"},
-    # infopt's Triton GEMV kernels at decode rows (infopt.quantize.triton_gemv): int4 on tinygemm's values, FP8
+    # infopt's Triton GEMV kernels at decode rows (infopt.ops.triton_gemv): int4 on tinygemm's values, FP8
     # weights with activations left in bf16, int8 per channel
     "int4-gemv": {"method": "int4", "group_size": 64, "cuda_kernel": "gemv"},
     "fp8-wo": {"method": "fp8", "activations": "none"},
@@ -102,7 +102,7 @@ def gemlite_int4_(model, group_size: int = 64) -> int:
 
 def sweep_tiles(path: str) -> list[dict]:
     """The fastest tiles at one row for each weight shape and width (8 or 4 bits) of a ``benchmarks/gpu_gemv.py
-    --sweep`` JSON, as :func:`infopt.quantize.triton_gemv.set_gemv_tiles` takes them (fp8 and int8 weights share the
+    --sweep`` JSON, as :func:`infopt.ops.triton_gemv.set_gemv_tiles` takes them (fp8 and int8 weights share the
     8-bit kernel and so its tiles)."""
     with open(path) as f:
         doc = json.load(f)
@@ -120,7 +120,7 @@ def sweep_tiles(path: str) -> list[dict]:
 
 def use_tiles(tiles: list[dict] | None, tuned: bool) -> list[dict]:
     """Set the swept tiles for a ``@tuned`` recipe, the table's for any other; returns those set."""
-    from infopt.quantize.triton_gemv import set_gemv_tiles
+    from infopt.ops.triton_gemv import set_gemv_tiles
 
     for t in tiles or ():
         set_gemv_tiles(t["n"], t["k"], t["bits"], tuple(t["tiles"]) if tuned else None, group_size=t["group_size"])

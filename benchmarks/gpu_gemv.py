@@ -1,9 +1,9 @@
 """Weight-only matrix-vector products on one CUDA GPU, one to a few rows: infopt's Triton GEMV kernels
-(:mod:`infopt.quantize.triton_gemv`) against cuBLAS bf16, torch's int4 kernel (tinygemm), infopt's int8 ``tl.dot``
+(:mod:`infopt.ops.triton_gemv`) against cuBLAS bf16, torch's int4 kernel (tinygemm), infopt's int8 ``tl.dot``
 kernel and ``torch._scaled_mm`` (fp8 weights and activations), and, where the package ``gemlite`` is installed, its
 weight-only kernels (int4 grouped on the same codes, int8 and fp8 per channel), on the layer shapes of the 0.84B and
 8B Llamas of ``benchmarks/gpu_decode.py``; with ``--sweep``, the GEMV kernels' tiles too, to set
-:func:`~infopt.quantize.triton_gemv.gemv_tiles`. Each gemlite row also gives its SQNR against the float product of
+:func:`~infopt.ops.triton_gemv.gemv_tiles`. Each gemlite row also gives its SQNR against the float product of
 the same quantized weight (a check that the codes reached the kernel as meant) and whether two calls on one input
 give the same bits (its split-K kernels accumulate with atomics).
 
@@ -151,8 +151,8 @@ def reference_weight(fmt: str, ws: dict) -> torch.Tensor | None:
 
 def kernels(gs: int, tiles8=None, tiles4=None):
     """``{name: (format, fn(x, *weights))}``: the products measured."""
-    from infopt.quantize import triton_gemv as tg
-    from infopt.quantize.triton_int8 import int8_weight_mm
+    from infopt.ops import triton_gemv as tg
+    from infopt.ops.triton_int8 import int8_weight_mm
 
     def scaled_mm(x, w8, s8):  # what FP8Linear runs: per-row dynamic fp8 activations, row-wise scales
         xs = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448
@@ -277,7 +277,7 @@ def main() -> None:
             wanted = {"int8"} if "gemv_int8" in swept else set()
             sets = weight_sets(n, k, args.group_size, wanted | ({"fp8"} if "gemv_w8_split" in swept else set()))
             if "gemv_w8_split" in swept:  # the 8-bit kernel with K split among programs, on its first tiles
-                from infopt.quantize.triton_gemv import gemv_tiles
+                from infopt.ops.triton_gemv import gemv_tiles
 
                 _, bk, warps, stages, _ = gemv_tiles(n, k, 8)
                 for bn, split in itertools.product(SWEEP_SPLIT["block_n"], SWEEP_SPLIT["split"]):
@@ -286,7 +286,7 @@ def main() -> None:
                                                      tiles8=(bn, bk, warps, stages, split)),
                                model=model, layer=layer, tiles=[bn, bk, warps, stages, split])
             if "gemv_w4_split" in swept:  # the 4-bit kernel likewise
-                from infopt.quantize.triton_gemv import gemv_tiles
+                from infopt.ops.triton_gemv import gemv_tiles
 
                 _, bk, warps, stages, _ = gemv_tiles(n, k, 4, args.group_size)
                 for bn, split in itertools.product(SWEEP_SPLIT["block_n"], SWEEP_SPLIT["split"]):

@@ -99,7 +99,7 @@ setup() {
   fi
   "$PY" -c "
 import logging; logging.basicConfig(level=logging.INFO)
-from infopt.core.extensions import build_all
+from infopt.ops.cpp import build_all
 print('kernels:', build_all())
 try:
     from infopt.models import default_model_dir

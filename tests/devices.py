@@ -31,7 +31,7 @@ class Device:
         name: ``"cpu"`` or ``"cuda"``: what ``tensor.device.type`` reads there.
         int4_layout: the layout an ``Int4Linear`` takes there on its own (``infopt.quantize.int4.layout_for``).
         int4_op: the ``torch`` function that layout calls, counted by tests that want the kernel to have run.
-        triton: the key of ``infopt.quantize.triton_gemv.kernel_calls()`` and ``triton_int8.kernel_calls()`` that
+        triton: the key of ``infopt.ops.triton_gemv.kernel_calls()`` and ``triton_int8.kernel_calls()`` that
             counts their ops there: ``"triton"`` (the kernel) on CUDA, ``"reference"`` (the pure-torch oracle) on CPU.
         int8_mm_layer_calls: ``triton_int8.int8_weight_mm`` calls per ``Int8Linear`` forward (per-channel scales,
             float activations): one on CUDA (the Triton op); none on CPU (fp32: the C++ int8 kernel; bf16: a
@@ -98,13 +98,13 @@ class Device:
         here: :attr:`paged_kernel` where it applies (flash-attn installed and blocks a multiple of 256 tokens on CUDA;
         the C++ kernel built on CPU), else ``"reference"`` (the torch gather + SDPA)."""
         from infopt.attention.paged import FLASH_PAGE_MULTIPLE
-        from infopt.core import extensions
         from infopt.core.availability import is_available
+        from infopt.ops import cpp
 
         if self.paged_kernel == "flash_attn":
             ok = block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn")
         else:
-            ok = extensions.load("paged_attention")
+            ok = cpp.load("paged_attention")
         return self.paged_kernel if ok else "reference"
 
     def w8a8_kernel(self) -> str:

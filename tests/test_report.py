@@ -7,9 +7,10 @@ import torch
 
 import infopt
 from infopt.compile import compile_stats
-from infopt.compile.packed import can_pack, packed_bytes
+from infopt.compile.packed import packed_bytes
 from infopt.generate import decoder_for
 from infopt.models import tiny_model
+from infopt.ops.packed_linear import can_pack
 from infopt.optimize import resident_bytes
 
 IDS = torch.tensor([[3, 17, 9, 41, 5]])

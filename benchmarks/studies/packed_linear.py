@@ -11,7 +11,8 @@ import time
 import torch
 from torch import nn
 
-from infopt.compile.packed import can_pack, pack_linears_
+from infopt.compile.packed import pack_linears_
+from infopt.ops.packed_linear import can_pack
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16])

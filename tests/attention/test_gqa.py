@@ -8,6 +8,7 @@ from infopt.attention import Attention
 from infopt.attention.gqa import GQA_SDPA_IMPL
 from infopt.kvcache import Static
 from infopt.models import tiny_model
+from infopt.ops import cpp
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -59,9 +60,8 @@ def test_compile_leaves_eager_attention_alone():
 # -- the static-cache path on the C++ paged kernel (unpadded compiled decode steps) ------------------------------------
 
 def _kernel_ready():
-    from infopt.attention import paged
 
-    return paged._cpu_ready()
+    return cpp.load("paged_attention")
 
 
 needs_kernel = pytest.mark.skipif(not _kernel_ready(), reason="the C++ paged-attention kernel cannot be built here")

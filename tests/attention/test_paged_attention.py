@@ -5,10 +5,10 @@ import torch.nn.functional as F
 import infopt
 from infopt.attention import PAGED_IMPL, Attention, PagedAttentionMetadata, set_backend_
 from infopt.attention.paged import bind, kernel_calls, paged_attention_forward, set_cpu_kernel
-from infopt.core import extensions
 from infopt.core.errors import RecipeError
 from infopt.kvcache import Paged, PagedCache
 from infopt.models import tiny_model
+from infopt.ops import cpp
 
 
 def test_paged_is_a_valid_backend():
@@ -112,7 +112,7 @@ def test_kernel_calls_name_the_kernel_each_layer_ran():
     m = tiny_model("llama")
     infopt.optimize(m, [Paged(block_size=256)])
     prompt = torch.tensor([[1, 17, 400, 23, 9, 1200, 5]])
-    cpu = extensions.load("paged_attention")
+    cpu = cpp.load("paged_attention")
     before = kernel_calls()
     out = m.generate(prompt, max_new_tokens=16, do_sample=False)
     # 16 forwards x 2 layers, on CPU: the C++ kernel where it could be built, else the torch reference

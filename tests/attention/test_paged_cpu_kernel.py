@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 import infopt
 from infopt.attention.paged import _reference_packed, kernel_calls, set_cpu_kernel
 from infopt.batching import Engine, SamplingParams
-from infopt.core import extensions
 from infopt.kvcache import Paged, PagedCache
 from infopt.models import tiny_model
+from infopt.ops import cpp
 
-pytestmark = pytest.mark.skipif(not extensions.load("paged_attention"),
-                                reason=f"the C++ kernel cannot be built here: {extensions.status()['paged_attention']}")
+pytestmark = pytest.mark.skipif(not cpp.load("paged_attention"),
+                                reason=f"the C++ kernel cannot be built here: {cpp.status()['paged_attention']}")
 
 
 def _layout(news, kv_lens, block_size, h_kv, d, dv, dtype, seed):
@@ -161,9 +161,8 @@ def test_engine_forward_compiled_before_its_first_step(monkeypatch):
     ref = tiny_model("llama", max_positions=256)
     eager = [o.token_ids for o in Engine(ref, max_batch_tokens=32, max_seqs=4,
                                          kv=Paged(num_blocks=64, block_size=8)).generate(prompts, params)]
-    import infopt.attention.paged as paged
 
-    monkeypatch.setattr(paged, "_CPU_READY", [None])  # as in a process that ran no paged attention yet
+    monkeypatch.delitem(cpp._STATE, "paged_attention", raising=False)  # as in a process that ran no paged attention yet
     model = tiny_model("llama", max_positions=256)
     engine = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(num_blocks=64, block_size=8))
     torch._dynamo.reset()

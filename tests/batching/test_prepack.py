@@ -6,10 +6,10 @@ import torch
 
 import infopt
 from infopt.batching import Engine, SamplingParams
-from infopt.compile import packed
 from infopt.compile.packed import can_pack_model, pack_linears_, unpack_linears_
-from infopt.generate import packed_call
 from infopt.models import tiny_model
+from infopt.ops import packed_linear as op
+from infopt.ops.scope import packed_call
 
 DTYPES = [
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not can_pack_model(tiny_model("llama", dtype=torch.bfloat16)),
@@ -25,7 +25,7 @@ def _linears(m):
 
 
 def _calls():
-    return packed.kernel_calls()["packed_linear"]
+    return op.kernel_calls()["packed_linear"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

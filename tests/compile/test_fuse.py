@@ -113,9 +113,9 @@ def test_compiled_packed_fused_step_sees_weights_written_in_place():
     m, ref = tiny_model(hidden_size=768, num_heads=8), tiny_model(hidden_size=768, num_heads=8, seed=1)
     infopt.optimize(m, [{"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}}])
     group = m.model.layers[0].self_attn.q_proj._infopt_fused
-    from infopt.compile import packed
+    from infopt.ops.packed_linear import can_pack
 
-    assert group.packed is not None or not packed.can_pack()
+    assert group.packed is not None or not can_pack()
     m.load_state_dict(ref.state_dict())
     kw = dict(max_new_tokens=12, do_sample=False)
     assert torch.equal(m.generate(IDS, **kw), ref.generate(IDS, **kw))
@@ -183,10 +183,11 @@ def test_gpu_fast_fused_step_runs_fewer_kernels_same_tokens(quant):
 def test_gradients_reach_each_fused_and_packed_weight():
     # the fused buffer and the packed copies are no parameters: with grad mode on, each layer runs its own linear
     from infopt.compile import packed
+    from infopt.ops.packed_linear import can_pack
 
     ref, model = tiny_model(), tiny_model()
     groups = fuse_projections_(model)
-    layers = packed.pack_linears_(model, min_elements=0) if packed.can_pack() else []
+    layers = packed.pack_linears_(model, min_elements=0) if can_pack() else []
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     for m in (ref, model):
         m(ids).logits.sum().backward()

@@ -10,6 +10,8 @@ import torch
 
 from infopt.attention import paged
 from infopt.compile import packed
+from infopt.ops import packed_linear
+from infopt.ops.paged_attention import packed_sdpa, split_packed
 from infopt.quantize import a8
 from infopt.quantize.int4 import quantize_int4_grouped
 
@@ -112,8 +114,8 @@ def test_paged_attention_sdpa_op_decodes_without_reading_the_layout_back(monkeyp
     v = torch.randn_like(k)
     q = torch.randn(4, h, d, generator=g)
     starts = torch.arange(5)
-    split = paged._split([1, 1, 1, 1], kv_lens.tolist(), starts.tolist(), block, q.device)
-    want = paged._packed_sdpa(q, k, v, table, kv_lens, *split, 0.2, window or None)
+    split = split_packed([1, 1, 1, 1], kv_lens.tolist(), starts.tolist(), block, q.device)
+    want = packed_sdpa(q, k, v, table, kv_lens, *split, 0.2, window or None)
 
     def refuse(self):
         raise AssertionError("read back to the host")
@@ -125,7 +127,7 @@ def test_paged_attention_sdpa_op_decodes_without_reading_the_layout_back(monkeyp
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.skipif(not packed.can_pack(), reason="this torch build has no oneDNN prepacked linear")
+@pytest.mark.skipif(not packed_linear.can_pack(), reason="this torch build has no oneDNN prepacked linear")
 @pytest.mark.parametrize("shape", [(1, 64), (2, 3, 64)])
 def test_packed_linear_matches_its_fake(shape):
     lin = torch.nn.Linear(64, 48)

@@ -7,12 +7,13 @@ import torch
 from torch import nn
 
 import infopt
-from infopt.compile import Compile, packed
-from infopt.compile import packed as packed_mod  # where a test names its packed layers `packed`
-from infopt.compile.packed import _PACKED, can_pack, pack_linears_, unpack_linears_
+from infopt.compile import Compile
+from infopt.compile.packed import pack_linears_, unpack_linears_
 from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.kvcache import Static
 from infopt.models import tiny_model
+from infopt.ops import packed_linear as op
+from infopt.ops.packed_linear import can_pack, is_packed
 from tests.conftest import assert_state_equal, state_snapshot
 
 needs_onednn = pytest.mark.skipif(not can_pack(), reason="this torch build has no oneDNN prepacked linear")
@@ -27,17 +28,17 @@ def test_packed_linear_matches_linear(rows):
     want = lin(x)
     layers = pack_linears_(lin, min_elements=0)
     assert layers == [lin] and "forward" in lin.__dict__
-    before = packed.kernel_calls()
+    before = op.kernel_calls()
     with torch.no_grad():  # inference: the weight's requires_grad would otherwise want a gradient
         got = lin(x)
-    assert packed.kernel_calls()["packed_linear"] == before["packed_linear"] + 1  # F.linear gives the same numbers
+    assert op.kernel_calls()["packed_linear"] == before["packed_linear"] + 1  # F.linear gives the same numbers
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     # the operator has no backward: a call that wants a gradient takes F.linear
     assert torch.equal(lin(x), want)
-    assert packed.kernel_calls() == {"packed_linear": before["packed_linear"] + 1, "linear": before["linear"] + 1}
+    assert op.kernel_calls() == {"packed_linear": before["packed_linear"] + 1, "linear": before["linear"] + 1}
     unpack_linears_(layers)
     assert "forward" not in lin.__dict__ and torch.equal(lin(x), want)
-    assert packed.kernel_calls()["packed_linear"] == before["packed_linear"] + 1
+    assert op.kernel_calls()["packed_linear"] == before["packed_linear"] + 1
 
 
 @needs_onednn
@@ -46,7 +47,7 @@ def test_a_weight_written_after_packing_is_repacked():
     lin = nn.Linear(64, 32, bias=False)
     x = torch.randn(4, 64)
     pack_linears_(lin, min_elements=0)
-    before = packed.kernel_calls()["packed_linear"]
+    before = op.kernel_calls()["packed_linear"]
     with torch.no_grad():  # inference, where the operator serves (a call wanting a gradient takes F.linear)
         lin.weight.mul_(2.0)  # in place: the version counter moves
         assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
@@ -54,7 +55,7 @@ def test_a_weight_written_after_packing_is_repacked():
         twin.weight.add_(1.0)
         assert torch.allclose(twin(x), x @ twin.weight.t(), atol=1e-5)
         assert torch.allclose(lin(x), x @ lin.weight.t(), atol=1e-5)
-    assert packed.kernel_calls()["packed_linear"] == before + 3
+    assert op.kernel_calls()["packed_linear"] == before + 3
 
 
 @needs_onednn
@@ -66,16 +67,16 @@ def test_compile_packs_fp32_linears_token_identical_and_undo():
     assert packed and all(type(x) is nn.Linear for x in packed)
     assert any("prepacked" in n for n in m.infopt.steps[-1].notes)
     p = torch.randint(3, 1000, (1, 9))
-    calls = packed_mod.kernel_calls()["packed_linear"]
+    calls = op.kernel_calls()["packed_linear"]
     assert torch.equal(m.generate(p, max_new_tokens=16, do_sample=False),
                        ref.generate(p, max_new_tokens=16, do_sample=False))
     # every packed layer ran the operator on every forward (the prompt and 15 compiled decode steps)
-    assert packed_mod.kernel_calls()["packed_linear"] - calls == 16 * len(packed)
+    assert op.kernel_calls()["packed_linear"] - calls == 16 * len(packed)
     handles = [x._infopt_packed for x in packed]
     infopt.undo(m)
     assert_state_equal(m, before)
     assert not any("_infopt_packed" in x.__dict__ or "forward" in x.__dict__ for x in m.modules())
-    assert not any(h in _PACKED for h in handles)
+    assert not any(is_packed(h) for h in handles)
     # packed again after undo: the same handles, so inductor's cache serves the same graphs
     infopt.optimize(m, [Static(max_length=256), Compile(backend="eager", warmup_lengths=())])
     assert [x._infopt_packed for x in m.modules() if "_infopt_packed" in x.__dict__] == handles
@@ -96,7 +97,7 @@ def test_pack_linears_off_and_bad_values():
     assert_state_equal(fp16, before)
 
 
-@pytest.mark.skipif(not packed.can_pack_dtype(torch.bfloat16), reason="oneDNN runs no bf16 matmuls on this CPU")
+@pytest.mark.skipif(not op.can_pack_dtype(torch.bfloat16), reason="oneDNN runs no bf16 matmuls on this CPU")
 def test_bf16_linears_are_packed_and_token_identical():
     # bf16 F.linear reorders its weight into oneDNN's layout on every call; packed once, the values are the same
     ref, m = tiny_model(dtype=torch.bfloat16, hidden_size=768, num_heads=8), tiny_model(dtype=torch.bfloat16,

@@ -11,10 +11,10 @@ import torch
 
 import infopt
 from infopt.compile import compile_stats
-from infopt.compile.packed import can_pack
 from infopt.compile.saved import COMPILED_DIR, KERNELS, MANIFEST, can_save_steps
 from infopt.core.integrity import write_manifest
 from infopt.models import tiny_model
+from infopt.ops.packed_linear import can_pack
 
 pytestmark = pytest.mark.slow  # each test compiles decode steps and saves or loads them
 

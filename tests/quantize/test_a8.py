@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import infopt
-from infopt.core import extensions
 from infopt.core.errors import RecipeError
 from infopt.models import tiny_model
+from infopt.ops import cpp
 from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8, quantize_
 from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
 from infopt.quantize.int8 import Int8Linear
@@ -195,13 +195,13 @@ _PORTABLE_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(extensions._compiler() is None or os.uname().machine != "x86_64", reason="needs g++ on x86-64")
+@pytest.mark.skipif(cpp._compiler() is None or os.uname().machine != "x86_64", reason="needs g++ on x86-64")
 @pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", "avx2"), ("x86-64", "portable")])
 def test_portable_builds_match_the_reference(tmp_path, march, isa):
     """The AVX2 and plain C++ paths (for CPUs without VNNI), built here with an older -march, in a subprocess (a
     second registration of the operators in this process would abort it)."""
     cmd = [a if a != "-march=native" else f"-march={march}"
-           for a in extensions._command(extensions._compiler(), extensions._SRC / "quant_linear.cpp", tmp_path / "k.so")]
+           for a in cpp._command(cpp._compiler(), cpp._SRC / "quant_linear.cpp", tmp_path / "k.so")]
     subprocess.run(cmd, check=True, capture_output=True)
     out = subprocess.run([sys.executable, "-c", _PORTABLE_CHECK, str(tmp_path / "k.so")], capture_output=True,
                          text=True, env={**os.environ, "INFOPT_NO_EXTENSIONS": "1"})
@@ -212,7 +212,7 @@ def test_portable_builds_match_the_reference(tmp_path, march, isa):
 def test_reference_runs_where_the_kernel_is_not_available(monkeypatch):
     weight, sm = a8.pack_blocked_int4(*_int4(32, 64, 32))
     x = torch.randn(2, 64)
-    monkeypatch.setattr(a8, "_READY", [False])
+    monkeypatch.setitem(cpp._STATE, "quant_linear", "off for this test")
     assert a8.isa() is None
     torch.testing.assert_close(a8.int4_a8_linear(x, weight, sm, 32), a8.int4_a8_reference(x, weight, sm, 32))
     assert torch.equal(a8.int4_dense_t(weight, sm, 32), a8.int4_dense_t_reference(weight, sm, 32))

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import infopt
-import infopt.quantize.triton_int8 as triton_int8
+import infopt.ops.triton_int8 as triton_int8
 from infopt.models import tiny_model
+from infopt.ops.triton_int8 import int8_weight_mm, int8_weight_mm_reference, kernel_calls, tile_config
 from infopt.quantize import Int8Linear, Int8WeightOnly
 from infopt.quantize.int8 import quantize_int8_per_channel
-from infopt.quantize.triton_int8 import int8_weight_mm, int8_weight_mm_reference, kernel_calls, tile_config
 from tests.devices import DEVICES
 
 # SQNR floors (dB) of the op against the exact product x @ dequantized(w).T in fp32: the output's own rounding
@@ -51,7 +51,7 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
 # -- CPU: the op's contract ---------------------------------------------------------------------------
 
 def test_import_infopt_neither_imports_triton_nor_initializes_cuda():
-    code = ("import sys, json, torch, infopt, infopt.quantize.int8, infopt.quantize.triton_int8\n"
+    code = ("import sys, json, torch, infopt, infopt.quantize.int8, infopt.ops.triton_int8\n"
             "print(json.dumps({'triton': 'triton' in sys.modules, 'cuda': torch.cuda.is_initialized(),\n"
             "                  'op': hasattr(torch.ops.infopt, 'int8_weight_mm')}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -156,7 +156,7 @@ def test_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
 INTERPRETER_SCRIPT = r"""
 import json, torch
 from infopt.quantize.int8 import quantize_int8_per_channel
-from infopt.quantize.triton_int8 import int8_weight_mm, kernel_calls
+from infopt.ops.triton_int8 import int8_weight_mm, kernel_calls
 
 def sqnr(ref, x):
     ref, x = ref.float(), x.float()

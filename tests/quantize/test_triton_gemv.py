@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 
-import infopt.quantize.triton_gemv as tg
+import infopt.ops.triton_gemv as tg
+from infopt.ops.triton_gemv import gemv_tiles, w4_gemv, w4_gemv_reference, w8_gemv, w8_gemv_reference
 from infopt.quantize.int4 import quantize_int4_grouped
 from infopt.quantize.int8 import quantize_int8_per_channel
 from infopt.quantize.primitives import pack_int4
-from infopt.quantize.triton_gemv import gemv_tiles, w4_gemv, w4_gemv_reference, w8_gemv, w8_gemv_reference
 from tests.devices import DEVICES
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -157,7 +157,7 @@ def test_set_gemv_tiles_takes_measured_tiles_and_refuses_what_the_kernel_cannot_
 INTERPRETER_SCRIPT = r"""
 import json, torch
 from infopt.quantize.int8 import quantize_int8_per_channel
-from infopt.quantize.triton_gemv import kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
+from infopt.ops.triton_gemv import kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
 from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
 g = torch.Generator().manual_seed(0)
@@ -207,8 +207,8 @@ ROUTING_SCRIPT = r"""
 import json, torch
 from torch import nn
 import infopt.quantize.int8 as q8
-from infopt.quantize.triton_gemv import kernel_calls as gemv_calls
-from infopt.quantize.triton_int8 import kernel_calls as tl_dot_calls
+from infopt.ops.triton_gemv import kernel_calls as gemv_calls
+from infopt.ops.triton_int8 import kernel_calls as tl_dot_calls
 from tests.quantize.test_triton_gemv import sqnr_db
 
 lin = nn.Linear(256, 128, dtype=torch.bfloat16)
@@ -250,7 +250,7 @@ def test_int8_gemv_routing_in_tritons_cpu_interpreter():
 
 SPLIT_SCRIPT = r"""
 import json, sys, torch
-import infopt.quantize.triton_gemv as tg
+import infopt.ops.triton_gemv as tg
 from infopt.quantize.int8 import quantize_int8_per_channel
 from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
@@ -553,8 +553,8 @@ def test_int8_gemv_kernel_serves_decode_rows(device):
     float layer's within the int8 weights' rounding."""
     from torch import nn
 
+    from infopt.ops.triton_int8 import kernel_calls as tl_dot_calls
     from infopt.quantize.int8 import Int8Linear
-    from infopt.quantize.triton_int8 import kernel_calls as tl_dot_calls
 
     path, per_call = DEVICES[device].triton, DEVICES[device].int8_mm_layer_calls
     lin = nn.Linear(1024, 512, device=device, dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import cpp
 from . import paged
 from .registry import register_attention
 
@@ -76,7 +77,7 @@ def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
             and key.dtype in (torch.float32, torch.bfloat16)
             and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[2] % _STATIC_BLOCK == 0
             and query.shape[1] % key.shape[1] == 0 and paged._USE_CPU_KERNEL[0]
-            and paged._CPU_READY[0] is True)  # loaded by whoever passes the keyword (nothing is built while tracing)
+            and cpp.loaded("paged_attention"))  # loaded by whoever passes the keyword (nothing is built while tracing)
 
 
 def static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: torch.Tensor,

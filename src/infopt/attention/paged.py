@@ -11,7 +11,7 @@ backend keeps working everywhere.
 
 Kernels:
 
-- ``cpu``: infopt's C++ kernel (``infopt/csrc/paged_attention.cpp``, :mod:`infopt.core.extensions`) for fp32 and
+- ``cpu``: infopt's C++ kernel (``infopt/ops/csrc/paged_attention.cpp``, :mod:`infopt.ops.cpp`) for fp32 and
   bf16 on CPU: reads K/V in place through the block tables (no gather, no repeat of K/V heads: each KV head is
   read once for its query group), splits the work over threads by sequence, KV head and query chunk (and by key
   range when few sequences decode long contexts, except inside :class:`fixed_key_order`), online softmax in fp32.
@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import extensions
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
+from ..ops import cpp
+from ..ops.paged_attention import gather_kv, in_window, packed_sdpa, split_packed
 from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "load_cpu_kernel", "paged_attention_forward",
@@ -161,7 +162,7 @@ class PagedAttentionMetadata:
         query is padded to the longest chunk of the step.
         """
         if self._split is None:  # gather[:, 0]: the offset of each sequence's first new token
-            self._split = _split(self.new_lens.tolist(), self.kv_lens.tolist(), self.gather[:, 0].tolist(),
+            self._split = split_packed(self.new_lens.tolist(), self.kv_lens.tolist(), self.gather[:, 0].tolist(),
                                  self.block_size, self.kv_lens.device)
         return self._split
 
@@ -175,16 +176,6 @@ class PagedAttentionMetadata:
             self._flash = (cu_q, cu_k, int(self.new_lens.max()), int(self.kv_lens.max()),
                            self.block_table.to(torch.int32))
         return self._flash
-
-
-def _split(new: list[int], kv: list[int], first: list[int], block_size: int, device: torch.device):
-    """:meth:`PagedAttentionMetadata.packed_split` from each sequence's new-token count, kv length and first token."""
-    dec = [i for i, n in enumerate(new) if n == 1]
-    dec_rows = torch.tensor(dec, dtype=torch.long, device=device)
-    dec_tokens = torch.tensor([first[i] for i in dec], dtype=torch.long, device=device)
-    dec_blocks = -(-max((kv[i] for i in dec), default=0) // block_size)
-    prefills = [(i, first[i], n, kv[i]) for i, n in enumerate(new) if n > 1]
-    return dec_rows, dec_tokens, dec_blocks, prefills
 
 
 class _Binding(threading.local):
@@ -210,89 +201,12 @@ def _take(key: torch.Tensor) -> PagedAttentionMetadata | None:
     return meta
 
 
-def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    # pool: [num_blocks, block_size, H_kv, D]; table: [S, nb] -> [S, H_kv, length, D]
-    s, nb = table.shape
-    return pool[table].reshape(s, nb * pool.shape[1], pool.shape[2], pool.shape[3])[:, :length].transpose(1, 2)
-
-
-def _in_window(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor | None:
-    """``[..., length]`` bool: key ``j`` is within the sliding window of a query at ``pos`` (``j > pos - window``);
-    None without a window. Causality is masked separately."""
-    if not window:
-        return None
-    return torch.arange(length, device=pos.device) > (pos[..., None] - window)
-
-
 def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     # query: [1, H, N, D], the step's tokens flattened; each sequence's new tokens are contiguous
     flat = query[0].transpose(0, 1)  # [N, H, D]
     dec_rows, dec_tokens, dec_blocks, prefills = meta.packed_split()
-    return _packed_sdpa(flat, key_pool, value_pool, meta.block_table, meta.kv_lens, dec_rows, dec_tokens, dec_blocks,
+    return packed_sdpa(flat, key_pool, value_pool, meta.block_table, meta.kv_lens, dec_rows, dec_tokens, dec_blocks,
                         prefills, scaling, window)[None]  # [1, N, H, Dv]
-
-
-def _packed_sdpa(flat, key_pool, value_pool, block_table, kv_lens, dec_rows, dec_tokens, dec_blocks, prefills,
-                 scaling, window=None):
-    """Attention of packed tokens ``flat [N, H, D]`` -> ``[N, H, Dv]``: the decoding sequences (rows ``dec_rows``,
-    their tokens at ``dec_tokens``) in one batched SDPA over their first ``dec_blocks`` blocks, each prefill chunk
-    ``(row, first token, n, kv_len)`` alone over exactly its keys."""
-    n_tok, h, _ = flat.shape
-    h_kv, dv, block_size = key_pool.shape[2], value_pool.shape[-1], key_pool.shape[1]
-    out = flat.new_empty(n_tok, h, dv)
-    if dec_rows.numel():
-        table = block_table[dec_rows, :dec_blocks]  # [Sd, nb]: only the blocks decoders use
-        length = dec_blocks * block_size
-        k = _gather_kv(key_pool, table, length)
-        v = _gather_kv(value_pool, table, length)
-        mask = torch.arange(length, device=flat.device)[None, :] < kv_lens[dec_rows][:, None]  # [Sd, L]
-        near = _in_window(kv_lens[dec_rows] - 1, length, window)  # the decode token sits at kv_len - 1
-        mask = (mask if near is None else mask & near)[:, None, None]
-        o = F.scaled_dot_product_attention(flat[dec_tokens][:, :, None], k, v, attn_mask=mask, scale=scaling,
-                                           enable_gqa=h != h_kv)  # [Sd, H, 1, Dv]
-        out[dec_tokens] = o[:, :, 0]
-    for row, start, n, kv_len in prefills:
-        nb = -(-kv_len // block_size)
-        table = block_table[row:row + 1, :nb]
-        k = _gather_kv(key_pool, table, kv_len)
-        v = _gather_kv(value_pool, table, kv_len)
-        q = flat[start:start + n].transpose(0, 1)[None]  # [1, H, n, D]
-        mask = None
-        if n != kv_len or window:  # a later chunk (query i sits at position kv_len - n + i), or a sliding window
-            pos = torch.arange(kv_len - n, kv_len, device=flat.device)
-            mask = torch.arange(kv_len, device=flat.device)[None, :] <= pos[:, None]
-            near = _in_window(pos, kv_len, window)
-            mask = (mask if near is None else mask & near)[None, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
-                                           enable_gqa=h != h_kv)  # [1, H, n, Dv]
-        out[start:start + n] = o[0].transpose(0, 1)
-    return out
-
-
-@torch.library.custom_op("infopt::paged_attention_sdpa", mutates_args=())
-def _paged_attention_sdpa(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                          block_table: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                          window: int) -> torch.Tensor:
-    """The reference kernel as one operator with the C++ kernel's contract (``query [n, H, D]``: the step's real
-    tokens grouped by sequence, ``query_start [S + 1]``; returns ``[n, H, Dv]``). A compiled forward calls it
-    where neither C++ kernel nor flash-attn applies (CUDA without flash-attn, C++ kernel off): the reference's
-    per-step split is data-dependent Python, which a graph with dynamic shapes cannot trace. A step of one new token
-    per sequence (``n == S``: every scheduled sequence has at least one) attends in one batched call over the whole
-    block table with no value read back to the host; other steps read their layout back once per layer call."""
-    n, s = query.shape[0], block_table.shape[0]
-    if n == s:  # decoding only: token i is sequence i's
-        rows = torch.arange(s, device=query.device)
-        return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, rows, rows, block_table.shape[1], [],
-                            scale, window or None)
-    starts = query_start.tolist()
-    new = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    split = _split(new, kv_lens.tolist(), starts, key_pool.shape[1], query.device)
-    return _packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, *split, scale, window or None)
-
-
-@_paged_attention_sdpa.register_fake
-def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window):
-    return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
 
 
 def _reference_op(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
@@ -312,8 +226,8 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
     else:
         qg = query.transpose(1, 2).reshape(b * q, h, d)[meta.gather].permute(0, 2, 1, 3)  # [S, H, Q, D]
     length = nb * meta.block_size
-    k = _gather_kv(key_pool, meta.block_table, length)  # [S, H_kv, L, D]
-    v = _gather_kv(value_pool, meta.block_table, length)
+    k = gather_kv(key_pool, meta.block_table, length)  # [S, H_kv, L, D]
+    v = gather_kv(value_pool, meta.block_table, length)
     mask, causal = meta.mask, False
     if meta.single is not None:  # one sequence: attend over exactly its kv_len tokens
         n, kv_len = meta.single
@@ -322,12 +236,12 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
             k, v = k[:, :, max(0, kv_len - window):], v[:, :, max(0, kv_len - window):]
             mask = None
         elif window:
-            mask = mask[..., :kv_len] & _in_window(meta.query_pos[:, None, :], kv_len, window)
+            mask = mask[..., :kv_len] & in_window(meta.query_pos[:, None, :], kv_len, window)
         else:
             mask = None if n in (1, kv_len) else mask[..., :kv_len]
             causal = n == kv_len > 1  # a fresh prefill: SDPA's causal kernel, no mask materialized
     elif window:  # query_pos: [S, Q] -> [S, 1, Q, L]
-        mask = mask & _in_window(meta.query_pos[:, None, :], mask.shape[-1], window)
+        mask = mask & in_window(meta.query_pos[:, None, :], mask.shape[-1], window)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, is_causal=causal, scale=scaling,
                                          enable_gqa=h != h_kv)
     out = out.transpose(1, 2)  # [S, Q, H, D]
@@ -337,18 +251,6 @@ def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scalin
 
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
-_CPU_READY: list[bool | None] = [None]  # the C++ kernel loaded (and its fake registered for torch.compile)?
-
-
-def _cpu_ready() -> bool:
-    if _CPU_READY[0] is None:
-        ready = extensions.load("paged_attention")
-        if ready:
-            @extensions.register_fake_once("infopt::paged_attention")
-            def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0, split_keys=True):
-                return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
-        _CPU_READY[0] = ready
-    return _CPU_READY[0]
 
 
 def load_cpu_kernel() -> bool:
@@ -356,12 +258,12 @@ def load_cpu_kernel() -> bool:
 
     The engine calls this when it starts on a CPU model: the first attention call would load it otherwise, and a
     ``torch.compile``-d forward cannot do that while tracing (dynamo cannot enter the loader's lock)."""
-    return _cpu_ready()
+    return cpp.load("paged_attention")
 
 
 def _cpu_ok(query: torch.Tensor, key_pool: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     return (_USE_CPU_KERNEL[0] and query.device.type == "cpu" and query.dtype in _CPU_DTYPES
-            and key_pool.dtype in _CPU_DTYPES and _cpu_ready())
+            and key_pool.dtype in _CPU_DTYPES and cpp.load("paged_attention"))
 
 
 def _cpu(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):

@@ -124,7 +124,7 @@ def check_invariant_model(model: nn.Module) -> None:
                          f"this model is on {device.type}")
     if not load_cpu_kernel():
         raise ValueError("batch_invariant=True needs infopt's C++ paged-attention kernel, which could not be built "
-                         "here (no C++ compiler?); see infopt.core.extensions.build_all()")
+                         "here (no C++ compiler?); see infopt.ops.cpp.build_all()")
     # a layer holding its weight as integer codes or fp8 (infopt's quantized layers, bitsandbytes') multiplies it in
     # its own kernel, not through F.linear (int64 position ids and bool masks are no weights)
     own = sorted({type(m).__name__ for m in model.modules()

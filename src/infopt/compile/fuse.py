@@ -42,11 +42,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import increment_version
 
+from ..ops.packed_linear import packed_linear, uses_packed
 from ..quantize.fp8 import FP8Linear
 from ..quantize.int4 import Int4Linear
 from ..quantize.int8 import Int8Linear
 from .packed import usable as packed_usable
-from .packed import uses_packed, wants_grad
+from .packed import wants_grad
 
 __all__ = ["FusedGroup", "QuantizedFusedGroup", "fuse_projections_", "unfuse_projections_", "GROUPS"]
 
@@ -161,7 +162,7 @@ class FusedGroup:
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and packed_usable(x, self.weight) and uses_packed(self.packed):
-            return torch.ops.infopt.packed_linear(x, self.weight, self.bias, self.packed)
+            return packed_linear(x, self.weight, self.bias, self.packed)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def take(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ its model too, *scoped* (``scoped=True``): those layers use the packed copy only
 graphs; every other forward of the model (``generate`` outside the engine, training, a batch-invariant engine)
 multiplies the plain weights as before.
 
-:func:`kernel_calls` counts the operator's calls (compiled graphs' included) and the packed layers' eager calls that
+:func:`infopt.ops.packed_linear.kernel_calls` counts the operator's calls (compiled graphs' included) and the packed layers' eager calls that
 took ``F.linear`` instead.
 """
 
@@ -33,50 +33,21 @@ import weakref
 import torch
 from torch import nn
 
-from ..generate import in_packed_call
+from ..ops import packed_linear as op
+from ..ops.packed_linear import PACK_ROWS, PACKED_DTYPES, can_pack, can_pack_dtype, uses_packed
 
-__all__ = ["can_pack", "can_pack_dtype", "can_pack_model", "pack_linears_", "uses_packed", "unpack_linears_", "packed_bytes", "usable", "wants_grad",
-           "PACK_ROWS", "kernel_calls"]
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-
-PACK_ROWS = 16
-"""The row count oneDNN picks the blocked layout for: the widest compiled verify (narrower calls run it as well)."""
+__all__ = ["can_pack_model", "pack_linears_", "unpack_linears_", "packed_bytes", "usable", "wants_grad", "MIN_ELEMENTS"]
 
 MIN_ELEMENTS = 1 << 19
 """Smaller weights stay on ``F.linear``: the custom op's Python call (about 20 us) outweighs what packing saves on
 a 576 x 576 or 576 x 192 layer at one row (``benchmarks/studies/packed_linear.py``)."""
 
-# handle -> (weight storage pointer, weight version, packed weight); entries leave with their module. A handle is
-# the layer's index plus its model's slot times _SLOT: the same numbers each time a model is packed again, so its
-# compiled graphs (which hold them as constants) hit inductor's cache after an undo; live models never share one.
-_PACKED: dict[int, tuple[int, int, torch.Tensor, int]] = {}
 _SLOTS: dict[int, int] = {}  # slot -> the token of the pack_linears_ call holding it
 _SLOT = 1 << 20
 _TOKENS = itertools.count()
 _MODEL_SLOT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the slot it was last packed in
-_SCOPED: set[int] = set()  # handles used only inside packed_call() blocks and compiled graphs
-
-
-_CALLS = {"packed_linear": 0, "linear": 0}  # since import (a diagnostic: unlocked, += under the GIL)
-
-
-def kernel_calls() -> dict[str, int]:
-    """Calls since import per kernel: ``packed_linear`` (the operator ran on a prepacked weight: every call, from a
-    compiled graph too, since its kernel is Python calling oneDNN) and ``linear`` (a packed layer's eager forward that
-    took ``F.linear`` instead: an input the operator does not take, or a gradient wanted). Take the difference of two
-    snapshots.
-
-    Example:
-        >>> sorted(kernel_calls())
-        ['linear', 'packed_linear']
-    """
-    return dict(_CALLS)
-
-
-def _forget(handle: int) -> None:
-    _PACKED.pop(handle, None)
-    _SCOPED.discard(handle)
+# A handle is the layer's index plus its model's slot times _SLOT: the same numbers each time a model is packed again,
+# so its compiled graphs (which hold them as constants) hit inductor's cache after an undo; live models never share one.
 
 
 def _release(slot: int, token: int) -> None:
@@ -84,73 +55,11 @@ def _release(slot: int, token: int) -> None:
         del _SLOTS[slot]
 
 
-def can_pack() -> bool:
-    """True when this torch build has oneDNN's linear with prepacked weights (x86 CPU builds do)."""
-    mk = getattr(torch.ops, "mkldnn", None)
-    return bool(torch.backends.mkldnn.is_available() and mk is not None and hasattr(mk, "_reorder_linear_weight")
-                and hasattr(mk, "_linear_pointwise"))
-
-
-def can_pack_dtype(dtype: torch.dtype) -> bool:
-    """True when linears of ``dtype`` can run on prepacked weights here: fp32 wherever :func:`can_pack`, bf16 where
-    oneDNN also runs bf16 matmuls on this CPU (AVX512-BF16 or AMX; elsewhere it would emulate them)."""
-    if dtype not in PACKED_DTYPES or not can_pack():
-        return False
-    if dtype == torch.float32:
-        return True
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
-
-
 def can_pack_model(model: nn.Module) -> bool:
     """True when ``model``'s linears can run on prepacked weights: its parameters on the CPU in a dtype
     :func:`can_pack_dtype` accepts."""
     p = next(model.parameters(), None)
     return p is not None and p.device.type == "cpu" and can_pack_dtype(p.dtype)
-
-
-def uses_packed(handle: int) -> bool:
-    """Whether the packed layer (or fused group) ``handle`` runs its packed copy now: always while compiling (a graph
-    calls the operator), and in eager calls unless it was packed ``scoped`` and this is not a packed call."""
-    return torch.compiler.is_compiling() or handle not in _SCOPED or in_packed_call()
-
-
-def _pack(weight: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-
-
-def _packed_linear_impl(x, weight, bias, handle):
-    _CALLS["packed_linear"] += 1  # runs when the operator runs, never while tracing (that is the fake below)
-    entry = _PACKED.get(handle)
-    key = (weight.data_ptr(), weight._version)
-    if entry is None or entry[:2] != key:  # a copy's weight, or the weight was written since it was packed
-        rows = entry[3] if entry is not None else PACK_ROWS
-        entry = (*key, _pack(weight, rows), rows)
-        _PACKED[handle] = entry
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(rows, entry[2], bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# Defined with torch.library directly rather than ``torch.library.custom_op``: the dispatcher then calls the Python
-# kernel itself, about 1.5 us over the oneDNN call, where custom_op's wrapper added about 10 us to every call (121
-# calls per step of the default model; ``/tmp`` scratch measurement, 64 x 64 layer). Inference only: no autograd.
-_LIB = torch.library.Library("infopt", "FRAGMENT")
-_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
-_LIB.impl("packed_linear", _packed_linear_impl, "CPU")
-
-
-@torch.library.register_fake("infopt::packed_linear", lib=_LIB)
-def _(x, weight, bias, handle):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_packed_linear_op = torch.ops.infopt.packed_linear.default
 
 
 def wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -169,9 +78,9 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     handle = self._infopt_packed
     active = uses_packed(handle)  # (False: a scoped layer outside the engine's steps, which is not counted below)
     if active and usable(x, self.weight):
-        return _packed_linear_op(x, self.weight, self.bias, handle)
-    if active and not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
-        _CALLS["linear"] += 1
+        return op.packed_linear(x, self.weight, self.bias, handle)
+    if active:
+        op.count("linear")
     return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -234,15 +143,13 @@ def pack_linears_(model: nn.Module, min_elements: int = MIN_ELEMENTS,
     with torch.no_grad():
         for i, m in enumerate(layers):
             handle = slot * _SLOT + i
-            _PACKED[handle] = (m.weight.data_ptr(), m.weight._version, _pack(m.weight, rows), rows)
-            if scoped:
-                _SCOPED.add(handle)
+            op.register(handle, m.weight, rows=rows, scoped=scoped)
             if isinstance(m, nn.Module):
                 m._infopt_packed = handle
                 m.forward = types.MethodType(_forward, m)
             else:  # a fused projection group: its fused matmul runs on the packed copy of its fused weight
                 m.packed = handle
-            weakref.finalize(m, _forget, handle)
+            weakref.finalize(m, op.forget, handle)
     weakref.finalize(layers[0], _release, slot, token)
     return layers
 
@@ -256,7 +163,7 @@ def unpack_linears_(layers: list[nn.Linear]) -> None:
         else:  # a fused projection group
             handle, m.packed = m.packed, None
         if handle is not None:
-            _forget(handle)
+            op.forget(handle)
             _SLOTS.pop(handle // _SLOT, None)
 
 
@@ -264,7 +171,6 @@ def packed_bytes(layers: list[nn.Linear]) -> int:
     """Bytes the packed copies of ``layers`` hold."""
     total = 0
     for m in layers:
-        entry = _PACKED.get(m.__dict__.get("_infopt_packed") if isinstance(m, nn.Module) else m.packed)
-        if entry is not None:
+        if op.is_packed(m.__dict__.get("_infopt_packed") if isinstance(m, nn.Module) else m.packed):
             total += m.weight.numel() * m.weight.element_size()
     return total

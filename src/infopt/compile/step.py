@@ -217,6 +217,7 @@ def engine_forward(model: nn.Module, compile: bool | Compile, pack: bool | None 
     Returns:
         The forward, and how many linears (and fused groups) were packed.
     """
+    from ..ops.packed_linear import PACK_ROWS
     from . import fuse, packed
 
     config = Compile() if compile is True else (compile or None)
@@ -231,7 +232,7 @@ def engine_forward(model: nn.Module, compile: bool | Compile, pack: bool | None 
                           lambda: fuse.unfuse_projections_(groups), step=step)
     if pack:
         dtype = next(model.parameters()).dtype
-        rows = packed.PACK_ROWS if config is not None else ENGINE_PACK_ROWS
+        rows = PACK_ROWS if config is not None else ENGINE_PACK_ROWS
         layers = packed.pack_linears_(model, min_elements=0, dtypes=(dtype,), rows=rows, scoped=True)
         if layers:
             record_custom(model, f"{len(layers)} linears on prepacked weights for the engine's steps",
@@ -374,16 +375,17 @@ def _fuse(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
 def _pack(model: nn.Module, config: Compile, ctx: ApplyContext, info) -> None:
     """Queue the packing of the model's fp32 linears (after every step is applied: a self draft copies and
     quantizes the original layers first), before the warm-up compiles the graphs that call them."""
+    from ..ops.packed_linear import can_pack, can_pack_dtype
     from . import packed
 
     if config.pack_linears is False:
         return
-    wanted = info.device.type == "cpu" and packed.can_pack_dtype(info.dtype)
+    wanted = info.device.type == "cpu" and can_pack_dtype(info.dtype)
     if config.pack_linears is True and not wanted:
         raise IncompatibleModelError(
             f"Compile(pack_linears=True) needs an fp32 model on CPU (or bf16 on a CPU whose oneDNN runs bf16 "
             f"matmuls) and a torch build with oneDNN (model: {info.dtype} on {info.device.type}; oneDNN prepacked "
-            f"linear available: {packed.can_pack()}); use pack_linears: auto")
+            f"linear available: {can_pack()}); use pack_linears: auto")
     if not wanted:
         return
     dtype = info.dtype

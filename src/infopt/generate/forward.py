@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 
 import torch
 from torch import nn
@@ -18,33 +17,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from ..core.compat import CACHE_KWARG
+from ..ops.scope import in_packed_call, packed_call
 
 __all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache",
            "packed_call", "in_packed_call", "head_rows"]
 
 _TAKES: dict[type, bool] = {}
-_SCOPE = threading.local()
-
-
-@contextlib.contextmanager
-def packed_call():
-    """Within this block (in this thread) a packed step runs: linears prepacked for the engine's steps only
-    (``infopt.compile.packed.pack_linears_(..., scoped=True)``) use their packed copies. :meth:`Forward.packed`
-    enters it; every other forward of the model keeps the plain weights.
-
-    Example:
-        >>> with packed_call():
-        ...     in_packed_call()
-        True
-        >>> in_packed_call()
-        False
-    """
-    before = getattr(_SCOPE, "on", False)
-    _SCOPE.on = True
-    try:
-        yield
-    finally:
-        _SCOPE.on = before
 
 
 def head_rows(keep: torch.Tensor) -> torch.Tensor:
@@ -59,11 +37,6 @@ def head_rows(keep: torch.Tensor) -> torch.Tensor:
     if keep.numel() in (2, 3) and keep.device.type == "cpu":
         return torch.cat([keep, keep[-1:].expand(4 - keep.numel())])
     return keep
-
-
-def in_packed_call() -> bool:
-    """True inside :func:`packed_call` in this thread."""
-    return getattr(_SCOPE, "on", False)
 
 
 def takes_logits_to_keep(model: nn.Module) -> bool:

@@ -38,7 +38,8 @@ from torch import nn
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
 from ..core.patch import get_handle, set_attr, swap_module
-from ..quantize.experts import QuantizedExperts, routed_experts_op
+from ..ops.experts import EXPERT_PARALLEL as _LIVE
+from ..quantize.experts import QuantizedExperts
 from .dist import local_bytes, require_not_parallel, resolve_mesh
 from .pipeline import stage_bounds
 
@@ -48,7 +49,6 @@ DISPATCH: tuple[str, ...] = ("all_to_all", "all_reduce")
 """How :class:`ExpertParallel` brings the tokens to the experts' ranks (see the module docstring)."""
 
 # handle -> the live ExpertParallel it names; a compiled graph holds the handle (custom ops take no modules)
-_LIVE = routed_experts_op("infopt::expert_parallel", "_exchange")
 
 
 @dataclass(frozen=True)

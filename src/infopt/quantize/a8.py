@@ -3,7 +3,7 @@
 Each call quantizes its activations per row and per group of ``group`` input channels (symmetric: codes
 -127..127, scale ``absmax / 127``), multiplies them with the weight codes in integers, exactly, and applies the
 float scales once per group. On the CPU the C++ kernel ``torch.ops.infopt.int4_a8_linear`` /
-``int8_a8_linear`` (``infopt/csrc/quant_linear.cpp``: AVX512-VNNI, AVX2 or portable C++) does it on weights
+``int8_a8_linear`` (``infopt/ops/csrc/quant_linear.cpp``: AVX512-VNNI, AVX2 or portable C++) does it on weights
 in the block layout below, which reads each weight byte once per call and shares every activation load
 between 16 output rows. Elsewhere, or where the kernel cannot be built, :func:`int4_a8_reference` and
 :func:`int8_a8_reference` compute the same numbers with torch operations (they are the kernels' oracle).
@@ -22,20 +22,17 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
-from ..core import extensions
+from ..ops import cpp
+from ..ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
 
-ROWS = 16
-"""Output rows per weight block: the layers' ``out_features`` must be a multiple of it."""
 
 KERNELS = ("int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int8_f32_linear", "int4_a8_dense_t", "reference")
 """Keys of :func:`kernel_calls`: each C++ operator ``torch.ops.infopt.<key>``, and ``reference`` (any of this module's
@@ -68,42 +65,9 @@ def _count(kernel: str) -> None:
     if not torch.compiler.is_compiling():
         _CALLS[kernel] += 1
 
-_READY: list[bool | None] = [None]
-_LOCK = threading.Lock()
-
-
 def available() -> bool:
-    """Whether the C++ kernels are loaded (built on first call; see :mod:`infopt.core.extensions`)."""
-    if _READY[0] is None:
-        with _LOCK:
-            if _READY[0] is None:
-                ready = extensions.load("quant_linear")
-                if ready:
-                    @extensions.register_fake_once("infopt::int4_a8_linear")
-                    def _(x, weight, scale_min, group):
-                        return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
-
-                    @extensions.register_fake_once("infopt::int4_a8_linear_n")
-                    def _(x, weights, scale_mins, group):
-                        return [x.new_empty(x.shape[0], w.shape[0] * ROWS) for w in weights]
-
-                    @extensions.register_fake_once("infopt::int8_a8_linear")
-                    def _(x, weight, wsum, scale, group):
-                        return x.new_empty(x.shape[0], weight.shape[0] * ROWS)
-
-                    @extensions.register_fake_once("infopt::int4_a8_dense_t")
-                    def _(weight, scale_min, group, dtype):
-                        return weight.new_empty(weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype)
-
-                    @extensions.register_fake_once("infopt::int8_f32_linear")
-                    def _(x, weight, scale):
-                        return x.new_empty(x.shape[0], weight.shape[0])
-
-                    @extensions.register_fake_once("infopt::w8a8_linear")
-                    def _(x, weight, weight_scale, bias):
-                        return x.new_empty(x.shape[0], weight.shape[0])
-                _READY[0] = ready
-    return bool(_READY[0])
+    """Whether the C++ kernels are loaded (built on first call; see :mod:`infopt.ops.cpp`)."""
+    return cpp.load("quant_linear")
 
 
 def isa() -> str | None:

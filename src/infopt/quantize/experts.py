@@ -25,8 +25,6 @@ expert tensors into its checkpoint layout as it saves, which per-expert quantize
 from __future__ import annotations
 
 import fnmatch
-import itertools
-import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -35,68 +33,11 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.moe import moe_blocks
+from ..ops.experts import QUANTIZED_EXPERTS as _LIVE
 
-__all__ = ["QuantizedExperts", "LiveModules", "routed_experts_op", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
+__all__ = ["QuantizedExperts", "EXPERT_QUANTIZERS", "register_experts_quantizer", "experts_targets",
            "check_experts_shapes"]
 
-class LiveModules:
-    """Handles naming live modules to a custom op: a compiled graph holds the handle (an int constant), not the
-    module (custom ops take tensors and scalars). Entries leave with their module.
-
-    Args:
-        op: the op's name, for the error when a handle's module is gone.
-
-    Example:
-        >>> live = LiveModules("infopt::example")
-        >>> m = nn.Linear(2, 2)
-        >>> live.get(live.register(m)) is m
-        True
-    """
-
-    def __init__(self, op: str):
-        self.op = op
-        self._live: dict[int, weakref.ref] = {}
-        self._next = itertools.count()
-
-    def register(self, module: nn.Module) -> int:
-        handle = next(self._next)
-        self._live[handle] = weakref.ref(module, lambda _, h=handle: self._live.pop(h, None))
-        return handle
-
-    def get(self, handle: int) -> nn.Module:
-        ref = self._live.get(handle)
-        module = ref() if ref is not None else None
-        if module is None:
-            raise RuntimeError(f"{self.op}: the module this graph was compiled for (handle {handle}) no longer exists; "
-                               "compile the model that holds it again")
-        return module
-
-
-def routed_experts_op(name: str, method: str) -> LiveModules:
-    """Register the custom op ``name`` (``"infopt::..."``): ``(hidden_states, top_k_index, top_k_weights, handle)
-    -> Tensor`` shaped like ``hidden_states``, which calls ``method`` of the live module ``handle`` names with the
-    three tensors. A compiled graph calls it as one opaque kernel (its experts' dispatch never traced).
-
-    Returns:
-        The registry whose :meth:`LiveModules.register` hands out those handles.
-    """
-    live = LiveModules(name)
-
-    # schema given explicitly: this file's annotations are strings (``from __future__ import annotations``)
-    @torch.library.custom_op(name, mutates_args=(),
-                             schema="(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, int handle) "
-                                    "-> Tensor")
-    def op(hidden_states, top_k_index, top_k_weights, handle):
-        return getattr(live.get(handle), method)(hidden_states, top_k_index, top_k_weights)
-
-    @op.register_fake
-    def _(hidden_states, top_k_index, top_k_weights, handle):
-        return torch.empty_like(hidden_states)
-
-    return live
-
-
-_LIVE = routed_experts_op("infopt::quantized_experts", "_dispatch")
 
 
 class QuantizedExperts(nn.Module):

@@ -16,9 +16,9 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError
 from ..core.step import StepConfig, bad_field, register_step
+from ..ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
 from .api import quantize_targets, register_quantizer
 from .primitives import KeepsFormat, choose_qparams, dequantize, quantize
-from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
 
 __all__ = ["FP8", "FP8Linear", "fp8_supported", "fp8_dtype", "quantize_fp8", "dequantize_fp8", "FP8_MAX",
            "GRANULARITIES", "KERNELS"]
@@ -139,7 +139,7 @@ class FP8(StepConfig):
         activations: ``"dynamic"``: the activation scale is computed from each call's input (absmax),
             nothing calibrated or stored. ``"none"``: weight-only FP8: the activations stay in the model's dtype;
             up to eight rows (decode) are multiplied by infopt's Triton kernel reading the fp8 weight once
-            (:func:`infopt.quantize.triton_gemv.w8_gemv`), more rows by the weight dequantized for the call. More
+            (:func:`infopt.ops.triton_gemv.w8_gemv`), more rows by the weight dequantized for the call. More
             accurate than ``"dynamic"`` (only the weights are rounded). On an H200 (the fifth GPU lane run), at one
             row on an 8B Llama's layers, the kernel read at 35-50% of the copy bandwidth (``_scaled_mm``: 14-19%,
             cuBLAS bf16: 59-75%), and 8B batch-1 decode with it was 1.015x ``gpu-fast`` in bf16.
@@ -227,7 +227,7 @@ class FP8Linear(KeepsFormat):
         granularity: ``"row"`` or ``"tensor"``, for weights and activations alike (``torch._scaled_mm``
             takes row x row or tensor x tensor scales).
         activations: ``"dynamic"`` (fp8 activations, ``torch._scaled_mm``) or ``"none"`` (weight-only: the Triton
-            GEMV kernel at up to :data:`~infopt.quantize.triton_gemv.GEMV_MAX_ROWS` rows, ``last_kernel``
+            GEMV kernel at up to :data:`~infopt.ops.triton_gemv.GEMV_MAX_ROWS` rows, ``last_kernel``
             ``"gemv"``; the dequantized weight above, ``"dequantized"``).
         device: where to allocate.
 

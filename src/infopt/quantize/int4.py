@@ -7,7 +7,7 @@ converts to and from one portable layout when saved or loaded:
 - ``cuda_tinygemm``: ``torch._weight_int4pack_mm`` (bf16 activations), CUDA.
 - ``gemv``: the portable codes with bf16 ``(scale, offset)`` pairs ``[out, in // group_size, 2]`` (tinygemm's
   values, row-major), multiplied by infopt's Triton kernel at up to eight rows
-  (:func:`infopt.quantize.triton_gemv.w4_gemv`) and dequantized to the activation dtype above that (prompts);
+  (:func:`infopt.ops.triton_gemv.w4_gemv`) and dequantized to the activation dtype above that (prompts);
   chosen with ``Int4WeightOnly(cuda_kernel="gemv")``. Slower than tinygemm on an H200 (17-23% of the copy bandwidth at
   one row against 31-34%); elsewhere than CUDA it computes the kernel's reference.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
@@ -34,12 +34,12 @@ from torch import nn
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig, bad_field, register_step
+from ..ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 from . import a8
 from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
-from .triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
            "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls"]
@@ -372,7 +372,7 @@ class Int4Linear(KeepsFormat):
                                                               dtype=torch.uint8, device=device))
             self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,
                                                           dtype=torch.bfloat16, device=device))
-        elif self.layout == "gemv":  # see infopt.quantize.triton_gemv.w4_gemv
+        elif self.layout == "gemv":  # see infopt.ops.triton_gemv.w4_gemv
             self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
                                                         device=device))
             self.register_buffer("scale_offset", torch.zeros(self.out_features, n_groups, 2, dtype=torch.bfloat16,

@@ -1,5 +1,5 @@
 """Int8 weight-only quantization: per-output-channel symmetric round-to-nearest; int8 matmul kernels on CPU (torch's)
-and CUDA (Triton, :mod:`infopt.quantize.triton_int8`). :func:`kernel_calls` counts which kernel each forward ran."""
+and CUDA (Triton, :mod:`infopt.ops.triton_int8`). :func:`kernel_calls` counts which kernel each forward ran."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError, RecipeError
 from ..core.step import StepConfig, bad_field, register_step
+from ..ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
+from ..ops.triton_int8 import MM_DTYPES, int8_weight_mm
 from . import a8
 from .api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
 from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
-from .triton_gemv import GEMV_MAX_ROWS, w8_gemv
-from .triton_int8 import MM_DTYPES, int8_weight_mm
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact",
            "KERNELS", "kernel_calls"]
@@ -77,7 +77,7 @@ class Int8WeightOnly(StepConfig):
             activations and sums: on CPU every call runs on infopt's int8 x fp32 kernel
             (:func:`infopt.quantize.a8.int8_f32_linear`; without the C++ kernels, the weight is dequantized a
             chunk of rows at a time). On CUDA every per-channel layer
-            runs infopt's Triton kernel (:func:`~infopt.quantize.triton_int8.int8_weight_mm`: int8 weight
+            runs infopt's Triton kernel (:func:`~infopt.ops.triton_int8.int8_weight_mm`: int8 weight
             tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
             dequantize-then-matmul, with a warning.
         include_lm_head: also quantize the output head. When it is tied to the input embedding, the
@@ -99,7 +99,7 @@ class Int8WeightOnly(StepConfig):
             (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in float.
         cuda_kernel: for per-channel layers on CUDA: ``"tl_dot"`` (default), the Triton kernel above at every row
             count; ``"gemv"``: up to eight rows (decode) through infopt's Triton matrix-vector kernel
-            (:func:`infopt.quantize.triton_gemv.w8_gemv`), which does not pad one row to a 16-row tile, and
+            (:func:`infopt.ops.triton_gemv.w8_gemv`), which does not pad one row to a 16-row tile, and
             ``tl_dot`` above. On an H200 at one row on an 8B Llama's q/k/v and o layers the GEMV kernel read at
             30-44% of the copy bandwidth against 42-48% for ``tl_dot`` (the fifth GPU lane run), so it is not the
             default.

@@ -594,7 +594,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
 
 }  // namespace
 
-// Fails on purpose: infopt.core.extensions calls it once per build, in a child process, to see that an error raised
+// Fails on purpose: infopt.ops.cpp calls it once per build, in a child process, to see that an error raised
 // in this library reaches Python as a RuntimeError under the installed torch before the library is used.
 static int64_t paged_attention_error_probe() {
   TORCH_CHECK(false, "infopt error-path probe");

@@ -5,7 +5,7 @@ Two formats:
 
 - :func:`w8_gemv`: 8-bit weights ``[N, K]`` (int8 or float8_e4m3fn) with one scale per output channel:
   ``y = x @ (w * scale[:, None]).T``. Unlike :mod:`infopt.quantize.fp8`'s ``torch._scaled_mm`` path the activations
-  stay in their dtype (weight-only FP8), and unlike :mod:`infopt.quantize.triton_int8` no 16-row ``tl.dot`` tile is
+  stay in their dtype (weight-only FP8), and unlike :mod:`infopt.ops.triton_int8` no 16-row ``tl.dot`` tile is
   padded around a single row.
 - :func:`w4_gemv`: 4-bit codes packed two per byte ``[N, K // 2]`` (column ``2j`` in the low nibble, as
   :func:`infopt.quantize.primitives.pack_int4` packs them) with a bf16 ``(scale, offset)`` pair per group of
@@ -44,8 +44,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .primitives import unpack_int4
-from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
+from ..ops.triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
 __all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles",
            "set_gemv_tiles", "GEMV_MAX_ROWS", "kernel_calls", "W8_DTYPES"]
@@ -64,7 +63,7 @@ _WARNED = False
 
 def kernel_calls() -> dict[str, int]:
     """Eager calls of :func:`w8_gemv` and :func:`w4_gemv` per path since import, as
-    :func:`infopt.quantize.triton_int8.kernel_calls` counts its op's (graph replays uncounted)."""
+    :func:`infopt.ops.triton_int8.kernel_calls` counts its op's (graph replays uncounted)."""
     return dict(_CALLS)
 
 
@@ -104,7 +103,7 @@ def w4_dequantize(qweight: torch.Tensor, scale_offset: torch.Tensor, group_size:
         [[0.5, 1.5]]
     """
     so = scale_offset.to(dtype)
-    codes = unpack_int4(qweight).to(dtype) - 8
+    codes = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).flatten(-2).to(dtype) - 8  # low nibble first
     n = codes.shape[0]
     return (codes.view(n, -1, group_size) * so[..., :1] + so[..., 1:]).view_as(codes)
 

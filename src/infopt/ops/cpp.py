@@ -1,4 +1,4 @@
-"""infopt's C++ CPU kernels: built from ``infopt/csrc`` with the machine's compiler on first use, cached on disk.
+"""infopt's C++ CPU kernels: built from ``infopt/ops/csrc`` with the machine's compiler on first use, cached on disk.
 
 Each kernel is one C++ file registering operators under ``torch.ops.infopt`` through ``torch.library``. It is
 compiled against the installed torch's headers and libraries (no ninja, no Python headers: a few seconds) for
@@ -13,7 +13,7 @@ fails or that check fails, :func:`load` returns False and logs why once; callers
 kernels (the same results, slower). ``INFOPT_NO_EXTENSIONS=1`` turns the C++ kernels off.
 
 Example:
-    >>> from infopt.core.extensions import status
+    >>> from infopt.ops.cpp import status
     >>> sorted(status())
     ['paged_attention', 'quant_linear']
 """
@@ -33,18 +33,18 @@ from pathlib import Path
 
 import torch
 
-from .caches import cache_dir as kind_dir
+from ..core.caches import cache_dir as kind_dir
 
-__all__ = ["KERNELS", "load", "status", "build_all", "cache_dir", "register_fake_once"]
+__all__ = ["KERNELS", "ROWS", "load", "status", "build_all", "cache_dir", "operators", "loaded"]
 
 _log = logging.getLogger("infopt.extensions")
 
 KERNELS = ("paged_attention", "quant_linear")
-"""The C++ kernels in ``infopt/csrc``, by file name."""
+"""The C++ kernels in ``infopt/ops/csrc``, by file name."""
 
 _PROBE = {"quant_linear": "int4_a8_linear"}  # an operator that shows the kernel is registered (default: its name)
 
-_SRC = Path(__file__).resolve().parent.parent / "csrc"
+_SRC = Path(__file__).resolve().parent / "csrc"
 _LOCK = threading.Lock()
 _STATE: dict[str, bool | str] = {}  # name -> True (loaded) or the reason it is not
 
@@ -177,21 +177,41 @@ def _build(name: str) -> bool | str:
     return True
 
 
-def register_fake_once(qualname: str):
-    """``torch.library.register_fake(qualname)`` as a decorator, skipped where the operator has a fake already.
+ROWS = 16
+"""Output rows per weight block of the ``quant_linear`` kernels (:mod:`infopt.quantize.a8`'s layouts)."""
 
-    A kernel's loader registers its operators' fakes when it first loads them; a loader run again (its ready flag
-    reset, as tests do) registers the same functions again, which torch before 2.13 refuses."""
 
-    def deco(fn):
+def _fakes(name: str) -> dict:
+    # each C++ operator's fake (its output's shape and dtype from its inputs), for torch.compile and opcheck
+    if name == "paged_attention":
+        return {"paged_attention": lambda query, key_pool, value_pool, block_table, query_start, kv_lens, scale,
+                window=0, split_keys=True: query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])}
+    return {
+        "int4_a8_linear": lambda x, weight, scale_min, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
+        "int4_a8_linear_n": lambda x, weights, scale_mins, group: [x.new_empty(x.shape[0], w.shape[0] * ROWS)
+                                                                   for w in weights],
+        "int8_a8_linear": lambda x, weight, wsum, scale, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
+        "int4_a8_dense_t": lambda weight, scale_min, group, dtype: weight.new_empty(
+            weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
+        "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
+        "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
+    }
+
+
+def _register_fakes(name: str) -> None:
+    # a library loaded once per process registers its fakes once; one loaded earlier by another copy of this module
+    # (a test reloading it) already has them, which torch before 2.13 refuses to take twice
+    for op, fake in _fakes(name).items():
         try:
-            torch.library.register_fake(qualname)(fn)
+            torch.library.register_fake(f"infopt::{op}")(fake)
         except RuntimeError as e:
             if "already has an fake impl" not in str(e):
                 raise
-        return fn
 
-    return deco
+
+def operators(name: str) -> tuple[str, ...]:
+    """The ``torch.ops.infopt`` operators the C++ kernel ``name`` registers (besides ``quant_linear_isa``)."""
+    return tuple(_fakes(name))
 
 
 def load(name: str) -> bool:
@@ -211,11 +231,18 @@ def load(name: str) -> bool:
             state = _STATE.get(name)
             if state is None:
                 state = _build(name)
+                if state is True:
+                    _register_fakes(name)
                 _STATE[name] = state
                 if state is not True:
                     _log.warning("infopt: the %s C++ kernel is not available (%s); using the torch reference "
                                  "kernel instead (same results, slower)", name, state)
     return state is True
+
+
+def loaded(name: str) -> bool:
+    """Whether the C++ kernel ``name`` is loaded already (no build is tried: safe while tracing)."""
+    return _STATE.get(name) is True
 
 
 def status() -> dict[str, bool | str | None]:
