@@ -1,4 +1,4 @@
-"""The int4/int8-weight x int8-activation C++ kernels (``infopt.quantize.a8``) against torch's CPU kernels.
+"""The int4/int8-weight x int8-activation C++ kernels (``infopt.quantize.formats.a8``) against torch's CPU kernels.
 
 For the default model's layer shapes (and their fused q/k/v and gate/up forms) at 1-8 rows: median time per call,
 the weight bandwidth it reaches (weight bytes with their scales / time) and, for reference, the machine's copy
@@ -15,8 +15,8 @@ import torch
 from _common import median_time  # this folder: the shared timing helpers
 
 from infopt.bench.harness import machine_info
-from infopt.quantize import a8
-from infopt.quantize.int4 import quantize_int4_grouped
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.int4 import quantize_int4_grouped
 
 p = argparse.ArgumentParser()
 p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -14,7 +14,8 @@ import infopt
 from infopt.bench.harness import machine_info
 from infopt.eval import evaluate, make_reference
 from infopt.models import load_default
-from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+from infopt.quantize.formats import a8
 
 p = argparse.ArgumentParser()
 p.add_argument("--max-tokens", type=int, default=2048)

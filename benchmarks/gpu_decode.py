@@ -84,7 +84,7 @@ def gemlite_int4_(model, group_size: int = 64) -> int:
     """Replace each decoder layer's projections by gemlite int4 layers (``GEMLITE``); returns how many."""
     from gpu_gemv import gemlite_available, gemlite_int4_layer  # this folder: the kernel benchmark
 
-    from infopt.quantize.int4 import quantize_int4_grouped
+    from infopt.quantize.formats.int4 import quantize_int4_grouped
 
     if not gemlite_available():
         raise RuntimeError("gemlite is not installed here (or cannot import without a CUDA device)")

@@ -67,9 +67,9 @@ def weights(n: int, k: int, gs: int, device: str = "cuda", formats: set | None =
     """One layer's weight in every format (or those of ``formats``, bf16 always): bf16, int8 + scale, fp8 + scale,
     int4 packed + (scale, offset), tinygemm, gemlite's."""
     want = (lambda f: True) if formats is None else (lambda f: f in formats)
-    from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
-    from infopt.quantize.int8 import quantize_int8_per_channel
-    from infopt.quantize.primitives import pack_int4
+    from infopt.quantize.formats.int4 import Int4Linear, quantize_int4_grouped
+    from infopt.quantize.formats.int8 import quantize_int8_per_channel
+    from infopt.quantize.formats.primitives import pack_int4
 
     w = torch.randn(n, k, device=device) * 0.02
     out = {"bf16": (w.to(torch.bfloat16),)}

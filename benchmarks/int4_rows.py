@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from _common import median_time  # this folder: the shared timing helpers
 
-from infopt.quantize import a8
-from infopt.quantize.int4 import Int4Linear
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.int4 import Int4Linear
 
 p = argparse.ArgumentParser()
 p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])

@@ -19,7 +19,7 @@ import time
 import torch
 
 from infopt.bench.harness import machine_info, measure_bandwidth
-from infopt.quantize import a8
+from infopt.quantize.formats import a8
 
 p = argparse.ArgumentParser()
 p.add_argument("--rounds", type=int, default=6)
@@ -47,7 +47,7 @@ def grouped(g):
 
 
 if args.rows:
-    from infopt.quantize.int8 import _dequantized_matmul
+    from infopt.quantize.formats.int8 import _dequantized_matmul
 
     out = []
     for m in args.rows:

@@ -4,7 +4,7 @@ Rows: fp32; int4 round-to-nearest (integer zero points: the format GPTQ writes, 
 GPTQ int4; QAT int4 (``quantize.QAT``: a fine-tune through fake-quantized linears distilled from the fp32
 model, then the same Int4Linear layers), once per ``--scales`` choice (learned scales, min/max grids). All at one group size (64 by default: the default model's 576
 channels take 32 or 64). Evaluated on the first ``--max-tokens`` tokens of :func:`infopt.eval.default_text`;
-GPTQ and QAT train on :func:`infopt.quantize.calibration.calibration_text`, the disjoint rest of the same
+GPTQ and QAT train on :func:`infopt.quantize.calibration.data.calibration_text`, the disjoint rest of the same
 documentation. The int4 CPU kernel takes bf16 activations, so every int4 row includes that rounding.
 
 The fine-tune's cost on a 2-core CPU: about 4.5-5 s per step of 4 x 256 tokens plus ~2 s per 4 rows for

@@ -1,7 +1,7 @@
 """Quality of the weight quantizers on the default model: perplexity, KL and top-1 against fp32.
 
 Evaluated on the first 512 tokens of :func:`infopt.eval.default_text`; GPTQ and AWQ calibrate on
-:func:`infopt.quantize.calibration.calibration_text`, a disjoint slice of the same documentation.
+:func:`infopt.quantize.calibration.data.calibration_text`, a disjoint slice of the same documentation.
 The int4 and int8 CPU kernels take bf16 activations, so their figures include that rounding.
 
 Usage: python benchmarks/quantize_quality.py [--samples 32] [--seq-len 512] [--group-size 64] [--tiny] [--out PATH]
@@ -21,7 +21,7 @@ import transformers
 import infopt
 from infopt.eval import evaluate, make_reference
 from infopt.quantize import AWQ, GPTQ, Int4WeightOnly, Int8WeightOnly, SmoothQuantW8A8
-from infopt.quantize.calibration import calibration_ids
+from infopt.quantize.calibration.data import calibration_ids
 
 HERE = Path(__file__).resolve().parent
 

@@ -76,7 +76,7 @@ def assert_state_equal(model, snap):
 @pytest.fixture(autouse=True)
 def _fresh_calibration_cache():
     """Each test calibrates for itself: the process-wide calibration cache starts empty."""
-    from infopt.quantize.calibration_cache import CACHE
+    from infopt.quantize.calibration.cache import CACHE
 
     CACHE.clear()
     yield

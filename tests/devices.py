@@ -29,7 +29,7 @@ class Device:
 
     Attributes:
         name: ``"cpu"`` or ``"cuda"``: what ``tensor.device.type`` reads there.
-        int4_layout: the layout an ``Int4Linear`` takes there on its own (``infopt.quantize.int4.layout_for``).
+        int4_layout: the layout an ``Int4Linear`` takes there on its own (``infopt.quantize.formats.int4.layout_for``).
         int4_op: the ``torch`` function that layout calls, counted by tests that want the kernel to have run.
         triton: the key of ``infopt.ops.triton_gemv.kernel_calls()`` and ``triton_int8.kernel_calls()`` that
             counts their ops there: ``"triton"`` (the kernel) on CUDA, ``"reference"`` (the pure-torch oracle) on CPU.
@@ -88,8 +88,8 @@ class Device:
 
     def fp8_matmul(self) -> tuple[bool, str]:
         """Whether a model's fp8 layers run their kernel of :attr:`fp8_kernel` here, and why not: on CPU always (the
-        pure-torch reference); on CUDA where ``infopt.quantize.fp8.fp8_supported`` allows ``torch._scaled_mm``."""
-        from infopt.quantize.fp8 import fp8_supported
+        pure-torch reference); on CUDA where ``infopt.quantize.formats.fp8.fp8_supported`` allows ``torch._scaled_mm``."""
+        from infopt.quantize.formats.fp8 import fp8_supported
 
         return (True, "") if self.fp8_kernel == "reference" else fp8_supported(self.name)
 
@@ -112,14 +112,14 @@ class Device:
         CUDA; oneDNN on an AVX-512 CPU with torch >= 2.6), else ``"float"`` (the same integers in an fp32 matmul)."""
         import torch
 
-        from infopt.quantize.w8a8 import int_mm_supported
+        from infopt.quantize.formats.w8a8 import int_mm_supported
 
         return "int_mm" if int_mm_supported(torch.device(self.name), 32, 64, 64)[0] else "float"
 
     def w8a8_int_mm_calls(self) -> int:
         """``torch._int_mm`` calls from Python per fp32 ``W8A8Linear`` forward: one on CUDA; none on CPU where the
         float path or the C++ op (which quantizes and calls ``_int_mm`` inside) serves, else one."""
-        from infopt.quantize import a8
+        from infopt.quantize.formats import a8
 
         if self.w8a8_kernel() != "int_mm":
             return 0
@@ -129,7 +129,7 @@ class Device:
         """The layout of an int4 layer whose config leaves ``activations="auto"`` (a ``SelfDraft(quantize="int4")``
         draft): ``a8`` (int8 activations, the C++ kernel) on a CPU whose kernels were built for AVX512-VNNI or AVX2,
         else :attr:`int4_layout`."""
-        from infopt.quantize import a8
+        from infopt.quantize.formats import a8
 
         return "a8" if a8.resolve("auto", self.name) == "int8" else self.int4_layout
 
@@ -151,7 +151,7 @@ DEVICES: dict[str, Device] = {
 INT4_KERNELS: dict[str, tuple[str, str]] = {
     "cuda_tinygemm": ("torch", "_weight_int4pack_mm"),
     "cpu_int4pack": ("torch", "_weight_int4pack_mm_for_cpu"),
-    "a8": ("infopt.quantize.a8", "int4_a8_linear"),
+    "a8": ("infopt.quantize.formats.a8", "int4_a8_linear"),
 }
 """An ``Int4Linear`` layout -> the ``(module, function)`` its decode rows call, for :func:`count_calls`."""
 

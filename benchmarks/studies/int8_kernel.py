@@ -10,7 +10,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", type=int, default=1536)

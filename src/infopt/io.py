@@ -27,8 +27,8 @@ from .core.errors import CheckpointError
 from .core.integrity import MANIFEST_FILE, verify_async, verify_manifest, write_manifest
 from .core.save_hook import install_save_hook, register_save_writer
 from .optimize import optimize
-from .quantize.int8 import saving_compact
-from .quantize.serialize import restore_saved_names
+from .quantize.formats.int8 import saving_compact
+from .quantize.serialization.serialize import restore_saved_names
 from .recipe import Recipe
 
 __all__ = ["save_optimized", "load_optimized", "load", "install_save_hook", "write_manifest", "RECIPE_FILE",

@@ -13,7 +13,7 @@ from infopt.batching import Engine, SamplingParams
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
 from infopt.quantize import Int8WeightOnly, SmoothQuantW8A8, W8A8Linear
-from infopt.quantize.w8a8 import int_mm_supported
+from infopt.quantize.formats.w8a8 import int_mm_supported
 
 
 def _quantized(step):

@@ -66,7 +66,7 @@ def test_progress_bars_pick_the_notebook_kind():
 
     src = Path(infopt.__file__).parent
     users = {p.relative_to(src).as_posix(): p.read_text() for p in src.rglob("*.py") if "tqdm" in p.read_text()}
-    assert "quantize/layerwise.py" in users and "bench/harness.py" in users
+    assert "quantize/algorithms/layerwise.py" in users and "bench/harness.py" in users
     for name, text in users.items():
         imports = re.findall(r"^\s*(from tqdm[\w.]* import \w+|import tqdm[\w.]*)", text, flags=re.M)
         assert imports and all(i.strip() == "from tqdm.auto import tqdm" for i in imports), (name, imports)

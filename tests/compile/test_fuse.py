@@ -215,7 +215,7 @@ def test_quantized_projections_fuse_into_one_layer_of_their_class(quant):
     ref, m = tiny_model(), tiny_model()
     for model in (ref, m):
         if quant["method"] == "fp8":  # the quantize step refuses FP8 on CPU (no fp8 matmul): the layers directly
-            from infopt.quantize.fp8 import FP8Linear
+            from infopt.quantize.formats.fp8 import FP8Linear
 
             for layer in model.model.layers:
                 for parent in (layer.self_attn, layer.mlp):

@@ -12,8 +12,8 @@ from infopt.attention import paged
 from infopt.compile import packed
 from infopt.ops import packed_linear
 from infopt.ops.paged_attention import packed_sdpa, split_packed
-from infopt.quantize import a8
-from infopt.quantize.int4 import quantize_int4_grouped
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.int4 import quantize_int4_grouped
 
 CHECKS = ("test_schema", "test_faketensor")
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")

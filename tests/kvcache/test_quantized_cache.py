@@ -5,7 +5,7 @@ from pathlib import Path
 
 import infopt.kvcache.quantized as config_module
 import infopt.kvcache.quantized_cache as cache_module
-from infopt.quantize import primitives
+from infopt.quantize.formats import primitives
 
 
 def _runtime_imports(path: Path) -> set[str]:

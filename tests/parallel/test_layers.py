@@ -7,9 +7,9 @@ from torch import nn
 
 from infopt.core.errors import IncompatibleModelError
 from infopt.parallel.layers import shard_cols, shard_rows
-from infopt.quantize import a8
-from infopt.quantize.int4 import Int4Linear
-from infopt.quantize.int8 import Int8Linear
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.int4 import Int4Linear
+from infopt.quantize.formats.int8 import Int8Linear
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 

@@ -3,7 +3,7 @@
 import pytest
 
 from infopt.parallel import launch
-from infopt.quantize import a8
+from infopt.quantize.formats import a8
 
 from . import workers
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from infopt.quantize import a8
+from infopt.quantize.formats import a8
 
 PROMPT = [[1, 17, 400, 23, 9, 1200, 5]]
 NEW_TOKENS = 64

@@ -16,9 +16,10 @@ import infopt
 from infopt.core.errors import RecipeError
 from infopt.models import tiny_model
 from infopt.ops import cpp
-from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8, quantize_
-from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
-from infopt.quantize.int8 import Int8Linear
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.int4 import Int4Linear, quantize_int4_grouped
+from infopt.quantize.formats.int8 import Int8Linear
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 
@@ -174,8 +175,8 @@ def test_kernels_refuse_bad_inputs_with_the_reason():
 _PORTABLE_CHECK = textwrap.dedent("""
     import sys, torch
     torch.ops.load_library(sys.argv[1])
-    from infopt.quantize import a8
-    from infopt.quantize.int4 import quantize_int4_grouped
+    from infopt.quantize.formats import a8
+    from infopt.quantize.formats.int4 import quantize_int4_grouped
     torch.manual_seed(0)
     w, sm = a8.pack_blocked_int4(*quantize_int4_grouped(torch.randn(48, 128), 32, zero_point="float"))
     codes = torch.randint(-128, 128, (48, 128), dtype=torch.int8)
@@ -252,7 +253,7 @@ def test_dense_copy_refuses_bad_inputs_with_the_reason():
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_a8_layers_multiply_prompts_by_a_weight_dequantized_per_call(x_dtype, monkeypatch):
-    from infopt.quantize import int4
+    from infopt.quantize.formats import int4
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=True)
@@ -422,8 +423,8 @@ def test_pass_leaves_calls_on_different_inputs_alone():
 
 
 def test_a8_layers_keep_their_kernel_below_32_rows_with_dense_copies(monkeypatch):
-    from infopt.quantize import int4
-    from infopt.quantize.int4 import A8_DENSE_MIN_ROWS
+    from infopt.quantize.formats import int4
+    from infopt.quantize.formats.int4 import A8_DENSE_MIN_ROWS
 
     monkeypatch.setattr(int4, "_FAST_BF16", [True])  # where bf16 copies are kept
     torch.manual_seed(0)
@@ -452,7 +453,7 @@ def test_int8_activations_without_the_kernel_run_the_reference_with_the_cpu_kern
     cpu = m(ids).logits  # the C++ kernel where it builds
     assert a8.kernel_calls()[ran] - before[ran] == n_int4
     monkeypatch.setattr(a8, "available", lambda: False)  # what a device without the kernels sees
-    calls = count_calls(monkeypatch, "infopt.quantize.a8", "int4_a8_reference")
+    calls = count_calls(monkeypatch, "infopt.quantize.formats.a8", "int4_a8_reference")
     out = m.to(device)(ids.to(device)).logits.cpu()
     assert len(calls) == n_int4 and all(shape[0] == 6 for shape in calls)
     torch.testing.assert_close(out, cpu, rtol=1e-4, atol=1e-4)

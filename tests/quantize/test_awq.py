@@ -9,9 +9,9 @@ from infopt.core.step import StepConfig
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import AWQ, CALIBRATED, Int4Linear, Int4WeightOnly, Int8Linear, quantize_
+from infopt.quantize.algorithms.awq import awq_plan, structure
+from infopt.quantize.algorithms.layerwise import targets_by_layer
 from infopt.quantize.api import quantize_targets
-from infopt.quantize.awq import awq_plan, structure
-from infopt.quantize.layerwise import targets_by_layer
 
 from ..conftest import assert_state_equal, state_snapshot
 

@@ -134,7 +134,7 @@ def test_nf4_odd_shapes_take_the_generic_path_and_say_so(bnb, ids):
 
 
 def test_int8_threshold_keeps_outlier_columns(bnb):
-    from infopt.quantize.bnb import make_bnb_int8
+    from infopt.quantize.formats.bnb import make_bnb_int8
 
     torch.manual_seed(0)
     lin = nn.Linear(128, 64)
@@ -187,7 +187,7 @@ def test_nf4_without_the_cpu_unpacker_still_quantizes_and_names_the_version_to_s
     import bitsandbytes.functional as bnb_functional
     from bitsandbytes.functional import has_avx512bf16
 
-    from infopt.quantize.bnb import nf4_linear_class
+    from infopt.quantize.formats.bnb import nf4_linear_class
 
     with torch.no_grad():  # the unpacker serves saving only: without it the layers compute the very same numbers
         expected = infopt.optimize(tiny_model("llama"), [BnbNF4()])(ids).logits

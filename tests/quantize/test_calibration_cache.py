@@ -6,8 +6,8 @@ import torch
 import infopt
 from infopt.models import tiny_model
 from infopt.quantize import AWQ, CALIBRATED, GPTQ, QAT, SmoothQuantW8A8, quantize_
-from infopt.quantize import qat as qat_mod
-from infopt.quantize.calibration_cache import CACHE, ENV_VAR, CalibrationCache, weights_fingerprint
+from infopt.quantize.algorithms import qat as qat_mod
+from infopt.quantize.calibration.cache import CACHE, ENV_VAR, CalibrationCache, weights_fingerprint
 
 VOCAB = 49152
 

@@ -7,11 +7,12 @@ from torch import nn
 
 import infopt
 from infopt.models import tiny_model
-from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8
-from infopt.quantize.fp8 import FP8Linear, fp8_dtype
-from infopt.quantize.int4 import Int4Linear
-from infopt.quantize.int8 import Int8Linear
-from infopt.quantize.w8a8 import W8A8Linear
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.fp8 import FP8Linear, fp8_dtype
+from infopt.quantize.formats.int4 import Int4Linear
+from infopt.quantize.formats.int8 import Int8Linear
+from infopt.quantize.formats.w8a8 import W8A8Linear
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 

@@ -6,7 +6,14 @@ import infopt
 from infopt.core.errors import IncompatibleModelError
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly
-from infopt.quantize.export import _pack_rows, dequantize_gptq, export_gptq, gptq_tensors, load_gptq_state, unpack_words
+from infopt.quantize.serialization.export import (
+    _pack_rows,
+    dequantize_gptq,
+    export_gptq,
+    gptq_tensors,
+    load_gptq_state,
+    unpack_words,
+)
 
 
 def test_pack_rows_roundtrip():

@@ -15,8 +15,8 @@ from infopt.core.step import StepConfig
 from infopt.eval import logit_metrics
 from infopt.models import tiny_model
 from infopt.quantize import FP8, FP8Linear, quantize_
-from infopt.quantize import fp8 as fp8_mod
-from infopt.quantize.fp8 import FP8_MAX, dequantize_fp8, fp8_supported, quantize_fp8
+from infopt.quantize.formats import fp8 as fp8_mod
+from infopt.quantize.formats.fp8 import FP8_MAX, dequantize_fp8, fp8_supported, quantize_fp8
 from infopt.recipe import Recipe
 from tests.devices import DEVICES
 

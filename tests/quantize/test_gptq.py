@@ -7,9 +7,9 @@ from infopt.core.step import StepConfig
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import CALIBRATED, GPTQ, Int4Linear, Int8Linear, quantize_
+from infopt.quantize.algorithms.gptq import gptq_quantize
+from infopt.quantize.algorithms.layerwise import Grid
 from infopt.quantize.api import quantize_targets
-from infopt.quantize.gptq import gptq_quantize
-from infopt.quantize.layerwise import Grid
 
 from ..conftest import assert_state_equal, state_snapshot
 

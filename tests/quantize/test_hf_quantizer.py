@@ -29,8 +29,8 @@ from infopt.quantize import (
     quantization_config_for,
     quantize_,
 )
-from infopt.quantize import hf as infopt_hf
-from infopt.quantize.serialize import KINDS, layer_spec
+from infopt.quantize.serialization import hf as infopt_hf
+from infopt.quantize.serialization.serialize import KINDS, layer_spec
 
 
 def calib(n=4, seq=32, seed=0):
@@ -262,7 +262,7 @@ def test_newer_format_asks_for_an_upgrade(saved_int8):
 
 
 def test_other_quantized_layers_are_listed_by_class_name():
-    from infopt.quantize.fp8 import FP8Linear
+    from infopt.quantize.formats.fp8 import FP8Linear
 
     m = tiny_model()
     m.model.layers[0].mlp.up_proj = FP8Linear.from_float(m.model.layers[0].mlp.up_proj)

@@ -9,8 +9,8 @@ from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly, Int8Linear, Int8WeightOnly, quantize_
-from infopt.quantize.int4 import kernel_calls as int4_kernel_calls
-from infopt.quantize.int4 import pack_int4, quantize_int4_grouped, unpack_int4
+from infopt.quantize.formats.int4 import kernel_calls as int4_kernel_calls
+from infopt.quantize.formats.int4 import pack_int4, quantize_int4_grouped, unpack_int4
 from infopt.recipe import Recipe
 
 from ..conftest import assert_state_equal, state_snapshot
@@ -213,7 +213,7 @@ def test_save_pretrained_then_infopt_load(tmp_path, prompt):
 def test_cuda_packing_tiles_fit_in_features(in_features, tiles):
     """torch's CUDA packer takes innerKTiles 2/4/8 and needs in_features % (16 * innerKTiles) == 0: the default
     model's 576 cannot take 8 (the old fixed choice), and a layer fitting none stays portable on CUDA."""
-    from infopt.quantize.int4 import cuda_inner_k_tiles, layout_for
+    from infopt.quantize.formats.int4 import cuda_inner_k_tiles, layout_for
 
     assert cuda_inner_k_tiles(in_features) == tiles
     if tiles is not None:
@@ -227,7 +227,7 @@ def test_cuda_packing_tiles_fit_in_features(in_features, tiles):
 def test_to_another_device_repacks_for_its_kernel(monkeypatch):
     """An automatic layout follows the device: moving a layer leaves the old device's packing through the
     portable layout and repacks for the new one (on CPU, a stand-in device whose kernel is 'plain')."""
-    import infopt.quantize.int4 as int4
+    import infopt.quantize.formats.int4 as int4
 
     torch.manual_seed(0)
     lin = nn.Linear(128, 64, bias=True)

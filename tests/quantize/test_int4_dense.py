@@ -3,8 +3,9 @@ import torch
 
 import infopt
 from infopt.models import tiny_model
-from infopt.quantize import Int4WeightOnly, int4
-from infopt.quantize.int4 import DENSE_FP32_MIN_ROWS, DENSE_MIN_ROWS, Int4Linear
+from infopt.quantize import Int4WeightOnly
+from infopt.quantize.formats import int4
+from infopt.quantize.formats.int4 import DENSE_FP32_MIN_ROWS, DENSE_MIN_ROWS, Int4Linear
 
 
 def _layer(dense: bool) -> Int4Linear:

@@ -7,7 +7,7 @@ import torch
 import infopt
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int4WeightOnly, quantize_
-from infopt.quantize.int4 import DENSE_MIN_ROWS
+from infopt.quantize.formats.int4 import DENSE_MIN_ROWS
 from tests.devices import DEVICES, count_calls
 
 from .test_calibrated_devices import kl_top1

@@ -107,7 +107,7 @@ def test_float32_without_the_kernels_dequantizes_in_chunks_of_rows(monkeypatch, 
     """Without infopt's C++ kernels, fp32 calls run on the weight dequantized a chunk of rows at a time into a reused
     buffer: the same product as the whole dequantized weight, across chunk edges (chunks of 3 rows of 64 here, 40
     rows: a partial last chunk)."""
-    import infopt.quantize.int8 as int8_mod
+    import infopt.quantize.formats.int8 as int8_mod
 
     monkeypatch.setattr(int8_mod.a8, "available", lambda: False)
     monkeypatch.setattr(int8_mod, "_CHUNK_WEIGHTS", 3 * 64)
@@ -127,7 +127,7 @@ def test_auto_compute_dtype_is_fp32_for_fp32_models_where_the_kernel_was_measure
     """``compute_dtype="auto"``: fp32 models on CPUs whose C++ kernels build with AVX-512 get fp32 activations on the
     int8 x fp32 kernel (measured faster than bf16 on torch's kernel there); other CPUs keep bf16 activations, and a
     bf16 model keeps its own dtype's kernel."""
-    from infopt.quantize import a8
+    from infopt.quantize.formats import a8
 
     fp32 = Int8Linear.from_float(nn.Linear(64, 32))
     bf16 = Int8Linear.from_float(nn.Linear(64, 32).to(torch.bfloat16))

@@ -19,7 +19,7 @@ import infopt.ops.triton_int8 as triton_int8
 from infopt.models import tiny_model
 from infopt.ops.triton_int8 import int8_weight_mm, int8_weight_mm_reference, kernel_calls, tile_config
 from infopt.quantize import Int8Linear, Int8WeightOnly
-from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
 from tests.devices import DEVICES
 
 # SQNR floors (dB) of the op against the exact product x @ dequantized(w).T in fp32: the output's own rounding
@@ -51,7 +51,7 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
 # -- CPU: the op's contract ---------------------------------------------------------------------------
 
 def test_import_infopt_neither_imports_triton_nor_initializes_cuda():
-    code = ("import sys, json, torch, infopt, infopt.quantize.int8, infopt.ops.triton_int8\n"
+    code = ("import sys, json, torch, infopt, infopt.quantize.formats.int8, infopt.ops.triton_int8\n"
             "print(json.dumps({'triton': 'triton' in sys.modules, 'cuda': torch.cuda.is_initialized(),\n"
             "                  'op': hasattr(torch.ops.infopt, 'int8_weight_mm')}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -85,7 +85,7 @@ def test_op_schema_fake_and_compile():
 def test_int8_linear_on_cpu_does_not_call_the_op():
     """On CPU the layer runs its CPU kernels, counted: bf16 activations (``auto`` on a CPU whose C++ kernels lack
     AVX-512) on ``torch._weight_int8pack_mm``; fp32 on infopt's C++ int8 x fp32 kernel where it builds."""
-    from infopt.quantize import a8, int8
+    from infopt.quantize.formats import a8, int8
 
     lin = nn.Linear(64, 32)
     before, layer_before = kernel_calls(), int8.kernel_calls()
@@ -155,7 +155,7 @@ def test_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
 
 INTERPRETER_SCRIPT = r"""
 import json, torch
-from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
 from infopt.ops.triton_int8 import int8_weight_mm, kernel_calls
 
 def sqnr(ref, x):

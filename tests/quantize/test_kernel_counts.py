@@ -1,6 +1,6 @@
 """The CPU kernels of the quantized layers are counted, so a test can tell that the kernel ran where its fallback
 would give the same numbers: ``Int4Linear`` per layout, ``Int8Linear`` per path, the C++ operators of
-``infopt.quantize.a8`` (``kernel_calls()`` of each module; ``infopt.compile.packed``'s in tests/compile/test_packed.py).
+``infopt.quantize.formats.a8`` (``kernel_calls()`` of each module; ``infopt.compile.packed``'s in tests/compile/test_packed.py).
 """
 
 import pytest
@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from infopt.models import tiny_model
-from infopt.quantize import Int4WeightOnly, Int8WeightOnly, a8, int4, int8, quantize_
-from infopt.quantize.int4 import Int4Linear
-from infopt.quantize.int8 import Int8Linear
+from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
+from infopt.quantize.formats import a8, int4, int8
+from infopt.quantize.formats.int4 import Int4Linear
+from infopt.quantize.formats.int8 import Int8Linear
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 IDS = torch.tensor([[1, 17, 400, 23, 9, 1200]])

@@ -4,8 +4,14 @@ import torch
 from infopt.core.introspect import inspect_model
 from infopt.models import tiny_model
 from infopt.quantize import GPTQ
+from infopt.quantize.algorithms.layerwise import (
+    Grid,
+    LayerRunner,
+    _first_layer_inputs,
+    capture_layer_calls,
+    quantize_layerwise,
+)
 from infopt.quantize.api import quantize_targets
-from infopt.quantize.layerwise import Grid, LayerRunner, _first_layer_inputs, capture_layer_calls, quantize_layerwise
 
 from ..conftest import assert_state_equal, state_snapshot
 

@@ -1,4 +1,4 @@
-"""infopt.quantize.primitives: property tests of the formulas, and every caller bit-identical to the formula it had
+"""infopt.quantize.formats.primitives: property tests of the formulas, and every caller bit-identical to the formula it had
 before it called them (frozen copies below, taken from commit 07ae873)."""
 
 import ast
@@ -10,18 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import infopt.quantize.primitives as primitives
+import infopt.quantize.formats.primitives as primitives
 from infopt.kvcache.quantized import dequantize_groups, quantize_groups
 from infopt.kvcache.quantized import pack_int4 as kv_pack_int4
 from infopt.kvcache.quantized import unpack_int4 as kv_unpack_int4
-from infopt.quantize.fp8 import FP8Linear, dequantize_fp8, fp8_dtype, quantize_fp8
-from infopt.quantize.int4 import Int4Linear, quantize_int4_grouped
-from infopt.quantize.int4 import pack_int4 as int4_pack_int4
-from infopt.quantize.int4 import unpack_int4 as int4_unpack_int4
-from infopt.quantize.int8 import Int8Linear, quantize_int8_per_channel
-from infopt.quantize.layerwise import Grid
-from infopt.quantize.primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
-from infopt.quantize.w8a8 import W8A8Linear, quantize_per_token
+from infopt.quantize.algorithms.layerwise import Grid
+from infopt.quantize.formats.fp8 import FP8Linear, dequantize_fp8, fp8_dtype, quantize_fp8
+from infopt.quantize.formats.int4 import Int4Linear, quantize_int4_grouped
+from infopt.quantize.formats.int4 import pack_int4 as int4_pack_int4
+from infopt.quantize.formats.int4 import unpack_int4 as int4_unpack_int4
+from infopt.quantize.formats.int8 import Int8Linear, quantize_int8_per_channel
+from infopt.quantize.formats.primitives import choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
+from infopt.quantize.formats.w8a8 import W8A8Linear, quantize_per_token
 
 
 # -- the formulas as they were (frozen: do not edit) ----------------------------------------------------------

@@ -22,8 +22,8 @@ from infopt.quantize import (
     qat_param_groups,
     quantize_,
 )
-from infopt.quantize.int4 import quantize_int4_grouped
-from infopt.quantize.qat_train import distill_loss, teacher_topk
+from infopt.quantize.algorithms.qat_train import distill_loss, teacher_topk
+from infopt.quantize.formats.int4 import quantize_int4_grouped
 from infopt.recipe import Recipe
 
 from ..conftest import assert_state_equal, state_snapshot
@@ -347,7 +347,7 @@ def test_meta_device_model_refused():
 
 
 def test_failure_during_training_leaves_the_model_untouched(monkeypatch, prompt):
-    import infopt.quantize.qat as qat
+    import infopt.quantize.algorithms.qat as qat
 
     m = tiny_model("llama")
     ref = m(prompt).logits

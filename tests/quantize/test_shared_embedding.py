@@ -8,7 +8,7 @@ from infopt.core.errors import RecipeError
 from infopt.core.introspect import param_bytes
 from infopt.models import tiny_model
 from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
-from infopt.quantize.int8 import Int8Linear, SharedInt8Embedding
+from infopt.quantize.formats.int8 import Int8Linear, SharedInt8Embedding
 
 CONFIGS = {
     "int4-a8": dict(method="int4", group_size=32, include_lm_head=True, activations="int8", share_embedding=True),

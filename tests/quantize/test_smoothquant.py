@@ -11,9 +11,10 @@ from infopt.core.errors import RecipeError
 from infopt.core.introspect import linear_fqns
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
-from infopt.quantize import SmoothQuantW8A8, W8A8Linear, a8, quantize_, smooth_
-from infopt.quantize.smoothquant import smooth_groups, smooth_scales
-from infopt.quantize.w8a8 import fused_applies, int_mm_supported, quantize_per_token, w8a8_steps
+from infopt.quantize import SmoothQuantW8A8, W8A8Linear, quantize_, smooth_
+from infopt.quantize.algorithms.smoothquant import smooth_groups, smooth_scales
+from infopt.quantize.formats import a8
+from infopt.quantize.formats.w8a8 import fused_applies, int_mm_supported, quantize_per_token, w8a8_steps
 from infopt.recipe import Recipe
 
 from ..conftest import assert_state_equal, state_snapshot

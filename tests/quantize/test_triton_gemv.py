@@ -17,9 +17,9 @@ import torch
 
 import infopt.ops.triton_gemv as tg
 from infopt.ops.triton_gemv import gemv_tiles, w4_gemv, w4_gemv_reference, w8_gemv, w8_gemv_reference
-from infopt.quantize.int4 import quantize_int4_grouped
-from infopt.quantize.int8 import quantize_int8_per_channel
-from infopt.quantize.primitives import pack_int4
+from infopt.quantize.formats.int4 import quantize_int4_grouped
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.primitives import pack_int4
 from tests.devices import DEVICES
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -156,7 +156,7 @@ def test_set_gemv_tiles_takes_measured_tiles_and_refuses_what_the_kernel_cannot_
 
 INTERPRETER_SCRIPT = r"""
 import json, torch
-from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
 from infopt.ops.triton_gemv import kernel_calls, w4_gemv, w4_gemv_reference, w8_gemv
 from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
@@ -206,7 +206,7 @@ def test_kernels_numerics_in_tritons_cpu_interpreter():
 ROUTING_SCRIPT = r"""
 import json, torch
 from torch import nn
-import infopt.quantize.int8 as q8
+import infopt.quantize.formats.int8 as q8
 from infopt.ops.triton_gemv import kernel_calls as gemv_calls
 from infopt.ops.triton_int8 import kernel_calls as tl_dot_calls
 from tests.quantize.test_triton_gemv import sqnr_db
@@ -251,7 +251,7 @@ def test_int8_gemv_routing_in_tritons_cpu_interpreter():
 SPLIT_SCRIPT = r"""
 import json, sys, torch
 import infopt.ops.triton_gemv as tg
-from infopt.quantize.int8 import quantize_int8_per_channel
+from infopt.quantize.formats.int8 import quantize_int8_per_channel
 from tests.quantize.test_triton_gemv import sqnr_db, w4_operands
 
 device = torch.device(sys.argv[1])
@@ -374,7 +374,7 @@ def test_w8_op_matches_the_exact_product(dtype, m, n, k, device):
 @pytest.mark.parametrize("m,n,k,gs", [(1, 4096, 4096, 128), (1, 14336, 4096, 32), (2, 4096, 14336, 64),
                                       (8, 1536, 576, 64), (1, 576, 576, 32)], ids=lambda v: str(v))
 def test_w4_op_matches_the_devices_int4_kernel_on_the_same_weights(m, n, k, gs, device):
-    from infopt.quantize.int4 import Int4Linear
+    from infopt.quantize.formats.int4 import Int4Linear
 
     path = DEVICES[device].triton
     qw, so, codes, scales, zeros = w4_operands(n, k, gs, device=device)
@@ -417,7 +417,7 @@ def test_int4_gemv_layout_computes_the_kernel_layouts_weights_and_saves_portably
 
     from infopt.models import tiny_model
     from infopt.quantize import Int4WeightOnly, quantize_
-    from infopt.quantize.int4 import Int4Linear
+    from infopt.quantize.formats.int4 import Int4Linear
 
     base = tiny_model("llama")
     gemv = quantize_(copy.deepcopy(base), Int4WeightOnly(group_size=32, cuda_kernel="gemv"))
@@ -446,7 +446,7 @@ def test_int4_gemv_layout_computes_the_kernel_layouts_weights_and_saves_portably
 
 
 def test_int4_gemv_layout_compiles_without_graph_breaks():
-    from infopt.quantize.int4 import Int4Linear
+    from infopt.quantize.formats.int4 import Int4Linear
 
     lin = torch.nn.Linear(128, 64)
     layer = Int4Linear.from_float(lin, group_size=32, layout="gemv")
@@ -460,7 +460,7 @@ def test_fp8_weight_only_layer_takes_the_gemv_op_for_decode_rows():
     from torch import nn
 
     from infopt.core.errors import RecipeError
-    from infopt.quantize.fp8 import FP8, FP8Linear
+    from infopt.quantize.formats.fp8 import FP8, FP8Linear
 
     lin = nn.Linear(64, 32)
     for granularity in ("row", "tensor"):
@@ -517,7 +517,7 @@ def test_fast_decode_with_gemv_int4_weights_runs_the_op_and_matches_eager_greedy
 def test_fp8_weight_only_layer_runs_the_op(device):
     from torch import nn
 
-    from infopt.quantize.fp8 import FP8Linear
+    from infopt.quantize.formats.fp8 import FP8Linear
 
     if not DEVICES[device].fp8_weights():
         pytest.skip("fp8 weights need compute capability 8.9+")
@@ -536,7 +536,7 @@ def test_int8_cuda_kernel_field_reaches_the_layers_and_the_int4_head():
     from infopt.core.errors import RecipeError
     from infopt.models import tiny_model
     from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
-    from infopt.quantize.int8 import Int8Linear
+    from infopt.quantize.formats.int8 import Int8Linear
 
     m = quantize_(tiny_model("llama"), Int8WeightOnly(cuda_kernel="gemv"))
     layers = [x for x in m.modules() if isinstance(x, Int8Linear)]
@@ -554,7 +554,7 @@ def test_int8_gemv_kernel_serves_decode_rows(device):
     from torch import nn
 
     from infopt.ops.triton_int8 import kernel_calls as tl_dot_calls
-    from infopt.quantize.int8 import Int8Linear
+    from infopt.quantize.formats.int8 import Int8Linear
 
     path, per_call = DEVICES[device].triton, DEVICES[device].int8_mm_layer_calls
     lin = nn.Linear(1024, 512, device=device, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ from infopt.cli import main
 from infopt.kvcache import Static
 from infopt.models import tiny_model
 from infopt.quantize import Int4WeightOnly, Int8WeightOnly
-from infopt.quantize.calibration_cache import weights_fingerprint
+from infopt.quantize.calibration.cache import weights_fingerprint
 from infopt.recipe import Recipe
 from infopt.speculative import PromptLookup
 from infopt.tuner import Candidate, TuneResult, default_candidates, parse_gate

@@ -43,9 +43,9 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from ..ops.packed_linear import packed_linear, uses_packed
-from ..quantize.fp8 import FP8Linear
-from ..quantize.int4 import Int4Linear
-from ..quantize.int8 import Int8Linear
+from ..quantize.formats.fp8 import FP8Linear
+from ..quantize.formats.int4 import Int4Linear
+from ..quantize.formats.int8 import Int8Linear
 from .packed import usable as packed_usable
 from .packed import wants_grad
 

@@ -3,7 +3,7 @@
 Quantizing (``infopt.quantize``) and optimizing (``infopt.optimize``) both make ``model.save_pretrained(dir)``
 write more than transformers does: around the save, a ``quantization_config`` and a placeholder for each quantized
 layer's float weight; after it, the recipe, a README and a manifest. Those parts belong to the floors that own them,
-which register them here when imported (``import infopt`` imports both): :mod:`infopt.quantize.serialize` a
+which register them here when imported (``import infopt`` imports both): :mod:`infopt.quantize.serialization.serialize` a
 *preparer* (:func:`register_save_preparer`), :mod:`infopt.io` a *writer* (:func:`register_save_writer`). This
 module knows neither, so a floor below ``infopt.io`` (``quantize_``, ``load_quantized``, QAT) installs the hook
 without importing anything above it.

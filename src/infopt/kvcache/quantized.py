@@ -13,8 +13,8 @@ from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo, context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import set_part
-from ..quantize.fp8 import fp8_dtype
-from ..quantize.primitives import pack_int4, scale_dtype_for, unpack_int4
+from ..quantize.formats.fp8 import fp8_dtype
+from ..quantize.formats.primitives import pack_int4, scale_dtype_for, unpack_int4
 from .api import FreshCache, register_use, require_full_attention
 from .quantized_cache import QuantizedKVCache, dequantize_groups, quantize_groups
 
@@ -29,7 +29,7 @@ __all__ = [
     "DTYPES",
 ]
 # quantize_groups / dequantize_groups live beside the cache that stores their codes (quantized_cache), pack_int4 /
-# unpack_int4 in infopt.quantize.primitives; this module named them first
+# unpack_int4 in infopt.quantize.formats.primitives; this module named them first
 
 AXES = ("channel", "token")
 DTYPES = ("int", "fp8")

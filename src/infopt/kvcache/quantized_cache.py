@@ -1,7 +1,7 @@
 """The transformers ``Cache`` behind :class:`~infopt.kvcache.Quantized`, and the KV layout of its codes.
 
 It imports nothing from :mod:`infopt.kvcache.quantized` (the config imports this module), and takes its
-formulas from :mod:`infopt.quantize.primitives`.
+formulas from :mod:`infopt.quantize.formats.primitives`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.introspect import text_config
-from ..quantize.fp8 import dequantize_fp8, quantize_fp8
-from ..quantize.primitives import (
+from ..quantize.formats.fp8 import dequantize_fp8, quantize_fp8
+from ..quantize.formats.primitives import (
     choose_qparams,
     dequantize,
     group_block,
@@ -39,7 +39,7 @@ def _kv_block(shape: torch.Size, group_size: int, axis: str) -> tuple[int, ...]:
 def quantize_groups(x: torch.Tensor, bits: int, group_size: int, axis: str,
                     scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of ``x: [..., T, D]`` in groups (codes ``0..2^bits-1``, the zero point
-    the group's minimum: ``zero_domain="value"`` of :func:`~infopt.quantize.primitives.choose_qparams`).
+    the group's minimum: ``zero_domain="value"`` of :func:`~infopt.quantize.formats.primitives.choose_qparams`).
 
     Args:
         x: the tensor; ``T`` a multiple of ``group_size`` for ``axis="channel"``, ``D`` for ``"token"``.

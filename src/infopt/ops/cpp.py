@@ -178,7 +178,7 @@ def _build(name: str) -> bool | str:
 
 
 ROWS = 16
-"""Output rows per weight block of the ``quant_linear`` kernels (:mod:`infopt.quantize.a8`'s layouts)."""
+"""Output rows per weight block of the ``quant_linear`` kernels (:mod:`infopt.quantize.formats.a8`'s layouts)."""
 
 
 def _fakes(name: str) -> dict:

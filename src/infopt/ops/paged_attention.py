@@ -29,7 +29,14 @@ def gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
 
 def in_window(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor | None:
     """``[..., length]`` bool: key ``j`` is within the sliding window of a query at ``pos`` (``j > pos - window``);
-    None without a window. Causality is masked separately."""
+    None without a window. Causality is masked separately.
+
+    Example:
+        >>> in_window(torch.tensor([4]), 6, 3).int().tolist()
+        [[0, 0, 1, 1, 1, 1]]
+        >>> in_window(torch.tensor([4]), 6, None) is None
+        True
+    """
     if not window:
         return None
     return torch.arange(length, device=pos.device) > (pos[..., None] - window)

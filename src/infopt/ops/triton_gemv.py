@@ -4,11 +4,11 @@ reads each weight once, in its stored format, and converts it in registers.
 Two formats:
 
 - :func:`w8_gemv`: 8-bit weights ``[N, K]`` (int8 or float8_e4m3fn) with one scale per output channel:
-  ``y = x @ (w * scale[:, None]).T``. Unlike :mod:`infopt.quantize.fp8`'s ``torch._scaled_mm`` path the activations
+  ``y = x @ (w * scale[:, None]).T``. Unlike :mod:`infopt.quantize.formats.fp8`'s ``torch._scaled_mm`` path the activations
   stay in their dtype (weight-only FP8), and unlike :mod:`infopt.ops.triton_int8` no 16-row ``tl.dot`` tile is
   padded around a single row.
 - :func:`w4_gemv`: 4-bit codes packed two per byte ``[N, K // 2]`` (column ``2j`` in the low nibble, as
-  :func:`infopt.quantize.primitives.pack_int4` packs them) with a bf16 ``(scale, offset)`` pair per group of
+  :func:`infopt.quantize.formats.primitives.pack_int4` packs them) with a bf16 ``(scale, offset)`` pair per group of
   ``group_size`` input channels ``[N, K // group_size, 2]``: a weight is ``(code - 8) * scale + offset``, the
   values torch's CUDA int4 kernel (tinygemm) takes, so both compute with the same weights.
 
@@ -44,7 +44,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..ops.triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
+from .triton_int8 import MM_DTYPES, _bf16_dot_ok, _interpreting, triton_available
 
 __all__ = ["w8_gemv", "w4_gemv", "w8_gemv_reference", "w4_gemv_reference", "w4_dequantize", "gemv_tiles",
            "set_gemv_tiles", "GEMV_MAX_ROWS", "kernel_calls", "W8_DTYPES"]

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import IncompatibleModelError
-from ..quantize.int4 import Int4Linear, unpack_int4
-from ..quantize.int8 import Int8Linear
+from ..quantize.formats.int4 import Int4Linear, unpack_int4
+from ..quantize.formats.int8 import Int8Linear
 
 __all__ = ["RowParallel", "GatherOutput", "VocabParallelEmbedding", "shard_rows", "shard_cols", "QUANT_LAYERS"]
 

@@ -28,8 +28,8 @@ from ..core.moe import moe_blocks
 from ..core.patch import swap_module
 from ..core.save_hook import install_save_hook
 from ..core.step import ApplyContext, StepConfig, register_transform
-from .calibration import calibration_ids
-from .calibration_cache import cached_plan
+from .calibration.cache import cached_plan
+from .calibration.data import calibration_ids
 from .experts import EXPERT_QUANTIZERS, experts_targets
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
@@ -63,7 +63,7 @@ CALIBRATED: dict[type[StepConfig], Callable[..., dict[str, nn.Module]]] = {}
 
 SHARED_EMBEDDINGS: list[type[nn.Module]] = []
 """Embedding classes that read a quantized output head's codes (``share_embedding=True``), each with a
-``for_head(head, embedding) -> module | None``: :class:`~infopt.quantize.int8.SharedInt8Embedding`, listed by
+``for_head(head, embedding) -> module | None``: :class:`~infopt.quantize.formats.int8.SharedInt8Embedding`, listed by
 :func:`register_shared_embedding` beside its class (this module does not import the layers it swaps in)."""
 
 
@@ -72,7 +72,7 @@ def register_shared_embedding(cls: type[nn.Module]) -> type[nn.Module]:
     head it accepts.
 
     Example:
-        >>> from infopt.quantize.int8 import SharedInt8Embedding
+        >>> from infopt.quantize.formats.int8 import SharedInt8Embedding
         >>> register_shared_embedding(SharedInt8Embedding) is SharedInt8Embedding, SHARED_EMBEDDINGS.count(SharedInt8Embedding)
         (True, 1)
     """
@@ -96,7 +96,7 @@ def register_quantizer(config_cls: type[StepConfig]):
 def register_calibrated(config_cls: type[StepConfig]):
     """Decorator: ``plan(model, config, targets, calibration, rebuild) -> {fqn: nn.Module}`` for a config that
     needs activations. ``calibration`` is a ``[n, seq]`` int64 tensor of token ids (see
-    :func:`infopt.quantize.calibration.calibration_ids`); with ``rebuild=True`` the plan only builds
+    :func:`infopt.quantize.calibration.data.calibration_ids`); with ``rebuild=True`` the plan only builds
     modules of the right structure (saved weights are loaded over them) and ``calibration`` is None."""
 
     def deco(fn):

@@ -3,7 +3,7 @@
 transformers v5 keeps a block's experts as one module with 3D weights, ``gate_up_proj [E, 2I, H]`` and
 ``down_proj [E, H, I]`` (see :mod:`infopt.core.moe`). :class:`QuantizedExperts` replaces that module with
 ``E`` quantized ``gate_up`` and ``E`` quantized ``down`` layers built by the config's own layer quantizer
-(:class:`~infopt.quantize.int8.Int8Linear` or :class:`~infopt.quantize.int4.Int4Linear`), so every expert
+(:class:`~infopt.quantize.formats.int8.Int8Linear` or :class:`~infopt.quantize.formats.int4.Int4Linear`), so every expert
 has its own per-channel (int8) or per-group (int4) scales and runs the same kernels as a dense layer. The
 router (``gate``) and the shared expert's sigmoid gate are never touched: routing is decided in the
 model's precision. The forward keeps transformers' contract ``forward(x [T, H], top_k_index [T, k],
@@ -82,7 +82,7 @@ class QuantizedExperts(nn.Module):
 
         Example:
             >>> from infopt.models import tiny_model
-            >>> from infopt.quantize.int8 import Int8Linear
+            >>> from infopt.quantize.formats.int8 import Int8Linear
             >>> ex = tiny_model("mixtral").model.layers[0].mlp.experts
             >>> q = QuantizedExperts.from_experts(ex, lambda m: Int8Linear.from_float(m))
             >>> q.num_experts, type(q.down_proj[0]).__name__

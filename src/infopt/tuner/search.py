@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleModelError, InfoptError, MissingBackendError, RecipeError
 from ..optimize import optimize, undo, validate
-from ..quantize.calibration_cache import weights_fingerprint
+from ..quantize.calibration.cache import weights_fingerprint
 from ..recipe import Recipe, check_gate
 from .candidates import Candidate, as_candidates, default_candidates, quality_key
 from .result import Trial, TuneResult
@@ -110,7 +110,7 @@ def tune(model: nn.Module, tokenizer, workload: str = "decode", *, gate: Any = "
     before 64 before 128) already missed the gate, and no candidate starts once the time spent plus its
     estimated duration (the slowest finished candidate of its kind) would pass ``budget_s``. After each
     candidate the model is undone and its weights' fingerprint checked against the original's.
-    Calibrated quantizers run once per configuration (see :mod:`infopt.quantize.calibration_cache`).
+    Calibrated quantizers run once per configuration (see :mod:`infopt.quantize.calibration.cache`).
 
     Args:
         model: an unoptimized transformers causal LM (left unoptimized on return).

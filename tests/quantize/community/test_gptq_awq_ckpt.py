@@ -15,8 +15,8 @@ from infopt.core.errors import CheckpointError
 from infopt.models import tiny_model
 from infopt.quantize import Int4Linear, Int8Linear
 from infopt.quantize.community import detect_format, load_quantized
-from infopt.quantize.export import export_gptq, load_gptq_state
-from infopt.quantize.int4 import quantize_int4_grouped
+from infopt.quantize.formats.int4 import quantize_int4_grouped
+from infopt.quantize.serialization.export import export_gptq, load_gptq_state
 
 from .writers import write_packed_folder
 

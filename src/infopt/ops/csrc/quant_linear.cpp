@@ -617,7 +617,7 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
 
 // ---- W8A8: int8 weights x per-token int8 activations through oneDNN's int8 GEMM ----------------------------------
 // w8a8_linear(x [M, K] fp32|bf16, weight int8 [N, K], weight_scale fp32 [N], bias [N] in x's dtype or None)
-//   The per-token quantization of infopt.quantize.w8a8.quantize_per_token (scale = max(absmax, 1e-12) / 127,
+//   The per-token quantization of infopt.quantize.formats.w8a8.quantize_per_token (scale = max(absmax, 1e-12) / 127,
 //   q = round(x / scale), ties to even, clamped to -127..127), the product in at::_int_mm (exact int32), and
 //   y = (acc * scale_x[m]) * weight_scale[n] rounded to x's dtype, plus the bias in that dtype: the torch
 //   reference's operations in its order, so the results are bit-identical. One call instead of a dozen small ops

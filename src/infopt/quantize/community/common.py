@@ -12,9 +12,9 @@ from torch import nn
 from ...core.errors import CheckpointError
 from ...core.introspect import text_config
 from ..api import KERNEL_GROUP_SIZES
-from ..export import unpack_words
-from ..int4 import Int4Linear
-from ..int8 import Int8Linear
+from ..formats.int4 import Int4Linear
+from ..formats.int8 import Int8Linear
+from ..serialization.export import unpack_words
 
 __all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_layer", "int8_layer",
            "unpack_words", "read_json", "kernel_group", "check_shape"]

@@ -35,9 +35,9 @@ from torch import nn
 
 from ...core.availability import require
 from ...core.errors import CheckpointError
-from ..int4 import Int4Linear
-from ..int8 import Int8Linear
-from ..primitives import unpack_int4
+from ..formats.int4 import Int4Linear
+from ..formats.int8 import Int8Linear
+from ..formats.primitives import unpack_int4
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
 

@@ -33,7 +33,7 @@ holding the text "infopt quantized layer: ...", whose shape no float layer accep
 ``weight`` tensor, where it has one (bitsandbytes int8 codes, a QAT layer's float weight), is saved as
 ``<fqn>.weight.infopt_moved``. :func:`restore_saved_names` undoes both when infopt loads the folder.
 
-This module needs no part of transformers; :mod:`infopt.quantize.hf` plugs it into transformers' loader.
+This module needs no part of transformers; :mod:`infopt.quantize.serialization.hf` plugs it into transformers' loader.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._version import __version__
-from ..core.errors import CheckpointError
-from ..core.save_hook import register_save_preparer
-from .int4 import Int4Linear
-from .int8 import CUDA_KERNELS as INT8_CUDA_KERNELS
-from .int8 import Int8Linear, SharedInt8Embedding, saving_compact
-from .w8a8 import W8A8Linear
+from ..._version import __version__
+from ...core.errors import CheckpointError
+from ...core.save_hook import register_save_preparer
+from ..formats.int4 import Int4Linear
+from ..formats.int8 import CUDA_KERNELS as INT8_CUDA_KERNELS
+from ..formats.int8 import Int8Linear, SharedInt8Embedding, saving_compact
+from ..formats.w8a8 import W8A8Linear
 
 __all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
            "build_layer", "finish_layer", "check_spec", "check_checkpoint", "placeholder", "is_placeholder",

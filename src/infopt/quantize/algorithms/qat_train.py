@@ -1,6 +1,6 @@
-"""The fine-tune behind :class:`~infopt.quantize.qat.QAT`: the float model's top-k distribution (the teacher), the
+"""The fine-tune behind :class:`~infopt.quantize.algorithms.qat.QAT`: the float model's top-k distribution (the teacher), the
 distillation loss against it, and the AdamW loop with warm-up and cosine decay over the prepared
-:class:`~infopt.quantize.qat.QATLinear` layers. ``config`` below is a ``QAT`` (not imported: ``qat`` imports this
+:class:`~infopt.quantize.algorithms.qat.QATLinear` layers. ``config`` below is a ``QAT`` (not imported: ``qat`` imports this
 module)."""
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.introspect import inspect_model
-from ..core.step import StepConfig, bad_field, register_step
-from .api import Target, register_calibrated
+from ...core.introspect import inspect_model
+from ...core.step import StepConfig, bad_field, register_step
+from ..api import Target, register_calibrated
+from ..formats.primitives import dequantize
 from .layerwise import (
     Grid,
     LayerRunner,
@@ -41,7 +42,6 @@ from .layerwise import (
     quantize_layerwise,
     set_weight,
 )
-from .primitives import dequantize
 
 __all__ = ["GPTQ", "GPTQResult", "gptq_quantize"]
 

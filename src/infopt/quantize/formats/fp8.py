@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError
-from ..core.step import StepConfig, bad_field, register_step
-from ..ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
-from .api import quantize_targets, register_quantizer
+from ...core.errors import IncompatibleModelError
+from ...core.step import StepConfig, bad_field, register_step
+from ...ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
+from ..api import quantize_targets, register_quantizer
 from .primitives import KeepsFormat, choose_qparams, dequantize, quantize
 
 __all__ = ["FP8", "FP8Linear", "fp8_supported", "fp8_dtype", "quantize_fp8", "dequantize_fp8", "FP8_MAX",

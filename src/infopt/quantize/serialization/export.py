@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..core.errors import IncompatibleModelError
-from .int4 import Int4Linear
-from .int8 import Int8Linear
-from .primitives import unpack_int4
+from ...core.errors import IncompatibleModelError
+from ..formats.int4 import Int4Linear
+from ..formats.int8 import Int8Linear
+from ..formats.primitives import unpack_int4
 
 __all__ = ["export_gptq", "gptq_tensors", "dequantize_gptq", "load_gptq_state", "unpack_words"]
 

@@ -40,8 +40,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .._version import __version__
-from ..core.caches import cache_dir, calibration_mode, prune, touch
+from ..._version import __version__
+from ...core.caches import cache_dir, calibration_mode, prune, touch
 
 __all__ = ["CalibrationCache", "CACHE", "ENV_VAR", "weights_fingerprint", "cache_key", "cached_plan"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops import cpp
-from ..ops.cpp import ROWS
+from ...ops import cpp
+from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
@@ -47,10 +47,10 @@ def kernel_calls() -> dict[str, int]:
 
     Calls traced into a compiled graph are not counted (the graph calls the operator itself, and a count read while
     tracing would make dynamo guard on it); :class:`~infopt.quantize.Int8Linear`, which calls the int8 x fp32 operator
-    directly, counts in :func:`infopt.quantize.int8.kernel_calls`. Take the difference of two snapshots.
+    directly, counts in :func:`infopt.quantize.formats.int8.kernel_calls`. Take the difference of two snapshots.
 
     Example:
-        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> from infopt.quantize.formats.int4 import quantize_int4_grouped
         >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
         >>> before = kernel_calls()
         >>> _ = int4_a8_linear(torch.randn(1, 64), weight, sm, 32)
@@ -189,7 +189,7 @@ def int4_a8_linear(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Tenso
     (float32 or bfloat16 on the C++ kernel; any float dtype on the reference).
 
     Example:
-        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> from infopt.quantize.formats.int4 import quantize_int4_grouped
         >>> w = torch.randn(32, 64)
         >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(w, 32))
         >>> x = torch.randn(2, 64)
@@ -277,7 +277,7 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
     and no copy stays resident.
 
     Example:
-        >>> from infopt.quantize.int4 import quantize_int4_grouped
+        >>> from infopt.quantize.formats.int4 import quantize_int4_grouped
         >>> weight, sm = pack_blocked_int4(*quantize_int4_grouped(torch.randn(32, 64), 32))
         >>> wt = int4_dense_t(weight, sm, 32)
         >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))

@@ -12,7 +12,7 @@ converts to and from one portable layout when saved or loaded:
   one row against 31-34%); elsewhere than CUDA it computes the kernel's reference.
 - ``plain``: the portable layout itself, dequantized per call (any device; the reference path).
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
-  weights): the C++ kernel of :mod:`infopt.quantize.a8` on the CPU, its torch reference elsewhere.
+  weights): the C++ kernel of :mod:`infopt.quantize.formats.a8` on the CPU, its torch reference elsewhere.
 
 :func:`kernel_calls` counts which kernel each forward ran.
 
@@ -31,22 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError, RecipeError
-from ..core.introspect import inspect_model
-from ..core.step import StepConfig, bad_field, register_step
-from ..ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
+from ...core.errors import IncompatibleModelError, RecipeError
+from ...core.introspect import inspect_model
+from ...core.step import StepConfig, bad_field, register_step
+from ...ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
+from ..api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
+from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
-from .api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
-from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
            "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls"]
-# pack_int4 / unpack_int4 are infopt.quantize.primitives' (the portable layout is their default), named here too
+# pack_int4 / unpack_int4 are infopt.quantize.formats.primitives' (the portable layout is their default), named here too
 
 KERNELS = ("cpu_int4pack", "cuda_tinygemm", "a8", "a8_prompt", "gemv", "gemv_prompt", "plain", "dense")
-"""Keys of :func:`kernel_calls`: a layout's kernel (``a8``: :func:`infopt.quantize.a8.int4_a8_linear`, whose own count
+"""Keys of :func:`kernel_calls`: a layout's kernel (``a8``: :func:`infopt.quantize.formats.a8.int4_a8_linear`, whose own count
 says whether its C++ kernel ran), ``*_prompt`` (the weight dequantized for one call of many rows), ``plain`` (the torch
 reference: dequantized per call), ``dense`` (the resident copy of ``dense_prefill``)."""
 
@@ -91,11 +91,11 @@ class Int4WeightOnly(StepConfig):
             head costs ~18x the KL of an int8 one.
         activations: ``"float"`` (default): activations stay floating point (bf16 in the kernel);
             ``"int8"``: each call quantizes its activations to int8 per row and group of ``group_size``
-            channels and multiplies them with the int4 codes in integers (:mod:`infopt.quantize.a8`,
+            channels and multiplies them with the int4 codes in integers (:mod:`infopt.quantize.formats.a8`,
             AVX512-VNNI or AVX2 on CPUs that have them). Faster at one to a few rows, and a further lossy step with
             its own KL/top-1 figures; the head, when quantized to int8, takes int8 activations too.
             ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI or AVX2, else ``"float"``
-            (:func:`infopt.quantize.a8.resolve`; the ``cpu-fast`` preset's choice).
+            (:func:`infopt.quantize.formats.a8.resolve`; the ``cpu-fast`` preset's choice).
         dense_prefill: also keep each weight dequantized in bf16 (2 bytes per weight more) and use it
             for calls of :data:`DENSE_MIN_ROWS` rows or more (:data:`A8_DENSE_MIN_ROWS` in the ``a8``
             layout): prompts, batches, speculative verification. The int4 kernel's time grows with the rows much
@@ -105,7 +105,7 @@ class Int4WeightOnly(StepConfig):
             :data:`A8_PROMPT_MIN_ROWS` rows it dequantizes each weight for the call and runs one GEMM).
         share_embedding: with an int8 head (``include_lm_head``, ``lm_head_bits=8``) tied to the input
             embedding, the embedding reads its rows from the head's codes instead of keeping its float weight
-            (see :class:`infopt.quantize.int8.SharedInt8Embedding`).
+            (see :class:`infopt.quantize.formats.int8.SharedInt8Embedding`).
         cuda_kernel: ``"tinygemm"`` (default): layers on a CUDA device take torch's int4 kernel and its packed layout;
             ``"gemv"``: infopt's Triton matrix-vector kernel at one to eight rows, reading the packed codes once
             (the ``gemv`` layout, on any device: elsewhere than CUDA it computes the kernel's reference, slowly);
@@ -273,7 +273,7 @@ at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, o
 
 A8_PROMPT_MIN_ROWS = 64
 """Rows from which an ``a8`` layer without a dense copy, on a CPU with native bf16 GEMMs (:func:`fast_bf16_gemm`),
-dequantizes its weight to bf16 for the call (:func:`infopt.quantize.a8.int4_dense_t`) and runs one GEMM instead of
+dequantizes its weight to bf16 for the call (:func:`infopt.quantize.formats.a8.int4_dense_t`) and runs one GEMM instead of
 the integer kernel (prompts). An estimate: the resident copy's crossover (:data:`A8_DENSE_MIN_ROWS`) plus the
 dequantization's cost, not yet measured on such a CPU. Elsewhere the integer kernel keeps every row count: on a
 2-core AVX2 EPYC a 576x1536 layer takes 4.6 ms at 512 rows in it against 7.2 ms dequantized to fp32 (and 6.2 ms
@@ -367,7 +367,7 @@ class Int4Linear(KeepsFormat):
         n_groups = self.in_features // self.group_size
         for name in ("qweight", "scales", "zeros", "weight_packed", "scale_offset", "scale_min"):
             self._buffers.pop(name, None)
-        if self.layout == "a8":  # see infopt.quantize.a8
+        if self.layout == "a8":  # see infopt.quantize.formats.a8
             self.register_buffer("weight_packed", torch.zeros(self.out_features // a8.ROWS, self.in_features // 8, 64,
                                                               dtype=torch.uint8, device=device))
             self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,

@@ -32,13 +32,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 
-from ..core.errors import IncompatibleModelError
-from ..core.introspect import FAMILIES, inspect_model, text_config
-from ..core.patch import swap_module
-from ..core.step import StepConfig, bad_field, register_step
-from .api import Target, quantize_targets, register_calibrated
-from .calibration import calibration_ids
-from .w8a8 import W8A8Linear, int_mm_supported
+from ...core.errors import IncompatibleModelError
+from ...core.introspect import FAMILIES, inspect_model, text_config
+from ...core.patch import swap_module
+from ...core.step import StepConfig, bad_field, register_step
+from ..api import Target, quantize_targets, register_calibrated
+from ..calibration.data import calibration_ids
+from ..formats.w8a8 import W8A8Linear, int_mm_supported
 
 __all__ = ["SmoothQuantW8A8", "SmoothGroup", "smooth_groups", "smooth_scales", "activation_absmax", "smooth_",
            "CALIBRATION_BATCH"]
@@ -57,7 +57,7 @@ class SmoothQuantW8A8(StepConfig):
     Calibration runs the model over ``samples`` rows of ``seq_len`` tokens and records each
     linear group's per-channel activation maximum; the smoothing factors are folded into the
     layers before (see the module docstring), and every targeted linear becomes a
-    :class:`~infopt.quantize.w8a8.W8A8Linear` (``torch._int_mm`` where the device has it).
+    :class:`~infopt.quantize.formats.w8a8.W8A8Linear` (``torch._int_mm`` where the device has it).
 
     Args:
         alpha: migration strength in [0, 1]: 0 puts all of the range on the activations side
@@ -421,7 +421,7 @@ def smooth_(model: nn.Module, calibration: Any = None, *, alpha: float = 0.5, sa
 
     Args:
         model: a supported causal LM.
-        calibration: token ids ``[n, seq]`` or text (see :func:`infopt.quantize.calibration.calibration_ids`).
+        calibration: token ids ``[n, seq]`` or text (see :func:`infopt.quantize.calibration.data.calibration_ids`).
         alpha: migration strength in [0, 1].
         samples, seq_len: calibration rows and their length.
         tokenizer: encodes text calibration data.

@@ -22,18 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError, RecipeError
-from ..core.introspect import inspect_model, param_bytes
-from ..core.patch import get_handle, record_custom, swap_module
-from ..core.save_hook import install_save_hook
-from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
-from .api import Target, check_group_size, quantize_targets, register_calibrated
-from .calibration import calibration_ids
-from .calibration_cache import cached_plan
-from .int4 import Int4Linear, quantize_int4_grouped
-from .int8 import Int8Linear, quantize_int8_per_channel
+from ...core.errors import IncompatibleModelError, RecipeError
+from ...core.introspect import inspect_model, param_bytes
+from ...core.patch import get_handle, record_custom, swap_module
+from ...core.save_hook import install_save_hook
+from ...core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
+from ..api import Target, check_group_size, quantize_targets, register_calibrated
+from ..calibration.cache import cached_plan
+from ..calibration.data import calibration_ids
+from ..formats.int4 import Int4Linear, quantize_int4_grouped
+from ..formats.int8 import Int8Linear, quantize_int8_per_channel
+from ..formats.primitives import dequantize, group_block
 from .layerwise import check_calibrated_config, check_calibrated_model
-from .primitives import dequantize, group_block
 from .qat_train import DISTILL_TOP_K, finetune, param_groups, teacher_topk
 
 __all__ = ["QAT", "QATLinear", "prepare_qat_", "convert_qat_", "qat_param_groups", "LOSSES", "SCALES",
@@ -80,7 +80,7 @@ class QAT(StepConfig):
     restores the original model by putting its modules back (no other tensor ever changes).
 
     Training data: the same calibration source as :class:`~infopt.quantize.GPTQ`
-    (:func:`~infopt.quantize.calibration.calibration_ids`; by default Python's documentation *after* the
+    (:func:`~infopt.quantize.calibration.data.calibration_ids`; by default Python's documentation *after* the
     first 60,000 characters, which are the text :mod:`infopt.eval` scores, so the fine-tune never sees
     the evaluation text). ``samples`` rows of ``seq_len`` tokens, ``batch_size`` rows per step, in a
     seeded shuffled order. AdamW (betas 0.9/0.95, no weight decay: decay would shrink the weights and

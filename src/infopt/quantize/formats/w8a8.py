@@ -95,7 +95,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(q, scale)``: ``q`` int8 ``[m, k]`` in -127..127, ``scale`` fp32 ``[m, 1]`` with ``x ~= q * scale``
         (``absmax / 127``, an all-zero row's absmax taken as 1e-12: the formula of
-        :func:`~infopt.quantize.int8.quantize_int8_per_channel`).
+        :func:`~infopt.quantize.formats.int8.quantize_int8_per_channel`).
 
     Example:
         >>> q, s = quantize_per_token(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))

@@ -2,7 +2,7 @@
 
 With ``import infopt``, a folder written by ``save_pretrained`` of an infopt-quantized model loads
 with ``AutoModelForCausalLM.from_pretrained(path)``: transformers reads ``quantization_config``
-(``quant_method: "infopt"``, see :mod:`infopt.quantize.serialize`), builds the model on the meta
+(``quant_method: "infopt"``, see :mod:`infopt.quantize.serialization.serialize`), builds the model on the meta
 device, and hands it to :class:`InfoptHfQuantizer`, which
 
 1. checks the folder's files against their SHA-256 in ``infopt_manifest.json`` (:mod:`infopt.core.integrity`) and
@@ -30,9 +30,9 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..core.errors import CheckpointError, IncompatibleModelError
-from ..core.integrity import verify_manifest
-from .int8 import SharedInt8Embedding
+from ...core.errors import CheckpointError, IncompatibleModelError
+from ...core.integrity import verify_manifest
+from ..formats.int8 import SharedInt8Embedding
 from .serialize import (
     FORMAT_VERSION,
     KINDS,
@@ -48,7 +48,7 @@ __all__ = ["InfoptQuantizationConfig", "InfoptHfQuantizer", "register"]
 
 
 class InfoptQuantizationConfig(QuantizationConfigMixin):
-    """The ``quantization_config`` of a model saved with infopt layers (see :mod:`infopt.quantize.serialize`).
+    """The ``quantization_config`` of a model saved with infopt layers (see :mod:`infopt.quantize.serialization.serialize`).
 
     Args:
         modules: ``{fqn: layer spec}``, one entry per quantized layer.

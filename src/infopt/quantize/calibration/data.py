@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import RecipeError
-from ..core.introspect import text_config
-from ..models import load_default_tokenizer
+from ...core.errors import RecipeError
+from ...core.introspect import text_config
+from ...models import load_default_tokenizer
 
 __all__ = ["calibration_text", "calibration_ids", "EVAL_CHARS"]
 
@@ -29,7 +29,7 @@ def calibration_text() -> str:
         >>> default_text(10**7).index(calibration_text()[:200]) >= EVAL_CHARS
         True
     """
-    from ..eval import default_text
+    from ...eval import default_text
 
     return default_text(10**7)[EVAL_CHARS:]
 

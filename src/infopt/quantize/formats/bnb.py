@@ -31,10 +31,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.availability import lazy_import
-from ..core.errors import MissingBackendError
-from ..core.step import StepConfig, bad_field, register_step
-from .api import quantize_targets, register_quantizer
+from ...core.availability import lazy_import
+from ...core.errors import MissingBackendError
+from ...core.step import StepConfig, bad_field, register_step
+from ..api import quantize_targets, register_quantizer
 
 __all__ = ["BnbInt8", "BnbNF4", "NF4_BLOCKSIZES", "nf4_linear_class", "make_bnb_int8", "make_bnb_nf4"]
 

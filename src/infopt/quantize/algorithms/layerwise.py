@@ -19,13 +19,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm  # widget bars in a notebook, text bars elsewhere
 
-from ..core.errors import IncompatibleModelError
-from ..core.introspect import ModelInfo, context_length, inspect_model
-from ..core.step import StepConfig, bad_field
-from .api import KERNEL_GROUP_SIZES, Target, check_group_size
-from .int4 import Int4Linear
-from .int8 import Int8Linear
-from .primitives import choose_qparams, dequantize, group_block, quantize
+from ...core.errors import IncompatibleModelError
+from ...core.introspect import ModelInfo, context_length, inspect_model
+from ...core.step import StepConfig, bad_field
+from ..api import KERNEL_GROUP_SIZES, Target, check_group_size
+from ..formats.int4 import Int4Linear
+from ..formats.int8 import Int8Linear
+from ..formats.primitives import choose_qparams, dequantize, group_block, quantize
 
 __all__ = [
     "GROUP_SIZES",
@@ -54,10 +54,10 @@ BATCH_TOKENS = 8192
 # -- integer grids ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Grid:
-    """The integer grid GPTQ and AWQ round weights to (the formulas are :mod:`infopt.quantize.primitives`').
+    """The integer grid GPTQ and AWQ round weights to (the formulas are :mod:`infopt.quantize.formats.primitives`').
 
     4 bits: codes 0..15 with a per-group zero point (fitted from min/max, or fixed at 8 when
-    ``symmetric``; the same formulas as :func:`infopt.quantize.int4.quantize_int4_grouped` with
+    ``symmetric``; the same formulas as :func:`infopt.quantize.formats.int4.quantize_int4_grouped` with
     ``zero_point="int"``). 8 bits: always symmetric (``Int8Linear`` has no zero points): codes are stored
     shifted by 127, 0..254, so ``code - 127`` is the int8 value in -127..127. Scales are at least ``1e-8``.
 

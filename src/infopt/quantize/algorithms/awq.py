@@ -36,9 +36,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..core.introspect import ModelInfo, inspect_model
-from ..core.step import StepConfig, bad_field, register_step
-from .api import Target, register_calibrated
+from ...core.introspect import ModelInfo, inspect_model
+from ...core.step import StepConfig, bad_field, register_step
+from ..api import Target, register_calibrated
 from .layerwise import (
     Grid,
     LayerRunner,

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import IncompatibleModelError, RecipeError
-from ..core.step import StepConfig, bad_field, register_step
-from ..ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
-from ..ops.triton_int8 import MM_DTYPES, int8_weight_mm
+from ...core.errors import IncompatibleModelError, RecipeError
+from ...core.step import StepConfig, bad_field, register_step
+from ...ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
+from ...ops.triton_int8 import MM_DTYPES, int8_weight_mm
+from ..api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
+from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
-from .api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
-from .experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact",
@@ -29,7 +29,7 @@ __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8
 KERNELS = ("int8_f32_linear", "dequantized_chunks", "int8_a8_linear", "dequantized", "w8_gemv", "int8_weight_mm",
            "weight_int8pack_mm", "reference")
 """Keys of :func:`kernel_calls`: infopt's C++ int8 x fp32 operator; without it, the weight dequantized a chunk of rows
-at a time (fp32 on CPU); int8 activations (:func:`infopt.quantize.a8.int8_a8_linear`, whose count says whether its C++
+at a time (fp32 on CPU); int8 activations (:func:`infopt.quantize.formats.a8.int8_a8_linear`, whose count says whether its C++
 kernel ran); the weight dequantized per call (group scales off the fp32 CPU path); the Triton ops (CUDA, or Triton's
 interpreter); ``torch._weight_int8pack_mm`` (CPU, bf16/fp16); ``reference``: the int8 weight cast, times the scales."""
 
@@ -75,7 +75,7 @@ class Int8WeightOnly(StepConfig):
             CPUs bfloat16 activations with the fused int8 kernel (``torch._weight_int8pack_mm``), which is
             faster than an fp32 matmul on the same weights; the model's dtype elsewhere. ``"float32"`` keeps fp32
             activations and sums: on CPU every call runs on infopt's int8 x fp32 kernel
-            (:func:`infopt.quantize.a8.int8_f32_linear`; without the C++ kernels, the weight is dequantized a
+            (:func:`infopt.quantize.formats.a8.int8_f32_linear`; without the C++ kernels, the weight is dequantized a
             chunk of rows at a time). On CUDA every per-channel layer
             runs infopt's Triton kernel (:func:`~infopt.ops.triton_int8.int8_weight_mm`: int8 weight
             tiles converted in registers, fp32 accumulation) in the compute dtype; without Triton,
@@ -85,10 +85,10 @@ class Int8WeightOnly(StepConfig):
             head is read whole every token while the embedding gives one row per token.
         activations: ``"float"`` (default) or ``"int8"``: each call quantizes its activations to int8
             per row and group of 16 channels and multiplies them with the int8 codes in integers
-            (:mod:`infopt.quantize.a8`; AVX512-VNNI or AVX2 on CPUs that have them). Lossy beyond the weights;
+            (:mod:`infopt.quantize.formats.a8`; AVX512-VNNI or AVX2 on CPUs that have them). Lossy beyond the weights;
             per-channel scales only (``group_size`` None), ``out_features`` a multiple of 16.
             ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI or AVX2 and the layer fits it, else
-            ``"float"`` (:func:`infopt.quantize.a8.resolve`).
+            ``"float"`` (:func:`infopt.quantize.formats.a8.resolve`).
         share_embedding: with ``include_lm_head`` and a head tied to the input embedding, the embedding
             looks its rows up in the head's int8 codes (:class:`SharedInt8Embedding`) instead of keeping its
             float weight: one int8 copy serves both (the default model's 113 MiB fp32 embedding goes). Lossy
@@ -243,7 +243,7 @@ class Int8Linear(KeepsFormat):
 
     Saved (``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]`` (or
     ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter. With
-    ``activations="int8"`` the codes live in the block layout of :mod:`infopt.quantize.a8` (buffers
+    ``activations="int8"`` the codes live in the block layout of :mod:`infopt.quantize.formats.a8` (buffers
     ``weight_a8`` and ``wsum``) and are converted to ``weight_int8`` when saved and from it when loaded.
     """
 
