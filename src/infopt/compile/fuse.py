@@ -45,6 +45,7 @@ from torch.autograd.graph import increment_version
 from ..ops.packed_linear import packed_linear, uses_packed
 from ..quantize.formats.fp8 import FP8Linear
 from ..quantize.formats.int4 import Int4Linear
+from ..quantize.formats.int4_layouts import LAYOUTS
 from ..quantize.formats.int8 import Int8Linear
 from .packed import usable as packed_usable
 from .packed import wants_grad
@@ -218,8 +219,9 @@ def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
     it does not take."""
     if type(m) is Int8Linear and m.activations == "float" and m.group_size is None:
         return ("weight_int8", "weight_scale")
-    if type(m) is Int4Linear and m.layout == "gemv" and m.in_perm is None and m.weight_dense is None:
-        return ("qweight", "scale_offset")
+    if type(m) is Int4Linear and m.in_perm is None and m.weight_dense is None:
+        layout = LAYOUTS[m.layout]  # the layout says whether its buffers concatenate along the rows
+        return layout.buffers if layout.concatenates else None
     if type(m) is FP8Linear and m.granularity == "row":  # one scale per output row: rows concatenate
         return ("weight_fp8", "weight_scale")
     return None

@@ -14,7 +14,8 @@ converts to and from one portable layout when saved or loaded:
 - ``a8``: int8 dynamic activations times the int4 codes in integers (``activations="int8"``; lossy beyond the
   weights): the C++ kernel of :mod:`infopt.quantize.formats.a8` on the CPU, its torch reference elsewhere.
 
-:func:`kernel_calls` counts which kernel each forward ran.
+Each layout is a small class of :mod:`infopt.quantize.formats.int4_layouts` (its buffers, packing, unpacking and
+product); the layer holds the layout's name. :func:`kernel_calls` counts which kernel each forward ran.
 
 Portable layout (the ``state_dict``): ``qweight`` uint8 ``[out, in // 2]`` (column ``2j`` in the low
 nibble, ``2j + 1`` in the high one), ``scales`` fp32 ``[out, in // group_size]``, ``zeros`` fp32
@@ -34,15 +35,16 @@ from torch import nn
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.introspect import inspect_model
 from ...core.step import StepConfig, bad_field, register_step
-from ...ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 from ..api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
+from .int4_layouts import A8_PROMPT_MIN_ROWS, BUFFERS, LAYOUTS, cuda_inner_k_tiles
 from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
 __all__ = ["Int4WeightOnly", "Int4Linear", "quantize_int4_grouped", "pack_int4", "unpack_int4", "KERNEL_GROUP_SIZES",
-           "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls"]
+           "cuda_inner_k_tiles", "layout_for", "CUDA_KERNELS", "KERNELS", "kernel_calls", "A8_PROMPT_MIN_ROWS"]
+# cuda_inner_k_tiles and A8_PROMPT_MIN_ROWS are infopt.quantize.formats.int4_layouts', named here too
 # pack_int4 / unpack_int4 are infopt.quantize.formats.primitives' (the portable layout is their default), named here too
 
 KERNELS = ("cpu_int4pack", "cuda_tinygemm", "a8", "a8_prompt", "gemv", "gemv_prompt", "plain", "dense")
@@ -220,23 +222,6 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int, symmetric: bool = Fa
     return quantize(w32, block, scale, zero, qmin=0, qmax=15), scale, zero
 
 
-def cuda_inner_k_tiles(in_features: int) -> int | None:
-    """The ``innerKTiles`` of torch's CUDA int4 packing for a layer with ``in_features`` inputs, or None.
-
-    ``torch._convert_weight_to_int4pack`` tiles the input dimension in blocks of ``16 * innerKTiles``
-    (``innerKTiles`` 2, 4 or 8) and takes no padding, so ``in_features`` must be a multiple of the block:
-    576 (the default model) takes 4, 1536 takes 8, 48 takes none (the layer stays in the portable layout).
-
-    Example:
-        >>> cuda_inner_k_tiles(4096), cuda_inner_k_tiles(576), cuda_inner_k_tiles(96), cuda_inner_k_tiles(48)
-        (8, 4, 2, None)
-    """
-    for tiles in (8, 4, 2):
-        if in_features % (16 * tiles) == 0:
-            return tiles
-    return None
-
-
 def layout_for(device: torch.device, in_features: int, out_features: int, group_size: int) -> str:
     """The layout an :class:`Int4Linear` takes on ``device`` (see the module docstring): the device's kernel
     where it exists and takes the shape, else ``"plain"``.
@@ -271,15 +256,6 @@ A8_DENSE_MIN_ROWS = 32
 """The same crossover for the ``a8`` layout, whose integer kernel stays ahead of a bf16 GEMM up to ~32 rows (576x1536
 at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, on AMX)."""
 
-A8_PROMPT_MIN_ROWS = 64
-"""Rows from which an ``a8`` layer without a dense copy, on a CPU with native bf16 GEMMs (:func:`fast_bf16_gemm`),
-dequantizes its weight to bf16 for the call (:func:`infopt.quantize.formats.a8.int4_dense_t`) and runs one GEMM instead of
-the integer kernel (prompts). An estimate: the resident copy's crossover (:data:`A8_DENSE_MIN_ROWS`) plus the
-dequantization's cost, not yet measured on such a CPU. Elsewhere the integer kernel keeps every row count: on a
-2-core AVX2 EPYC a 576x1536 layer takes 4.6 ms at 512 rows in it against 7.2 ms dequantized to fp32 (and 6.2 ms
-for a resident fp32 weight; ``benchmarks/int4_rows.py``)."""
-
-
 def fast_bf16_gemm() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), so that a bf16 GEMM beats fp32;
     elsewhere bf16 GEMMs are emulated and slower than fp32 ones."""
@@ -311,11 +287,13 @@ class Int4Linear(KeepsFormat):
         # an automatic layout follows the device: .to()/.cuda() repack for the new device's kernel
         self._layout_auto = layout is None
         self.layout = layout_for(device, in_features, out_features, group_size) if layout is None else layout
-        if self.layout == "a8" and (out_features % a8.ROWS or group_size % 8):
-            raise ValueError(f"Int4Linear: the a8 layout needs out_features divisible by {a8.ROWS} and group_size by 8, "
-                             f"got {out_features} and {group_size}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Int4Linear: unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
         if self.layout not in ("plain", "a8") and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
             self.layout = "plain"
+        reason = LAYOUTS[self.layout].fits(out_features, in_features, group_size)
+        if reason is not None:
+            raise ValueError(f"Int4Linear: {reason}")
         self._empty_buffers(device)
         self.register_buffer("in_perm", torch.arange(in_features, device=device) if has_perm else None)
         self.register_buffer("weight_dense", None, persistent=False)  # see enable_dense
@@ -363,35 +341,14 @@ class Int4Linear(KeepsFormat):
 
     # -- layouts ------------------------------------------------------------------------------------
     def _empty_buffers(self, device: torch.device) -> None:
-        """(Re)register this layout's weight buffers, empty, on ``device``; drop the other layout's."""
-        n_groups = self.in_features // self.group_size
-        for name in ("qweight", "scales", "zeros", "weight_packed", "scale_offset", "scale_min"):
+        """(Re)register this layout's weight buffers, empty, on ``device``; drop the other layouts'."""
+        for name in BUFFERS:
             self._buffers.pop(name, None)
-        if self.layout == "a8":  # see infopt.quantize.formats.a8
-            self.register_buffer("weight_packed", torch.zeros(self.out_features // a8.ROWS, self.in_features // 8, 64,
-                                                              dtype=torch.uint8, device=device))
-            self.register_buffer("scale_min", torch.zeros(self.out_features // a8.ROWS, n_groups, 2, a8.ROWS,
-                                                          dtype=torch.bfloat16, device=device))
-        elif self.layout == "gemv":  # see infopt.ops.triton_gemv.w4_gemv
-            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
-                                                        device=device))
-            self.register_buffer("scale_offset", torch.zeros(self.out_features, n_groups, 2, dtype=torch.bfloat16,
-                                                             device=device))
-        elif self.layout == "plain":
-            self.register_buffer("qweight", torch.zeros(self.out_features, self.in_features // 2, dtype=torch.uint8,
-                                                        device=device))
-            self.register_buffer("scales", torch.ones(self.out_features, n_groups, dtype=torch.float32, device=device))
-            self.register_buffer("zeros", torch.full((self.out_features, n_groups), 8.0, dtype=torch.float32,
-                                                     device=device))
-        else:
-            # kernel layout: packed weight + bf16 [G, out, 2] (scale, offset) with w = (code - 8) * scale + offset
-            self.register_buffer("weight_packed", torch.zeros(0, dtype=torch.uint8, device=device))
-            self.register_buffer("scale_offset", torch.zeros(n_groups, self.out_features, 2, dtype=torch.bfloat16,
-                                                             device=device))
+        for name, t in LAYOUTS[self.layout].empty(self.out_features, self.in_features, self.group_size, device).items():
+            self.register_buffer(name, t)
 
     def _storage_device(self) -> torch.device:
-        name = {"plain": "qweight", "gemv": "qweight", "a8": "scale_min"}.get(self.layout, "scale_offset")
-        return self._buffers[name].device
+        return self._buffers[LAYOUTS[self.layout].storage].device
 
     def _set_portable(self, qweight: torch.Tensor | None, scales: torch.Tensor, zeros: torch.Tensor, *,
                       codes: torch.Tensor | None = None) -> None:
@@ -402,34 +359,8 @@ class Int4Linear(KeepsFormat):
             if want != self.layout:
                 self.layout = want
                 self._empty_buffers(device)
-        if self.layout == "plain":
-            self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
-            self.scales = scales.float().contiguous()
-            self.zeros = zeros.float().contiguous()
-            return
-        if self.layout == "a8":
-            codes = unpack_int4(qweight) if codes is None else codes
-            self.weight_packed, self.scale_min = a8.pack_blocked_int4(codes, scales, zeros)
-            return
-        # the kernel layouts take bf16 (scale, offset) with w = (code - 8) * scale + offset; the offset is derived from
-        # the bf16 scale, so that a save (which recovers z from both) and reload gives the very same values
-        s16 = scales.to(torch.bfloat16).float()
-        offset = (8.0 - zeros.float()) * s16
-        if self.layout == "gemv":
-            self.qweight = (qweight if qweight is not None else pack_int4(codes)).contiguous()
-            self.scale_offset = torch.stack([s16, offset], dim=-1).to(torch.bfloat16).contiguous()
-            return
-        codes = (unpack_int4(qweight) if codes is None else codes).to(torch.int32)  # [out, in]
-        if self.layout == "cpu_int4pack":
-            packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        else:  # cuda_tinygemm takes nibble pairs with the even column in the high nibble
-            tiles = cuda_inner_k_tiles(self.in_features)
-            if tiles is None:
-                raise ValueError(f"Int4Linear: in_features {self.in_features} is not a multiple of 32, which the "
-                                 "CUDA int4 kernel needs; build the layer with layout='plain'")
-            packed = torch._convert_weight_to_int4pack(pack_int4(codes, order="high_first"), tiles)
-        self.weight_packed = packed
-        self.scale_offset = torch.stack([s16.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
+        for name, t in LAYOUTS[self.layout].pack(self, qweight, scales, zeros, codes).items():
+            setattr(self, name, t)
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda()/.cpu(): the packed weight of one device's kernel means nothing to another's, so a layer
@@ -449,28 +380,7 @@ class Int4Linear(KeepsFormat):
 
     def _portable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(qweight, scales, zeros)`` in the portable layout (recovered exactly from a kernel layout)."""
-        if self.layout == "plain":
-            return self.qweight, self.scales, self.zeros
-        if self.layout == "a8":
-            codes, scales, zeros = a8.unpack_blocked_int4(self.weight_packed, self.scale_min)
-            return pack_int4(codes), scales, zeros
-        if self.layout == "gemv":
-            scales = self.scale_offset[..., 0].float()
-            return self.qweight, scales, 8.0 - self.scale_offset[..., 1].float() / scales
-        # run the kernel on the identity with scale 1, offset 0: it returns (code - 8), exactly, as [in, out]
-        ones = torch.zeros_like(self.scale_offset)
-        ones[..., 0] = 1.0
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight_packed.device)
-        codes = (self._kernel(eye, self.weight_packed, ones).t().float() + 8.0).round().to(torch.uint8)
-        scales = self.scale_offset[..., 0].t().float()
-        offset = self.scale_offset[..., 1].t().float()
-        zeros = 8.0 - offset / scales
-        return pack_int4(codes), scales, zeros
-
-    def _kernel(self, x: torch.Tensor, packed: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
-        if self.layout == "cpu_int4pack":
-            return torch._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scale_offset)
-        return torch._weight_int4pack_mm(x, packed, self.group_size, scale_offset)
+        return LAYOUTS[self.layout].unpack(self)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         q, s, z = self._portable()
@@ -548,29 +458,8 @@ class Int4Linear(KeepsFormat):
         if dense:
             kernel = "dense"
             y = F.linear(x.to(wd.dtype), wd).to(x.dtype)
-        elif self.layout == "a8" and rows >= A8_PROMPT_MIN_ROWS and _FAST_BF16[0]:
-            # prompts: one bf16 GEMM over the weight dequantized for this call
-            kernel = "a8_prompt"
-            w_t = a8.int4_dense_t(self.weight_packed, self.scale_min, self.group_size, torch.bfloat16)
-            y = torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
-        elif self.layout == "a8":
-            kernel = "a8"
-            y = a8.int4_a8_linear(x, self.weight_packed, self.scale_min, self.group_size)
-        elif self.layout == "gemv" and rows <= GEMV_MAX_ROWS:
-            kernel = "gemv"
-            y = w4_gemv(x, self.qweight, self.scale_offset, self.group_size)
-        elif self.layout == "gemv":  # prompts: the weight dequantized for the call, one matmul
-            kernel = "gemv_prompt"
-            y = F.linear(x, w4_dequantize(self.qweight, self.scale_offset, self.group_size, x.dtype))
-        elif self.layout == "plain":
-            kernel = "plain"
-            w = dequantize(unpack_int4(self.qweight), (1, self.group_size), self.scales, self.zeros, dtype=x.dtype)
-            y = F.linear(x, w)
         else:
-            kernel = self.layout  # cpu_int4pack or cuda_tinygemm
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-            y = self._kernel(x2, self.weight_packed, self.scale_offset)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            kernel, y = LAYOUTS[self.layout].matmul(self, x, rows, _FAST_BF16[0])
         if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
             _CALLS[kernel] += 1
         if self.bias is not None:
