@@ -163,7 +163,7 @@ class PagedAttentionMetadata:
         """
         if self._split is None:  # gather[:, 0]: the offset of each sequence's first new token
             self._split = split_packed(self.new_lens.tolist(), self.kv_lens.tolist(), self.gather[:, 0].tolist(),
-                                 self.block_size, self.kv_lens.device)
+                                       self.block_size, self.kv_lens.device)
         return self._split
 
     def flash_args(self):
@@ -206,7 +206,7 @@ def _reference_packed(query, key_pool, value_pool, meta: PagedAttentionMetadata,
     flat = query[0].transpose(0, 1)  # [N, H, D]
     dec_rows, dec_tokens, dec_blocks, prefills = meta.packed_split()
     return packed_sdpa(flat, key_pool, value_pool, meta.block_table, meta.kv_lens, dec_rows, dec_tokens, dec_blocks,
-                        prefills, scaling, window)[None]  # [1, N, H, Dv]
+                       prefills, scaling, window)[None]  # [1, N, H, Dv]
 
 
 def _reference_op(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):

@@ -20,8 +20,8 @@ its model too, *scoped* (``scoped=True``): those layers use the packed copy only
 graphs; every other forward of the model (``generate`` outside the engine, training, a batch-invariant engine)
 multiplies the plain weights as before.
 
-:func:`infopt.ops.packed_linear.kernel_calls` counts the operator's calls (compiled graphs' included) and the packed layers' eager calls that
-took ``F.linear`` instead.
+:func:`infopt.ops.packed_linear.kernel_calls` counts the operator's calls (compiled graphs' included) and the packed
+layers' eager calls that took ``F.linear`` instead.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Each kernel is one C++ file registering operators under ``torch.ops.infopt`` through ``torch.library``. It is
 compiled against the installed torch's headers and libraries (no ninja, no Python headers: a few seconds) for
 this machine's CPU (``-march=native``) and cached under ``$INFOPT_CACHE_DIR/extensions`` (default
-``~/.cache/infopt/extensions``; :mod:`infopt.core.caches`), keyed by the source, the torch version, the compiler and its flags and the CPU's
-flags, so another torch or machine builds its own copy. ``make setup`` builds them once.
+``~/.cache/infopt/extensions``; :mod:`infopt.core.caches`), keyed by the source, the torch version, the compiler and
+its flags and the CPU's flags, so another torch or machine builds its own copy. ``make setup`` builds them once.
 
 Before a built library is first loaded, a child process checks that an error raised in it (a ``TORCH_CHECK`` on
 bad input) reaches Python as a RuntimeError under the installed torch; a torch whose exception handling does not
@@ -181,12 +181,13 @@ ROWS = 16
 """Output rows per weight block of the ``quant_linear`` kernels (:mod:`infopt.quantize.formats.a8`'s layouts)."""
 
 
-def _fakes(name: str) -> dict:
-    # each C++ operator's fake (its output's shape and dtype from its inputs), for torch.compile and opcheck
-    if name == "paged_attention":
-        return {"paged_attention": lambda query, key_pool, value_pool, block_table, query_start, kv_lens, scale,
-                window=0, split_keys=True: query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])}
-    return {
+# each C++ operator's fake (its output's shape and dtype from its inputs), for torch.compile and opcheck, per kernel
+_FAKES: dict[str, dict] = {
+    "paged_attention": {
+        "paged_attention": lambda query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window=0,
+        split_keys=True: query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1]),
+    },
+    "quant_linear": {
         "int4_a8_linear": lambda x, weight, scale_min, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
         "int4_a8_linear_n": lambda x, weights, scale_mins, group: [x.new_empty(x.shape[0], w.shape[0] * ROWS)
                                                                    for w in weights],
@@ -195,13 +196,14 @@ def _fakes(name: str) -> dict:
             weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
-    }
+    },
+}
 
 
 def _register_fakes(name: str) -> None:
     # a library loaded once per process registers its fakes once; one loaded earlier by another copy of this module
     # (a test reloading it) already has them, which torch before 2.13 refuses to take twice
-    for op, fake in _fakes(name).items():
+    for op, fake in _FAKES[name].items():
         try:
             torch.library.register_fake(f"infopt::{op}")(fake)
         except RuntimeError as e:
@@ -211,7 +213,7 @@ def _register_fakes(name: str) -> None:
 
 def operators(name: str) -> tuple[str, ...]:
     """The ``torch.ops.infopt`` operators the C++ kernel ``name`` registers (besides ``quant_linear_isa``)."""
-    return tuple(_fakes(name))
+    return tuple(_FAKES[name])
 
 
 def load(name: str) -> bool:
