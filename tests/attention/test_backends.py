@@ -18,26 +18,34 @@ def test_eager_and_sdpa_same_greedy_tokens(arch, prompt):
     assert m.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.slow
-def test_flex_same_greedy_tokens_on_cpu(prompt):
-    # flex attention compiles its kernel (about 15 s on 2 cores): one architecture is enough here
-    m = tiny_model("llama")
-    ref = m.generate(prompt, max_new_tokens=12, do_sample=False)
+@pytest.mark.gpu
+def test_flex_same_greedy_tokens_on_cuda(prompt):
+    # flex attention compiles its kernel on first use: one architecture is enough here
+    ref_model = tiny_model("llama").cuda()
+    p = prompt.cuda()
+    ref = ref_model.generate(p, max_new_tokens=12, do_sample=False)
+    m = tiny_model("llama").cuda()
     infopt.optimize(m, [Attention("flex")])
     assert m.config._attn_implementation == "flex_attention"
-    assert torch.equal(m.generate(prompt, max_new_tokens=12, do_sample=False), ref)
+    assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False), ref)
     infopt.undo(m)
     assert m.config._attn_implementation == "sdpa"
 
 
-def test_flex_with_static_cache_refused_on_cpu_untouched(llama):
+@pytest.mark.parametrize("with_static", [False, True])
+def test_flex_refused_on_cpu_untouched(llama, with_static):
+    # Inductor's C++ flex kernel reads key rows past the cache's end on some decode shapes (benchmarks/studies/
+    # flex_cpu_probe.py): generated tokens came out as id 0 now and then; refused before anything changes
     from infopt.kvcache import Static
 
     from ..conftest import assert_state_equal, state_snapshot
 
     snap = state_snapshot(llama)
-    with pytest.raises(IncompatibleModelError, match="flex with kvcache static on CPU"):
-        infopt.optimize(llama, [Attention("flex"), Static(max_length=128)])
+    steps = [Attention("flex")] + ([Static(max_length=128)] if with_static else [])
+    with pytest.raises(IncompatibleModelError, match="flex on CPU: .* reads key rows past the end.* Use backend 'sdpa'"):
+        infopt.optimize(llama, steps)
+    with pytest.raises(IncompatibleModelError, match="flex on CPU"):
+        set_backend_(llama, "flex")
     assert_state_equal(llama, snap)
     assert llama.config._attn_implementation == "sdpa" and "generate" not in llama.__dict__
 

@@ -39,7 +39,7 @@ class Attention(StepConfig):
             (``torch.nn.functional.scaled_dot_product_attention``), ``sdpa_gqa`` (SDPA given grouped K/V heads
             unrepeated on CPU, see :mod:`infopt.attention.gqa`; the compile step switches SDPA models to it),
             ``flash_attention_2`` (CUDA,
-            fp16/bf16, needs ``infopt[flash]``), ``flex`` (``torch.nn.attention.flex_attention``) or
+            fp16/bf16, needs ``infopt[flash]``), ``flex`` (``torch.nn.attention.flex_attention``, CUDA) or
             ``paged`` (reads the block tables of ``kvcache.Paged``; SDPA for calls without a paged cache,
             see :mod:`infopt.attention.paged`).
 
@@ -88,14 +88,15 @@ class Attention(StepConfig):
             raise IncompatibleModelError(
                 f"{type(model).__name__} does not support flex attention; use backend 'sdpa' or 'eager'"
             )
-        if self.backend == "flex" and info.device.type == "cpu" and any(
-                s.stage == "kvcache" and s.kind == "static" for s in steps):
-            # flex attention always runs through Inductor; over a static cache its CPU C++ kernel fails to build
-            # (a vector-mask type clash in the generated code, torch 2.13), inside the user's first generate
+        if self.backend == "flex" and info.device.type == "cpu":
+            # Inductor's C++ flex-attention kernel (flex attention always compiles) reads key rows past the cache's
+            # end on some one-token decode shapes (torch 2.13: 8 and 24 keys with static shapes; now and then with
+            # dynamic ones): the softmax takes in whatever memory follows the keys, so decoded tokens are garbage or
+            # NaN depending on the allocator. benchmarks/studies/flex_cpu_probe.py shows it with poisoned memory.
             raise IncompatibleModelError(
-                "attention backend flex with kvcache static on CPU: Inductor's C++ kernel for flex attention over "
-                "a static cache fails to compile (torch 2.13). Use backend 'sdpa' (the default) with the static "
-                "cache, or flex without kvcache static"
+                "attention backend flex on CPU: Inductor's C++ flex-attention kernel reads key rows past the end of "
+                "the cache on some one-token decode shapes (torch 2.13), so generated tokens can be garbage. Use "
+                "backend 'sdpa' (the default) or 'sdpa_gqa' on CPU; flex runs on CUDA"
             )
         return []
 
