@@ -36,7 +36,7 @@ from torch import nn
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
 from ..ops import cpp
-from ..ops.paged_attention import gather_kv, in_window, packed_sdpa, split_packed
+from ..ops.paged_attention import decode_sdpa, gather_kv, in_window, packed_sdpa, split_packed
 from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "load_cpu_kernel", "paged_attention_forward",
@@ -132,6 +132,12 @@ class PagedAttentionMetadata:
         single: ``(new tokens, kv length)`` when the step is one sequence with no padding (batch-1 prefill
             and decode), so the reference kernel can attend over exactly its tokens with SDPA's causal fast
             path instead of a materialized mask; None otherwise.
+        decode: a packed step of several sequences with one new token each (token ``i`` is sequence ``i``'s):
+            the reference kernel attends in one batched call (:func:`~infopt.ops.paged_attention.decode_sdpa`)
+            without reading the layout back to the host.
+        max_new, max_kv: the largest ``new_lens`` and ``kv_lens``, known on the host when the layout was built
+            (flash-attn takes them as ints; reading them from device tensors would wait on the device); None
+            where the builder did not say.
     """
 
     block_size: int
@@ -144,6 +150,9 @@ class PagedAttentionMetadata:
     token_index: torch.Tensor | None
     new_lens: torch.Tensor
     single: tuple[int, int] | None = None
+    decode: bool = False
+    max_new: int | None = None
+    max_kv: int | None = None
     _flash: tuple | None = None
     _split: tuple | None = None
     _starts: torch.Tensor | None = None
@@ -173,8 +182,9 @@ class PagedAttentionMetadata:
             zero = torch.zeros(1, dtype=torch.int32, device=dev)
             cu_q = torch.cat([zero, self.new_lens.cumsum(0).to(torch.int32)])
             cu_k = torch.cat([zero, self.kv_lens.cumsum(0).to(torch.int32)])
-            self._flash = (cu_q, cu_k, int(self.new_lens.max()), int(self.kv_lens.max()),
-                           self.block_table.to(torch.int32))
+            max_q = self.max_new if self.max_new is not None else int(self.new_lens.max())
+            max_k = self.max_kv if self.max_kv is not None else int(self.kv_lens.max())
+            self._flash = (cu_q, cu_k, max_q, max_k, self.block_table.to(torch.int32))
         return self._flash
 
 
@@ -216,6 +226,9 @@ def _reference_op(query, key_pool, value_pool, meta: PagedAttentionMetadata, sca
 
 def _reference(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, window=None):
     # query: [B, H, q, D]; pools: [num_blocks, block_size, H_kv, D]
+    if meta.decode and meta.single is None and query.shape[0] == 1:  # [1, H, S, D]: one token per sequence
+        return decode_sdpa(query[0].transpose(0, 1), key_pool, value_pool, meta.block_table, meta.kv_lens, scaling,
+                           window)[None]  # [1, S, H, Dv]
     if meta.gather is not None and meta.single is None and query.shape[0] == 1:
         return _reference_packed(query, key_pool, value_pool, meta, scaling, window)
     b, h, q, d = query.shape

@@ -352,6 +352,8 @@ class PagedCache(Cache):
             mask=to(mask), gather=to(gather), scatter=to(scatter), token_index=to(token_index),
             new_lens=to(new_lens),
             single=(int(new_lens[0]), int(kv_lens[0])) if len(new_lens) == 1 and token_index is None else None,
+            decode=gather is not None and token_index is None and bool((new_lens == 1).all()),
+            max_new=int(new_lens.max()), max_kv=int(kv_lens.max()),
         )
         self._slots = to(slots)
         self._layers_done = set()

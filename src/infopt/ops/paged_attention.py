@@ -8,7 +8,7 @@ calls where neither the C++ kernel nor flash-attn applies. :mod:`infopt.attentio
 import torch
 import torch.nn.functional as F
 
-__all__ = ["split_packed", "gather_kv", "in_window", "packed_sdpa", "paged_attention_sdpa"]
+__all__ = ["split_packed", "gather_kv", "in_window", "decode_sdpa", "packed_sdpa", "paged_attention_sdpa"]
 
 
 def split_packed(new: list[int], kv: list[int], first: list[int], block_size: int, device: torch.device):
@@ -40,6 +40,31 @@ def in_window(pos: torch.Tensor, length: int, window: int | None) -> torch.Tenso
     if not window:
         return None
     return torch.arange(length, device=pos.device) > (pos[..., None] - window)
+
+
+def decode_sdpa(query, key_pool, value_pool, block_table, kv_lens, scaling, window=None):
+    """Attention of a decode step, one new token per sequence (``query [S, H, D]``, token ``i`` is sequence ``i``'s,
+    at position ``kv_lens[i] - 1``) over each sequence's keys through the whole ``block_table [S, nb]`` -> ``[S, H,
+    Dv]``. Only shapes reach Python, no value is read back to the host, so the call is the same kernels whatever the
+    lengths (what a captured CUDA graph replays). Slots past a sequence's ``kv_len`` are masked; a row whose
+    ``kv_len`` is 1 attends to its first slot alone.
+
+    Example:
+        >>> pool = torch.randn(4, 2, 1, 8)  # 4 blocks of 2 slots, one KV head
+        >>> q, table, lens = torch.randn(2, 1, 8), torch.tensor([[0, 1], [2, 3]]), torch.tensor([3, 4])
+        >>> decode_sdpa(q, pool, pool, table, lens, 0.35).shape
+        torch.Size([2, 1, 8])
+    """
+    h, h_kv, block_size = query.shape[1], key_pool.shape[2], key_pool.shape[1]
+    length = block_table.shape[1] * block_size
+    k = gather_kv(key_pool, block_table, length)  # [S, H_kv, L, D]
+    v = gather_kv(value_pool, block_table, length)
+    mask = torch.arange(length, device=query.device)[None, :] < kv_lens[:, None]  # [S, L]
+    near = in_window(kv_lens - 1, length, window)
+    mask = (mask if near is None else mask & near)[:, None, None]
+    out = F.scaled_dot_product_attention(query[:, :, None], k, v, attn_mask=mask, scale=scaling,
+                                         enable_gqa=h != h_kv)  # [S, H, 1, Dv]
+    return out[:, :, 0]
 
 
 def packed_sdpa(flat, key_pool, value_pool, block_table, kv_lens, dec_rows, dec_tokens, dec_blocks, prefills,
@@ -91,9 +116,7 @@ def paged_attention_sdpa(query: torch.Tensor, key_pool: torch.Tensor, value_pool
     block table with no value read back to the host; other steps read their layout back once per layer call."""
     n, s = query.shape[0], block_table.shape[0]
     if n == s:  # decoding only: token i is sequence i's
-        rows = torch.arange(s, device=query.device)
-        return packed_sdpa(query, key_pool, value_pool, block_table, kv_lens, rows, rows, block_table.shape[1], [],
-                            scale, window or None)
+        return decode_sdpa(query, key_pool, value_pool, block_table, kv_lens, scale, window or None)
     starts = query_start.tolist()
     new = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
     split = split_packed(new, kv_lens.tolist(), starts, key_pool.shape[1], query.device)
