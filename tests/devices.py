@@ -51,6 +51,9 @@ class Device:
         peak_memory: the peak-memory figure ``infopt bench`` reports for a side's run there (``peak_gpu_mb``:
             ``torch.cuda.max_memory_allocated``; ``peak_rss_mb``: the process's resident set).
         copy_label: how ``infopt.bench.format_table`` names the measured copy bandwidth there.
+        engine_graphs: ``(Engine's cuda_graphs argument, the backend its metrics then name)`` for the batching
+            engine's graph decode steps (``infopt.batching.graphs``): ``(True, "cuda")``; a CPU has no graphs, so
+            ``("replay", "replay")``: the same buffers, padding and buckets, the forward called again.
     """
 
     name: str
@@ -67,6 +70,7 @@ class Device:
     fast_preset: str
     peak_memory: str
     copy_label: str
+    engine_graphs: tuple[bool | str, str]
 
     def gpu(self) -> tuple[str | None, str | None]:
         """``(GPU name, CUDA runtime)`` that ``infopt.bench.machine_info`` records for a run here: the current CUDA
@@ -139,12 +143,12 @@ DEVICES: dict[str, Device] = {
         name="cpu", int4_layout="cpu_int4pack", int4_op="_weight_int4pack_mm_for_cpu", triton="reference",
         int8_mm_layer_calls=0, fp8_kernel="reference", paged_kernel="cpu", dist_backend="gloo",
         decode_compile_mode="default", min_copy_gbs=0.1, w8a8_decode_rows=1, fast_preset="cpu-fast",
-        peak_memory="peak_rss_mb", copy_label="measured copy bandwidth"),
+        peak_memory="peak_rss_mb", copy_label="measured copy bandwidth", engine_graphs=("replay", "replay")),
     "cuda": Device(
         name="cuda", int4_layout="cuda_tinygemm", int4_op="_weight_int4pack_mm", triton="triton",
         int8_mm_layer_calls=1, fp8_kernel="scaled_mm", paged_kernel="flash_attn", dist_backend="nccl",
         decode_compile_mode="reduce-overhead", min_copy_gbs=200.0, w8a8_decode_rows=17, fast_preset="gpu-fast",
-        peak_memory="peak_gpu_mb", copy_label="measured device-to-device copy bandwidth"),
+        peak_memory="peak_gpu_mb", copy_label="measured device-to-device copy bandwidth", engine_graphs=(True, "cuda")),
 }
 
 

@@ -11,7 +11,7 @@ and cancellations, and runs the background thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..generate.sampling import choose_tokens
 from ..kvcache.paged import Paged
 from ..kvcache.paged_cache import PagedCache
 from ..kvcache.pool import num_blocks_for_budget
+from .graphs import DecodeBuckets, DecodeGraphs
 from .params import SamplingParams
 from .scheduler import Scheduler, SeqState, SequenceTooLarge
 
@@ -60,17 +61,25 @@ class EngineCore:
 
     def __init__(self, model: nn.Module, forward: Forward | Callable[[], Forward] | None = None, *,
                  max_batch_tokens: int = 512, max_seqs: int = 64, kv: Paged | None = None, chunked_prefill: bool = True,
-                 prefill_chunk: int | None = None, max_skips: int = 16):
+                 prefill_chunk: int | None = None, max_skips: int = 16, cuda_graphs: bool | str = "auto",
+                 graph_batch_sizes: Sequence[int] | None = None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs), ("max_skips", max_skips + 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Engine {name}={v!r} is invalid; allowed: a positive integer")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk <= 0):
             raise ValueError(f"Engine prefill_chunk={prefill_chunk!r} is invalid; allowed: a positive integer or None")
+        if not (isinstance(cuda_graphs, bool) or cuda_graphs in ("auto", "replay")):
+            raise ValueError(f"Engine cuda_graphs={cuda_graphs!r} is invalid; allowed: 'auto', True, False or 'replay'")
         kv = kv or Paged()
         if not isinstance(kv, Paged):
             raise ValueError(f"Engine kv={kv!r} is invalid; allowed: an infopt.kvcache.Paged config")
         info = inspect_model(model)
         kv.check(model, info, (kv,))
+        if cuda_graphs is True and info.device.type != "cuda":
+            raise ValueError(f"Engine cuda_graphs=True needs a model on a CUDA device; this one is on {info.device}. "
+                             "Use cuda_graphs='auto' (graphs on CUDA only)")
+        graphs = "cuda" if cuda_graphs is True or (cuda_graphs == "auto" and info.device.type == "cuda") else \
+            "replay" if cuda_graphs == "replay" else None
         if model.config._attn_implementation != PAGED_IMPL:
             set_backend_(model, "paged", step="batching")
         # made once the arguments are checked and the attention switched (a refused engine leaves the model as it was)
@@ -84,7 +93,8 @@ class EngineCore:
             num_blocks = max(1, num_blocks_for_budget(model, DEFAULT_KV_BUDGET, kv.block_size))
             if max_positions:
                 num_blocks = min(num_blocks, -(-max_seqs * max_positions // kv.block_size))
-        self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching)
+        self.cache = PagedCache.for_model(model, num_blocks, kv.block_size, prefix_caching=kv.prefix_caching,
+                                          scratch_blocks=1 if graphs else 0)
         self.device = self.cache.device or torch.device("cpu")  # the model's: batches, logits, generators
         if self.device.type == "cpu":
             load_cpu_kernel()  # now, not in the first step: a compiled forward cannot load it while tracing
@@ -99,6 +109,13 @@ class EngineCore:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         self.eos = tuple([eos] if isinstance(eos, int) else (eos or ()))
         self._logits_to_keep = self.forward.keeps
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            longest = min(self.capacity_tokens, max_positions or self.capacity_tokens)
+            buckets = DecodeBuckets.for_engine(max_seqs, -(-longest // kv.block_size), kv.block_size,
+                                               batch_sizes=graph_batch_sizes)
+            self.graphs = DecodeGraphs(self._graph_forward, self.cache, buckets, backend=graphs,
+                                       signature=lambda: tuple(p.data_ptr() for p in model.parameters()))
         self.stats: dict[str, Any] = {}
         self.reset_stats()
 
@@ -154,16 +171,16 @@ class EngineCore:
         events: list[CoreEvent] = []
         scheduled = self._schedule(events)
         if scheduled is not None:
-            plan, batch = scheduled
+            plan, batch, key = scheduled
             t0 = time.perf_counter()
-            executed = self._execute(plan, batch, events)
+            executed = self._execute(plan, batch, events, key)
             if executed is not None:
                 self._update(plan, *executed, t0, events)
         return events
 
-    def _schedule(self, events: list[CoreEvent]) -> tuple[list[tuple[SeqState, int]], Any] | None:
-        """The scheduler's next step (its blocks allocated), laid out in the paged cache's tensors; None when nothing
-        runs this step."""
+    def _schedule(self, events: list[CoreEvent]) -> tuple[list[tuple[SeqState, int]], Any, tuple | None] | None:
+        """The scheduler's next step (its blocks allocated), laid out in the paged cache's tensors (or, for a decode
+        step a graph serves, in the graphs' buffers: the third item is its bucket); None when nothing runs."""
         try:
             step = self.scheduler.next_step()
         except SequenceTooLarge as e:  # one sequence larger than the pool: fail it, serve the rest
@@ -171,15 +188,27 @@ class EngineCore:
             return None
         if step is None:
             return None
-        return step.plan, self.cache.layout_step(step.entries, step.starts)
+        if self.graphs is not None:
+            blocks = max(len(self.cache.blocks.seq(sid).blocks) for sid, _ in step.entries)
+            key = self.graphs.key([n for _, n in step.plan], blocks)
+            if key is not None:
+                return step.plan, self.cache.layout_decode(step.entries, step.starts, self.graphs.buffers, *key), key
+        return step.plan, self.cache.layout_step(step.entries, step.starts), None
 
-    def _execute(self, plan: list[tuple[SeqState, int]], batch, events: list[CoreEvent]
+    def _execute(self, plan: list[tuple[SeqState, int]], batch, events: list[CoreEvent], key: tuple | None = None
                  ) -> tuple[list[int], torch.Tensor] | None:
-        """One packed forward; returns the plan rows whose next token is due and their logits, or None when the
-        forward failed (the step is rolled back and its requests fail; the engine keeps serving the rest)."""
+        """One packed forward (or a graph's replay, for a bucket ``key``); returns the plan rows whose next token is
+        due and their logits, or None when the forward failed (the step is rolled back and its requests fail; the
+        engine keeps serving the rest)."""
         due_rows = [i for i, (s, n) in enumerate(plan) if s.pending == n]
-        keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
         try:
+            if key is not None:  # every row's logits, padding included: the due ones are picked after
+                self.cache.step_inputs()  # the forward writes every layer
+                logits = self.graphs.run(key)
+                self.graphs.stats.padded_rows += key[0] - len(plan)
+                rows = logits[0, :len(plan)]
+                return due_rows, rows if len(due_rows) == len(plan) else rows[due_rows]
+            keep = batch.logits_indices[due_rows] if due_rows else batch.logits_indices[:1]
             logits = self._forward(batch, keep, self.cache.step_inputs())
         except Exception as e:
             self.cache.abort_step()
@@ -195,6 +224,10 @@ class EngineCore:
         allocated the KV pools, which a compiled graph cannot do)."""
         return self.forward.packed(batch.input_ids, batch.position_ids, keep, step,
                                    eager=not self.cache.pool.allocated())
+
+    def _graph_forward(self, input_ids, position_ids, keep, step) -> torch.Tensor:
+        """The body a decode graph captures: the forward's packed step over the graphs' buffers."""
+        return self.forward.packed(input_ids, position_ids, keep, step)
 
     def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,
                 events: list[CoreEvent]) -> None:
@@ -249,4 +282,6 @@ class EngineCore:
         stats = getattr(self.forward, "stats", None)
         if stats is not None:
             s["compile"] = stats.as_dict()
+        if self.graphs is not None:
+            s["cuda_graphs"] = self.graphs.stats.as_dict()
         return s

@@ -180,6 +180,13 @@ class Engine:
             one summation order per attention row (:mod:`infopt.batching.invariant`), so a served request
             reproduces exactly from run to run. Eager steps on plain weights on a CPU (not with ``compile`` or
             ``prepack=True``; float layers only); it costs throughput (``benchmarks/batch_invariant.py``).
+        cuda_graphs: replay decode steps (one new token per sequence) as CUDA graphs, one per bucket of batch size
+            and block-table width (:mod:`infopt.batching.graphs`; ``metrics()["cuda_graphs"]`` reports them).
+            ``"auto"`` (default): on for a CUDA model, off elsewhere. ``True`` requires CUDA. ``"replay"``: the same
+            buffers, padding and buckets with the step's forward called again instead of a graph (any device; what
+            the CPU tests run).
+        graph_batch_sizes: the batch buckets (default :data:`infopt.batching.graphs.DEFAULT_BATCH_SIZES`, cut at
+            ``max_seqs``).
 
     Attributes:
         core: the :class:`~infopt.batching.core.EngineCore` that runs the steps (its ``cache``, ``scheduler``,
@@ -202,7 +209,8 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, max_batch_tokens: int = 512, max_seqs: int = 64,
                  kv: Paged | None = None, chunked_prefill: bool = True, prefill_chunk: int | None = None,
                  max_skips: int = 16, default_sampling: SamplingParams | None = None, prepack: bool | None = None,
-                 compile: bool = False, batch_invariant: bool = False):
+                 compile: bool = False, batch_invariant: bool = False, cuda_graphs: bool | str = "auto",
+                 graph_batch_sizes: Sequence[int] | None = None):
         from ..compile.packed import can_pack_model  # registers infopt::packed_linear: only where an engine is made
 
         packable = can_pack_model(model)
@@ -233,8 +241,11 @@ class Engine:
             fwd, self.prepacked = engine_forward(model, compile, prepack)
             return fwd
 
+        if batch_invariant and cuda_graphs is True:
+            raise ValueError("Engine batch_invariant=True runs on a CPU; cuda_graphs=True needs a CUDA model")
         self.core = EngineCore(model, forward, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, kv=kv,
-                               chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips)
+                               chunked_prefill=chunked_prefill, prefill_chunk=prefill_chunk, max_skips=max_skips,
+                               cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes)
         self.tokenizer = tokenizer
         self.default_sampling = default_sampling or SamplingParams()
         self._ids = itertools.count()
@@ -245,7 +256,7 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        if compile:
+        if compile or (self.core.graphs is not None and self.core.graphs.backend == "cuda"):
             self.warmup()
 
     # the core's parts, for callers and tests that look inside
@@ -266,30 +277,45 @@ class Engine:
     capacity_tokens = property(lambda self: self.core.capacity_tokens)
 
     def warmup(self) -> None:
-        """Compile the compiled step's graphs now (``Engine(compile=True)`` calls this when it is built): one
-        two-token request alone (its prompt runs eagerly and allocates the KV pools, then a single-token step),
-        then two together (a step of several tokens). The engine's statistics start afresh afterwards. Nothing to
-        do without ``compile``.
+        """Compile the compiled step's graphs and capture the CUDA-graph decode steps now (``Engine(compile=True)``
+        and a CUDA engine with graphs call this when they are built), so no step compiles or captures while serving.
+        Compiling: one two-token request alone (its prompt runs eagerly and allocates the KV pools, then a
+        single-token step), then two together (a step of several tokens). Capturing: every bucket of
+        :mod:`infopt.batching.graphs`, the largest first. The engine's statistics start afresh afterwards. Nothing
+        to do without either.
 
         Raises:
             RuntimeError: a warm-up request failed (the model cannot run in this engine; the reason is given).
         """
         fwd = self.core.forward
-        if not fwd.compiled or (fwd.engine_graph is not None and fwd.engine_graph.warmed_up):
+        graphs = self.core.graphs
+        compiling = fwd.compiled and not (fwd.engine_graph is not None and fwd.engine_graph.warmed_up)
+        capturing = graphs is not None and graphs.backend == "cuda" and graphs.enabled
+        if not compiling and not capturing:
             return
         vocab = self.core.vocab_size or 2
         ids = [[1 % vocab, 2 % vocab], [3 % vocab, 4 % vocab]]
         sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
-        # a cold compile of each graph takes seconds to a minute or more (Inductor caches them on disk after)
-        with tqdm(total=2, desc="infopt batching: compiling the engine's steps", unit="graph") as bar:
-            for prompts in (ids[:1], ids):
-                for out in self.generate(prompts, sp):
-                    if out.finish_reason == "error":
-                        raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
-                bar.update()
-        if fwd.engine_graph is not None:
-            fwd.engine_graph.warmed_up = True
-        fwd.stats.warmed_up = True
+        if compiling or not self.cache.pool.allocated():
+            # a cold compile of each graph takes seconds to a minute or more (Inductor caches them on disk after)
+            runs = (ids[:1], ids) if compiling else (ids[:1],)
+            with tqdm(total=len(runs), desc="infopt batching: compiling the engine's steps" if compiling else
+                      "infopt batching: allocating the KV pools", unit="run") as bar:
+                for prompts in runs:
+                    for out in self.generate(prompts, sp):
+                        if out.finish_reason == "error":
+                            raise RuntimeError(f"the engine's warm-up request failed: {out.error}")
+                    bar.update()
+        if compiling:
+            if fwd.engine_graph is not None:
+                fwd.engine_graph.warmed_up = True
+            fwd.stats.warmed_up = True
+        if capturing:
+            try:
+                with torch.inference_mode():
+                    graphs.capture()
+            except Exception as e:  # a step that cannot be captured runs as before
+                graphs.disable(f"capture failed: {type(e).__name__}: {e}")
         self.core.reset_stats()
 
     # -- submission ----------------------------------------------------------------------------------

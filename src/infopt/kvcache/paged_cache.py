@@ -32,6 +32,7 @@ from ..core.compat import CACHE_KWARG
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import inspect_model
 from .blocks import BlockAllocator, BlockStateError, OutOfBlocks
+from .decode_buffers import DecodeBuffers
 from .manager import KVBlockManager, SeqBlocks
 from .pool import KVBlockPool
 
@@ -138,10 +139,12 @@ class PagedCache(Cache):
 
     @classmethod
     def for_model(cls, model: nn.Module, num_blocks: int, block_size: int = 16, *,
-                  prefix_caching: bool = True) -> PagedCache:
-        """A cache with its own pool of ``num_blocks`` blocks sized for ``model`` (see :func:`num_blocks_for_budget`)."""
+                  prefix_caching: bool = True, scratch_blocks: int = 0) -> PagedCache:
+        """A cache with its own pool of ``num_blocks`` blocks sized for ``model`` (see :func:`num_blocks_for_budget`);
+        ``scratch_blocks``: see :class:`~infopt.kvcache.pool.KVBlockPool`."""
         info = inspect_model(model)
-        pool = KVBlockPool(info.num_layers, num_blocks, block_size, prefix_caching=prefix_caching)
+        pool = KVBlockPool(info.num_layers, num_blocks, block_size, prefix_caching=prefix_caching,
+                           scratch_blocks=scratch_blocks)
         return cls(pool, config=model.config, device=info.device)
 
     # -- sequences (kept by self.blocks) --------------------------------------------------------
@@ -299,6 +302,35 @@ class PagedCache(Cache):
         self._n_tokens = total
         tokens = torch.tensor([t for _, toks in entries for t in toks], dtype=torch.long, device=device)
         return PagedBatch(tuple(ids), tokens[None], pos[None].to(device), (off + n - 1).to(device), news)
+
+    def layout_decode(self, entries: Sequence[tuple[Hashable, Sequence[int]]], starts: Sequence[int],
+                      buffers: DecodeBuffers, b: int, w: int) -> PagedBatch:
+        """:meth:`layout_step` for a step in which every sequence decodes one token, written into the fixed
+        ``buffers`` of a ``(b, w)`` bucket (rows past the step's are padding) rather than into new tensors: what a
+        CUDA graph captured over those buffers replays. The batch's tensors are views of the buffers, ``b`` rows
+        long; its ``logits_indices`` are rows ``0..b-1``.
+
+        Raises:
+            BlockStateError: as :meth:`layout_step`; ValueError: a sequence with more than one new token, or a step
+                that does not fit the bucket.
+        """
+        self._check_packed_step()
+        if self._meta is not None:
+            raise BlockStateError("the previous step was not ended: call end_step() or abort_step() before laying out "
+                                  "the next one")
+        if any(len(toks) != 1 for _, toks in entries):
+            raise ValueError("layout_decode lays out steps of one new token per sequence; use layout_step")
+        ids = [sid for sid, _ in entries]
+        buffers.stage([toks[0] for _, toks in entries], list(starts), [self.blocks.seq(sid).blocks for sid in ids],
+                      b=b, w=w)
+        self._meta = buffers.meta(b, w)
+        self._slots = buffers.slots[:b]
+        self._layers_done = set()
+        self.tokens_computed += len(ids)
+        self._step_ids = ()
+        self._n_tokens = b
+        return PagedBatch(tuple(ids), buffers.input_ids[None, :b], buffers.positions[None, :b], buffers.rows[:b],
+                          [1] * len(ids))
 
     def step_inputs(self) -> PagedStep:
         """The laid-out step as the model's ``paged_step`` keyword, for a forward without a cache object:

@@ -46,13 +46,19 @@ class KVBlockPool:
         prefix_caching: keep full blocks findable by content (see :mod:`infopt.kvcache.blocks`).
         growable: when an allocation needs more blocks than are available, grow the pool (to at least
             double) instead of raising :class:`~infopt.kvcache.blocks.OutOfBlocks`.
+        scratch_blocks: block rows the tensors hold past the allocator's ``num_blocks``, which no sequence can own:
+            a CUDA-graph decode step points its padding rows at the first (:attr:`scratch_block`), so their writes
+            and reads touch no sequence's keys. A pool with scratch blocks cannot grow.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int = 16, *, prefix_caching: bool = True,
-                 growable: bool = False):
+                 growable: bool = False, scratch_blocks: int = 0):
+        if scratch_blocks and growable:
+            raise ValueError("a KVBlockPool with scratch_blocks cannot be growable (growing would move them)")
         self.num_layers = num_layers
         self.block_size = block_size
         self.growable = growable
+        self.scratch_blocks = scratch_blocks
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching=prefix_caching)
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
@@ -60,6 +66,11 @@ class KVBlockPool:
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
+
+    @property
+    def scratch_block(self) -> int | None:
+        """The id of the first scratch block (the row after the allocator's blocks), or None without any."""
+        return self.num_blocks if self.scratch_blocks else None
 
     def allocated(self) -> bool:
         """True once every layer's K/V pools exist (the first forward through the pool allocates them)."""
@@ -70,7 +81,7 @@ class KVBlockPool:
         k = self.keys[layer_idx]
         if k is None:
             with torch.inference_mode(False):  # a pool made under inference_mode could never be written outside it
-                n = self.num_blocks
+                n = self.num_blocks + self.scratch_blocks
                 k = torch.zeros(n, self.block_size, like_k.shape[1], like_k.shape[-1], dtype=like_k.dtype,
                                 device=like_k.device)
                 self.values[layer_idx] = torch.zeros(n, self.block_size, like_v.shape[1], like_v.shape[-1],
@@ -82,6 +93,8 @@ class KVBlockPool:
         """Add ``n`` free blocks (tensors already allocated are extended, contents kept)."""
         if n <= 0:
             return
+        if self.scratch_blocks:
+            raise ValueError("a KVBlockPool with scratch_blocks cannot grow")
         self.allocator.add_blocks(n)
         with torch.inference_mode(False):
             for pools in (self.keys, self.values):
