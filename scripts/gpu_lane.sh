@@ -11,7 +11,8 @@
 # second lane process, niced, beside the GPU stages); bench (= decode-default decode-1b batch, each a stage too;
 # decode-8b, an 8B-parameter Llama with random weights where weight-only quantization shows its speed, and gemv,
 # benchmarks/gpu_gemv.py: the weight-only kernels at one to eight rows, and batch-eager, the batch workload with
-# the engine's steps eager (the throughput preset without its compile step), only by name);
+# the engine's steps eager (the throughput preset without its compile step), and batch-nographs, the preset with
+# its decode steps not replayed as CUDA graphs (beside batch, where they are), only by name);
 # identity (benchmarks/gpu_identity.py: which component of gpu-fast leaves plain bf16 generate's tokens).
 # Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
@@ -151,6 +152,9 @@ bench() {
     batch-eager) run_stage bench-batch-eager "$PY" -m infopt.cli bench --workload batch \
                    --recipe benchmarks/recipes/throughput-eager.yaml --device cuda --dtype bfloat16 \
                    --baselines hf_continuous --repeats 1 --quiet --json "$RESULTS/batch-throughput-eager.json" ;;
+    batch-nographs) run_stage bench-batch-nographs "$PY" -m infopt.cli bench --workload batch \
+                      --recipe benchmarks/recipes/throughput-nographs.yaml --device cuda --dtype bfloat16 \
+                      --baselines hf_continuous --repeats 1 --quiet --json "$RESULTS/batch-throughput-nographs.json" ;;
     identity) run_stage bench-identity "$PY" benchmarks/gpu_identity.py --json "$RESULTS/identity.json" ;;
     *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
   esac
@@ -171,8 +175,8 @@ for spec in $STAGES; do
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
     suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
-    decode-default|decode-1b|decode-8b|gemv|batch|batch-eager|identity) bench "$stage" ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, gemv, batch, batch-eager, identity)" >&2; exit 2 ;;
+    decode-default|decode-1b|decode-8b|gemv|batch|batch-eager|batch-nographs|identity) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, gemv, batch, batch-eager, batch-nographs, identity)" >&2; exit 2 ;;
   esac
 done
 

@@ -150,3 +150,24 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(monkeypatch):
     plain = [model.generate(torch.tensor([p]), max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(p):]
              .tolist() for p in ([1, 2, 3], [4, 5])]
     assert out == plain and "capture failed: RuntimeError" in stats["disabled"] and stats["replays"] == 0
+
+
+def test_recipe_field_checked_model_untouched():
+    from infopt.batching import Batching
+    from infopt.core.errors import IncompatibleModelError, RecipeError
+
+    from ..conftest import assert_state_equal, state_snapshot
+
+    with pytest.raises(RecipeError, match="cuda_graphs.*allowed: auto, true or false"):
+        Batching(cuda_graphs="replay-ish")
+    model = tiny_model()
+    snap = state_snapshot(model)
+    with pytest.raises(IncompatibleModelError, match="cuda_graphs: true needs a model on a CUDA device"):
+        infopt.optimize(model, [Batching(num_blocks=16, cuda_graphs=True)])
+    assert_state_equal(model, snap)
+    assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
+    infopt.optimize(model, [Batching(num_blocks=16, cuda_graphs=False)])
+    from infopt.batching import batching_engine
+
+    assert batching_engine(model).core.graphs is None
+    infopt.undo(model)

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..core.errors import IncompatibleModelError
 from ..core.introspect import ModelInfo
 from ..core.patch import ModelSlot, record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
@@ -40,6 +41,8 @@ class Batching(StepConfig):
         batch_invariant: each request's logits are the same bits whatever shares its steps, so a served request
             reproduces exactly run to run (``Engine(batch_invariant=True)``: eager steps, CPU, float layers; it
             costs throughput).
+        cuda_graphs: decode steps replayed as CUDA graphs per batch-size bucket (``Engine(cuda_graphs=...)``):
+            ``"auto"`` (on for a CUDA model), ``true`` (a CUDA model required) or ``false``.
 
     A ``compile`` step in the same recipe compiles the engine's steps (``Engine(compile=...)`` with its settings):
     their two graphs are compiled while the recipe is applied (a minute or so for a small model on a small CPU).
@@ -61,6 +64,7 @@ class Batching(StepConfig):
     num_blocks: int | None = None
     prefix_caching: bool = True
     batch_invariant: bool = False
+    cuda_graphs: bool | str = "auto"
     removed: ClassVar[dict[str, str]] = {
         "compile": "the compile stage decides: add a compile step to the recipe (e.g. {'compile': {}}) to compile "
                    "the engine's steps, as the throughput preset does"}
@@ -74,6 +78,8 @@ class Batching(StepConfig):
         for name in ("chunked_prefill", "prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise bad_field(self, "cuda_graphs", self.cuda_graphs, "auto, true or false")
 
     def paged(self) -> Paged:
         return Paged(block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching)
@@ -81,6 +87,9 @@ class Batching(StepConfig):
     def check(self, model: nn.Module, info: ModelInfo, steps) -> list[str]:
         kv = next((s for s in steps if isinstance(s, Paged)), None) or self.paged()
         kv.check(model, info, (kv,))
+        if self.cuda_graphs is True and info.device.type != "cuda":
+            raise IncompatibleModelError(f"batching cuda_graphs: true needs a model on a CUDA device; this one is on "
+                                         f"{info.device}. Use cuda_graphs: auto (graphs on CUDA only)")
         return []
 
 
@@ -176,7 +185,7 @@ def enable_(model: nn.Module, config: Batching | None = None, *, tokenizer=None,
     key = step or config.key
     engine = Engine(model, tokenizer, max_batch_tokens=config.max_batch_tokens, max_seqs=config.max_seqs,
                     kv=kv or config.paged(), chunked_prefill=config.chunked_prefill, compile=compile or False,
-                    batch_invariant=config.batch_invariant)
+                    batch_invariant=config.batch_invariant, cuda_graphs=config.cuda_graphs)
     set_part(model, "engine", EnginePart(engine, key), step=key)
     _ENGINES[model] = engine
 
