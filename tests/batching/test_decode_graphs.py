@@ -171,3 +171,37 @@ def test_recipe_field_checked_model_untouched():
 
     assert batching_engine(model).core.graphs is None
     infopt.undo(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_decode_body_reads_nothing_back_while_a_stream_captures(arch, monkeypatch):
+    """What a CUDA capture needs, checked on CPU: the forward a decode graph captures, over the buffers, with
+    transformers told a stream is capturing (it then skips its own checks) and every read of a tensor's value
+    refused. A read (``.item()``, ``.tolist()``, ``bool(t)``) inside would fail the capture on a GPU."""
+    import transformers.utils.import_utils as hf_import_utils
+
+    from infopt.attention.paged import set_cpu_kernel
+
+    model = tiny_model(arch, max_positions=128)
+    previous = set_cpu_kernel(False)  # the reference kernel: what a GPU without flash-attn runs
+    try:
+        engine = Engine(model, max_batch_tokens=32, max_seqs=4, kv=Paged(num_blocks=32, block_size=8),
+                        cuda_graphs="replay")
+        engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))  # allocates the pools
+        graphs = engine.core.graphs
+        w = graphs.buckets.widths[-1]
+        graphs.buffers.stage([], [], [], b=4, w=w)
+
+        def refuse(*a, **kw):
+            raise AssertionError("the decode graph's body read a tensor's value back to the host")
+
+        monkeypatch.setattr(hf_import_utils, "is_cuda_stream_capturing", lambda: True)
+        for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+        with torch.inference_mode():
+            out = graphs._body(4, w)
+        monkeypatch.undo()
+    finally:
+        set_cpu_kernel(previous)
+        infopt.undo(model)
+    assert out.shape[:2] == (1, 4)
