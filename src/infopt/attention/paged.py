@@ -17,6 +17,9 @@ Kernels:
   range when few sequences decode long contexts, except inside :class:`fixed_key_order`), online softmax in fp32.
 - ``flash_attn``: on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's variable-length kernel
   reading the block table directly (its paged mode needs a block size that is a multiple of 256).
+- ``triton``: on CUDA, for decode-only steps (one new token per sequence), infopt's Triton kernel
+  (:mod:`infopt.ops.triton_paged`): the block tables and lengths read on the device, split-K over long contexts;
+  :func:`set_triton_decode` turns it off.
 - ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
   where neither kernel applies (or the C++ kernel cannot be built: no compiler). A compiled forward (the engine's
   ``compile=True``) calls it as one operator, ``infopt::paged_attention_sdpa``.
@@ -35,38 +38,40 @@ from torch import nn
 
 from ..core.availability import is_available
 from ..core.errors import IncompatibleModelError
-from ..ops import cpp
+from ..ops import cpp, triton_paged
 from ..ops.paged_attention import decode_sdpa, gather_kv, in_window, packed_sdpa, split_packed
 from .registry import register_attention
 
 __all__ = ["PAGED_IMPL", "PagedAttentionMetadata", "PagedStep", "bind", "load_cpu_kernel", "paged_attention_forward",
-           "register_paged_attention", "kernel_calls", "set_cpu_kernel", "fixed_key_order"]
+           "register_paged_attention", "kernel_calls", "set_cpu_kernel", "set_triton_decode", "fixed_key_order"]
 
 PAGED_IMPL = "infopt_paged"
 """The name the backend is registered under in transformers' ``AttentionInterface`` (``config._attn_implementation``)."""
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens
 
-KERNELS = ("cpu", "flash_attn", "reference", "sdpa")
+KERNELS = ("cpu", "flash_attn", "triton", "reference", "sdpa")
 _CALLS = dict.fromkeys(KERNELS, 0)  # layer calls per kernel since import (a diagnostic: unlocked, += under the GIL)
 
 
 def kernel_calls() -> dict[str, int]:
     """Layer calls of the ``paged`` backend per kernel since import: ``cpu`` (infopt's C++ kernel),
-    ``flash_attn`` (flash-attn's paged varlen kernel), ``reference`` (the torch gather + SDPA kernel) and
-    ``sdpa`` (calls no paged cache served).
+    ``flash_attn`` (flash-attn's paged varlen kernel), ``triton`` (infopt's Triton decode kernel,
+    :mod:`infopt.ops.triton_paged`), ``reference`` (the torch gather + SDPA kernel) and ``sdpa`` (calls no paged
+    cache served).
 
     Take the difference of two snapshots to see which kernel a piece of work ran.
 
     Example:
         >>> before = kernel_calls()
         >>> sorted(before)
-        ['cpu', 'flash_attn', 'reference', 'sdpa']
+        ['cpu', 'flash_attn', 'reference', 'sdpa', 'triton']
     """
     return dict(_CALLS)
 
 
 _USE_CPU_KERNEL = [True]
+_USE_TRITON = [True]
 
 
 class _KeySplit(threading.local):
@@ -104,6 +109,19 @@ def set_cpu_kernel(enabled: bool) -> bool:
         False
     """
     previous, _USE_CPU_KERNEL[0] = _USE_CPU_KERNEL[0], bool(enabled)
+    return previous
+
+
+def set_triton_decode(enabled: bool) -> bool:
+    """Use infopt's Triton kernel for decode-only steps on CUDA where it applies (the default) or the torch reference
+    kernel; returns the previous setting (a tool for comparisons).
+
+    Example:
+        >>> previous = set_triton_decode(False)
+        >>> set_triton_decode(previous)
+        False
+    """
+    previous, _USE_TRITON[0] = _USE_TRITON[0], bool(enabled)
     return previous
 
 
@@ -300,6 +318,12 @@ def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scal
     return out.view(b, q, h, out.shape[-1])
 
 
+def _triton_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    # decode-only packed steps, eager (a compiled forward calls the reference operator), on CUDA or the interpreter
+    return (_USE_TRITON[0] and meta.decode and meta.single is None and query.shape[0] == 1
+            and not torch.compiler.is_compiling() and triton_paged.available(query))
+
+
 def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and meta.block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn"))
@@ -386,6 +410,11 @@ def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, 
     if _cpu_ok(query, key_pool, meta):
         _count("cpu")
         return _cpu(query, key_pool, value_pool, meta, scaling, window)
+    if _triton_ok(query, meta):
+        _count("triton")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return triton_paged.paged_decode(query[0].transpose(0, 1), key_pool, value_pool, meta.block_table,
+                                         meta.kv_lens, scale, window)[None]  # [1, S, H, Dv]
     _count("reference")
     if torch.compiler.is_compiling():
         return _reference_op(query, key_pool, value_pool, meta, scaling, window)

@@ -1,0 +1,168 @@
+"""A Triton kernel for paged attention's decode steps on CUDA: one new token per sequence, reading each sequence's
+keys and values in place through its block table, with the lengths read on the device.
+
+:func:`paged_decode` computes what :func:`infopt.ops.paged_attention.decode_sdpa` computes (the reference, which
+gathers every row's blocks up to the table's width and runs one masked SDPA) without the gather: program ``(s, g, p)``
+takes sequence ``s``'s query heads of KV head ``g`` (a grouped-query group reads its keys once), walks part ``p`` of
+the blocks the sequence holds (split-K: long contexts are spread over several programs), and keeps an online softmax
+in fp32. The parts' ``(max, sum, weighted values)`` are merged by a few torch ops after the launch. Nothing is read
+back to the host, so a CUDA graph captures the launch. Keys past a sequence's length, or before its sliding window,
+are skipped, not gathered and masked: the work follows the real lengths, not the table's width.
+
+Checked in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the reference; on a GPU it has not run yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .triton_int8 import _interpreting, triton_available
+
+__all__ = ["paged_decode", "available", "decode_splits", "kernel_calls"]
+
+triton = tl = None  # bound by _kernel(), on the first launch
+_CALLS = {"triton": 0}
+
+
+def kernel_calls() -> dict[str, int]:
+    """Launches of :func:`paged_decode` since import.
+
+    Example:
+        >>> sorted(kernel_calls())
+        ['triton']
+    """
+    return dict(_CALLS)
+
+
+def available(query: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode` runs for ``query``: Triton installed, and a CUDA tensor (or Triton's CPU
+    interpreter), in fp32, fp16 or bf16.
+
+    Example:
+        >>> available(torch.zeros(1, 2, 8)) in (True, False)
+        True
+    """
+    return ((query.is_cuda or _interpreting()) and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and triton_available())
+
+
+def decode_splits(seqs: int, kv_heads: int, max_blocks: int, programs: int = 264) -> int:
+    """How many parts each sequence's blocks are split into: enough programs to fill ``programs`` (about two per SM
+    of an H100/H200), at least 4 blocks per part, from shapes only (no value read back).
+
+    Example:
+        >>> decode_splits(1, 8, 512), decode_splits(64, 8, 512), decode_splits(2, 2, 3)
+        (33, 1, 1)
+    """
+    want = -(-programs // max(1, seqs * kv_heads))
+    return max(1, min(want, max_blocks // 4))
+
+
+@functools.cache
+def _kernel():
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale, window,
+                            stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            stride_ts, H, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
+                            D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                            SPLITS: tl.constexpr):
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        part = tl.program_id(2)
+        kv_len = tl.load(lens_ptr + s)
+        lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)  # the first key the token may see
+        first = lo // BS
+        n_blocks = (kv_len + BS - 1) // BS
+        per = (n_blocks - first + SPLITS - 1) // SPLITS
+        b0 = first + part * per
+        b1 = tl.minimum(b0 + per, n_blocks)
+        offs_g = tl.arange(0, GP)
+        offs_t = tl.arange(0, BSP)
+        offs_d = tl.arange(0, DP)
+        offs_v = tl.arange(0, DVP)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [GP, DP]
+        m = tl.full([GP], float("-inf"), tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DVP], tl.float32)
+        for j in range(b0, b1):
+            blk = tl.load(table_ptr + s * stride_ts + j).to(tl.int64)
+            pos = j * BS + offs_t
+            t_ok = (offs_t < BS) & (pos < kv_len) & (pos >= lo)
+            k = tl.load(k_ptr + blk * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                        mask=t_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [BSP, DP]
+            qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BSP]
+            qk = tl.where(t_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp(qk - m_use[:, None])
+            alpha = tl.exp(m - m_use)
+            v = tl.load(v_ptr + blk * stride_vb + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
+                        mask=t_ok[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)  # [BSP, DVP]
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            den = den * alpha + tl.sum(p, axis=1)
+            m = m_new
+        row = (s * H + heads) * SPLITS + part  # [GP]: this part's slot of each head
+        tl.store(m_ptr + row, m, mask=g_ok)
+        tl.store(l_ptr + row, den, mask=g_ok)
+        tl.store(acc_ptr + row[:, None] * DV + offs_v[None, :], acc, mask=g_ok[:, None] & (offs_v[None, :] < DV))
+
+    return paged_decode_kernel
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+def paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
+                 kv_lens: torch.Tensor, scale: float, window: int | None = None, splits: int | None = None
+                 ) -> torch.Tensor:
+    """Decode attention through the block tables (module docstring): ``query [S, H, D]`` (token ``i`` is sequence
+    ``i``'s, at position ``kv_lens[i] - 1``), pools ``[num_blocks, block_size, H_kv, D]``, ``block_table [S, W]``
+    (int32 or int64), ``kv_lens [S]`` -> ``[S, H, Dv]`` in the query's dtype. ``splits``: parts per sequence
+    (default :func:`decode_splits`).
+
+    Raises:
+        ValueError: heads that are not a multiple of the KV heads, or a query that is not ``[S, H, D]``.
+    """
+    if query.dim() != 3 or key_pool.dim() != 4 or query.shape[1] % key_pool.shape[2]:
+        raise ValueError(f"paged_decode: query {tuple(query.shape)} and pool {tuple(key_pool.shape)}; allowed: "
+                         "[S, H, D] queries over [blocks, block_size, H_kv, D] pools, H a multiple of H_kv")
+    s, h, d = query.shape
+    _, bs, h_kv, _ = key_pool.shape
+    dv = value_pool.shape[-1]
+    g = h // h_kv
+    splits = splits or decode_splits(s, h_kv, block_table.shape[1])
+    m = torch.empty(s, h, splits, dtype=torch.float32, device=query.device)
+    den = torch.empty_like(m)
+    acc = torch.empty(s, h, splits, dv, dtype=torch.float32, device=query.device)
+    if s:
+        table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+        lens = kv_lens.contiguous()
+        kernel = _kernel()
+        grid = (s, h_kv, splits)
+        args = (query, key_pool, value_pool, table, lens, m, den, acc, float(scale), int(window or 0),
+                query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+                value_pool.stride(0), value_pool.stride(1), value_pool.stride(2), table.stride(0), h)
+        meta = {"G": g, "GP": _pow2(g), "BS": bs, "BSP": _pow2(bs), "D": d, "DP": _pow2(d), "DV": dv, "DVP": _pow2(dv)}
+        if query.is_cuda:
+            with torch.cuda.device(query.device):
+                kernel[grid](*args, SPLITS=splits, **meta)
+        else:  # TRITON_INTERPRET=1 on CPU tensors
+            kernel[grid](*args, SPLITS=splits, **meta)
+    _CALLS["triton"] += 1
+    # merge the parts: a part that saw no key has max -inf and weight 0
+    top = m.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(m - top)  # [S, H, P]
+    total = (den * w).sum(-1, keepdim=True)  # [S, H, 1]
+    out = (acc * w[..., None]).sum(-2) / total
+    return out.to(query.dtype)
