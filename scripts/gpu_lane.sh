@@ -12,7 +12,8 @@
 # decode-8b, an 8B-parameter Llama with random weights where weight-only quantization shows its speed, and gemv,
 # benchmarks/gpu_gemv.py: the weight-only kernels at one to eight rows, and batch-eager, the batch workload with
 # the engine's steps eager (the throughput preset without its compile step), and batch-nographs, the preset with
-# its decode steps not replayed as CUDA graphs (beside batch, where they are), only by name);
+# its decode steps not replayed as CUDA graphs (beside batch, where they are), and engine-default / engine-8b
+# (benchmarks/gpu_engine.py: the engine at 16-256 concurrent requests, graphs on and off), only by name);
 # identity (benchmarks/gpu_identity.py: which component of gpu-fast leaves plain bf16 generate's tokens).
 # Setup is idempotent, so lane processes can run side by side once one has finished it.
 #
@@ -155,6 +156,10 @@ bench() {
     batch-nographs) run_stage bench-batch-nographs "$PY" -m infopt.cli bench --workload batch \
                       --recipe benchmarks/recipes/throughput-nographs.yaml --device cuda --dtype bfloat16 \
                       --baselines hf_continuous --repeats 1 --quiet --json "$RESULTS/batch-throughput-nographs.json" ;;
+    engine-default) run_stage bench-engine-default "$PY" benchmarks/gpu_engine.py --model default \
+                      --json "$RESULTS/engine-default.json" ;;
+    engine-8b) run_stage bench-engine-8b "$PY" benchmarks/gpu_engine.py --model llama3.1-8b --concurrency 16,64 \
+                 --no-hf --json "$RESULTS/engine-8b.json" ;;
     identity) run_stage bench-identity "$PY" benchmarks/gpu_identity.py --json "$RESULTS/identity.json" ;;
     *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
   esac
@@ -175,8 +180,8 @@ for spec in $STAGES; do
         --junitxml "$RESULTS/suite-cpu.xml" "${pytest_extra[@]}" ;;
     suite) run_stage suite "$PY" -m pytest -v -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml "$RESULTS/suite.xml" "${pytest_extra[@]}" ;;
     bench) for b in ${GPU_LANE_BENCH:-decode-default decode-1b batch}; do bench "$b"; done ;;
-    decode-default|decode-1b|decode-8b|gemv|batch|batch-eager|batch-nographs|identity) bench "$stage" ;;
-    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, gemv, batch, batch-eager, batch-nographs, identity)" >&2; exit 2 ;;
+    decode-default|decode-1b|decode-8b|gemv|batch|batch-eager|batch-nographs|engine-default|engine-8b|identity) bench "$stage" ;;
+    *) echo "gpu_lane: unknown stage $stage (setup, gpu, suite, suite-cpu, bench, decode-default, decode-1b, decode-8b, gemv, batch, batch-eager, batch-nographs, engine-default, engine-8b, identity)" >&2; exit 2 ;;
   esac
 done
 

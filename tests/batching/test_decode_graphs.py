@@ -29,16 +29,17 @@ def test_buckets_cover_the_engine_and_pick_the_smallest():
 
 def test_buffers_keep_their_addresses_and_park_padding_on_the_scratch_block():
     buffers = DecodeBuffers(4, 3, block_size=4, scratch_block=7, device="cpu")
-    fields = (buffers.input_ids, buffers.positions, buffers.slots, buffers.kv_lens, buffers.block_table)
+    fields = (buffers.input_ids, buffers.positions, buffers.slots, buffers.kv_lens, buffers.table(4, 3))
     before = [t.data_ptr() for t in fields]
     meta = buffers.meta(4, 2)
     buffers.stage([11, 12], [5, 0], [[2, 3], [4]], b=4, w=2)
     assert buffers.input_ids.tolist() == [11, 12, 0, 0] and buffers.positions.tolist() == [5, 0, 0, 0]
     assert buffers.slots.tolist() == [3 * 4 + 1, 4 * 4, 7 * 4, 7 * 4] and buffers.kv_lens.tolist() == [6, 1, 1, 1]
-    assert buffers.block_table[:, :2].tolist() == [[2, 3], [4, 7], [7, 7], [7, 7]]
+    assert buffers.table(4, 2).tolist() == [[2, 3], [4, 7], [7, 7], [7, 7]] and buffers.table(4, 2).is_contiguous()
     buffers.stage([9], [1], [[5]], b=1, w=1)
     assert [t.data_ptr() for t in fields] == before and buffers.meta(4, 2) is meta
-    assert meta.decode and meta.max_kv == 8 and meta.block_table.data_ptr() == buffers.block_table.data_ptr()
+    assert meta.decode and meta.max_kv == 8 and meta.block_table.data_ptr() == buffers.table(4, 3).data_ptr()
+    assert meta.block_table.is_contiguous() and buffers.meta(1, 1).block_table.tolist() == [[5]]
     with pytest.raises(ValueError, match="row 0 needs 2 blocks; the bucket has 1"):
         buffers.stage([1], [6], [[1, 2]], b=1, w=1)
     with pytest.raises(ValueError, match="cannot run in bucket"):
@@ -79,8 +80,9 @@ def test_layout_decode_lays_out_what_layout_step_does():
     assert buffers.kv_lens[:2].tolist() == ref_meta.kv_lens.tolist() == [7, 4]
     for row, kv_len in enumerate([7, 4]):  # the blocks a row reads (past them, padding: block 0 there, scratch here)
         used = -(-kv_len // 4)
-        assert buffers.block_table[row, :used].tolist() == ref_meta.block_table[row, :used].tolist()
-    assert buffers.block_table[1, 1:].eq(cache.pool.scratch_block).all() and buffers.block_table[2:4].eq(16).all()
+        assert buffers.table(4, 8)[row, :used].tolist() == ref_meta.block_table[row, :used].tolist()
+    table = buffers.table(4, 8)
+    assert table[1, 1:].eq(cache.pool.scratch_block).all() and table[2:4].eq(16).all()
     assert cache._meta is buffers.meta(4, 8) and batch.logits_indices.tolist() == [0, 1, 2, 3]
     cache.abort_step()
     with pytest.raises(ValueError, match="one new token per sequence"):
@@ -91,16 +93,18 @@ def test_engine_decode_steps_in_buckets_same_tokens(device):
     """Decode steps of 1-5 sequences (padded to buckets of 1, 2, 4 and 5 rows) through the fixed buffers: the same
     greedy tokens as the engine without them and as plain generate; the buckets were used and padded."""
     arg, backend = DEVICES[device].engine_graphs
-    model = tiny_model("llama", max_positions=256).to(device)
+    model = tiny_model("llama", max_positions=1024).to(device)
     prompts = [[(5 * i + 3 * j) % 200 + 1 for j in range(4 + 9 * i)] for i in range(5)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    kv = Paged(num_blocks=64, block_size=8)
+    kv = Paged(num_blocks=64, block_size=8)  # 512 tokens: block-table widths of 32 and 64 blocks
     plain_engine = Engine(model, max_batch_tokens=64, max_seqs=5, kv=kv, cuda_graphs=False)
     assert plain_engine.core.graphs is None and "cuda_graphs" not in plain_engine.metrics()
     expected = [o.token_ids for o in plain_engine.generate(prompts, params)]
     engine = Engine(model, max_batch_tokens=64, max_seqs=5, kv=kv, cuda_graphs=arg)
     got = [o.token_ids for o in engine.generate(prompts, params)]
     stats = engine.metrics()["cuda_graphs"]
+    assert stats["buckets"] == ["1x32", "1x64", "2x32", "2x64", "4x32", "4x64", "5x32", "5x64"]
+    assert all(c.endswith("x32") for c in stats["captured"])  # a narrower table than the widest: its own layout
     infopt.undo(model)
     plain = [model.generate(torch.tensor([p], device=device), max_new_tokens=10, min_new_tokens=10,
                             do_sample=False)[0, len(p):].tolist() for p in prompts]

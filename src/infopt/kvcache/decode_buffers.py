@@ -33,15 +33,17 @@ class DecodeBuffers:
 
     Attributes:
         input_ids, positions, slots, kv_lens: ``[max_seqs]`` int64 views.
-        block_table: ``[max_seqs, max_blocks]`` int64 view.
         rows: ``[max_seqs]`` ``0, 1, ...`` (the logits to keep, and the query layout of a decode step).
+
+    A bucket's block table is :meth:`table` ``(b, w)``: the first ``b * w`` slots of one region viewed as a
+    contiguous ``[b, w]`` (the kernels take contiguous tables), so buckets share the region, each step writing its own.
 
     Example:
         >>> buffers = DecodeBuffers(4, 3, block_size=16, scratch_block=9, device="cpu")
         >>> buffers.stage([5, 6], [17, 3], [[0, 1], [2]], b=4, w=2)
         >>> buffers.input_ids.tolist(), buffers.kv_lens.tolist(), buffers.slots.tolist()
         ([5, 6, 0, 0], [18, 4, 1, 1], [17, 35, 144, 144])
-        >>> buffers.block_table[:4, :2].tolist()
+        >>> buffers.table(4, 2).tolist()
         [[0, 1], [2, 9], [9, 9], [9, 9]]
     """
 
@@ -55,18 +57,22 @@ class DecodeBuffers:
         self.data = torch.zeros(size, dtype=torch.long, device=self.device)
         self._staging = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.input_ids, self.positions, self.slots, self.kv_lens = (self.data[i * n:(i + 1) * n] for i in range(4))
-        self.block_table = self.data[4 * n:].view(n, max_blocks)
+        self._tables = self.data[4 * n:]
         self.rows = torch.arange(n, device=self.device)
         self._ones = torch.ones(n, dtype=torch.long, device=self.device)
         self._starts = torch.arange(n + 1, device=self.device)
         self._metas: dict[tuple[int, int], PagedAttentionMetadata] = {}
+
+    def table(self, b: int, w: int) -> torch.Tensor:
+        """The ``[b, w]`` block table of bucket ``(b, w)``, contiguous (a view of the buffers)."""
+        return self._tables[:b * w].view(b, w)
 
     def meta(self, b: int, w: int) -> PagedAttentionMetadata:
         """The paged attention metadata of a ``(b, w)`` bucket: views of the buffers (the same object each step)."""
         key = (b, w)
         if key not in self._metas:
             self._metas[key] = PagedAttentionMetadata(
-                block_size=self.block_size, block_table=self.block_table[:b, :w], kv_lens=self.kv_lens[:b],
+                block_size=self.block_size, block_table=self.table(b, w), kv_lens=self.kv_lens[:b],
                 query_pos=self.positions[:b, None], mask=None, gather=self.rows[:b, None], scatter=self.rows[:b],
                 token_index=None, new_lens=self._ones[:b], single=None, decode=True, max_new=1,
                 max_kv=w * self.block_size, _starts=self._starts[:b + 1])
@@ -87,8 +93,8 @@ class DecodeBuffers:
                              f"({self.max_seqs}, {self.max_blocks})")
         n, bs, scratch = self.max_seqs, self.block_size, self.scratch_block
         host = self._staging
-        table = host[4 * n:].view(n, self.max_blocks)
-        table[:b, :w] = scratch
+        table = host[4 * n:4 * n + b * w].view(b, w)
+        table.fill_(scratch)
         for i, blocks in enumerate(tables):
             if len(blocks) > w:
                 raise ValueError(f"row {i} needs {len(blocks)} blocks; the bucket has {w}")
