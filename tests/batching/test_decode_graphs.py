@@ -209,3 +209,30 @@ def test_decode_body_reads_nothing_back_while_a_stream_captures(arch, monkeypatc
         set_cpu_kernel(previous)
         infopt.undo(model)
     assert out.shape[:2] == (1, 4)
+
+
+def test_capture_every_bucket_up_front_then_serve():
+    """``capture()`` (what ``warmup()`` runs on CUDA) takes every bucket, largest first, over an all-padding step that
+    writes only the scratch block; serving afterwards captures nothing more and gives ``generate``'s tokens."""
+    model = tiny_model("llama", max_positions=1024)
+    engine = Engine(model, max_batch_tokens=64, max_seqs=3, kv=Paged(num_blocks=64, block_size=8),
+                    cuda_graphs="replay")
+    graphs = engine.core.graphs
+    with pytest.raises(RuntimeError, match="after the first step has allocated the KV pools"):
+        graphs.capture()
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=1, ignore_eos=True))  # allocates the pools
+    pool = engine.cache.pool
+    before = [t.clone() for t in pool.keys]
+    graphs.capture()
+    stats = graphs.stats
+    assert stats.captured == ["3x64", "3x32", "2x64", "2x32", "1x64", "1x32"]
+    for old, new in zip(before, pool.keys, strict=True):  # only the scratch block was written
+        assert torch.equal(old[:pool.num_blocks], new[:pool.num_blocks])
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert stats.captured == ["3x64", "3x32", "2x64", "2x32", "1x64", "1x32"] and stats.replays > 0
+    infopt.undo(model)
+    plain = [model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):]
+             .tolist() for p in prompts]
+    assert got == plain

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..attention.paged import PagedStep
 from ..kvcache.decode_buffers import DecodeBuffers
@@ -208,11 +209,12 @@ class DecodeGraphs:
         if not self.cache.pool.allocated():
             raise RuntimeError("capture the decode graphs after the first step has allocated the KV pools")
         todo = sorted(keys or [(b, w) for b in self.buckets.batch_sizes for w in self.buckets.widths], reverse=True)
+        todo = [key for key in todo if key not in self._graphs]
         self._baked = self._where()
-        for b, w in todo:
-            if (b, w) not in self._graphs:
-                self.buffers.stage([], [], [], b=b, w=w)
-                self._capture((b, w))
+        for b, w in tqdm(todo, desc="infopt batching: capturing the decode steps' CUDA graphs", unit="graph",
+                         disable=not todo):
+            self.buffers.stage([], [], [], b=b, w=w)
+            self._capture((b, w))
 
     def disable(self, reason: str) -> None:
         """Turn graphs off for good (the engine runs every step as before) and say why in the stats."""
