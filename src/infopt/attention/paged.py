@@ -320,8 +320,9 @@ def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scal
 
 def _triton_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     # decode-only packed steps, eager (a compiled forward calls the reference operator), on CUDA or the interpreter
-    return (_USE_TRITON[0] and meta.decode and meta.single is None and query.shape[0] == 1
-            and not torch.compiler.is_compiling() and triton_paged.available(query))
+    # is_compiling first: a compiled forward never reads meta.decode (a guard on it would recompile per step kind)
+    return (not torch.compiler.is_compiling() and _USE_TRITON[0] and meta.decode and meta.single is None
+            and query.shape[0] == 1 and triton_paged.available(query))
 
 
 def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
