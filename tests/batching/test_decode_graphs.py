@@ -16,6 +16,12 @@ from infopt.models import tiny_model
 from ..devices import DEVICES
 
 
+def _plain(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from plain ``generate``, alone (``new`` of them, EOS not ending it early)."""
+    return [model.generate(torch.tensor([p], device=model.device), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
 def test_buckets_cover_the_engine_and_pick_the_smallest():
     buckets = DecodeBuckets.for_engine(max_seqs=64, max_blocks=512, block_size=16)
     assert buckets.batch_sizes == (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -106,8 +112,7 @@ def test_engine_decode_steps_in_buckets_same_tokens(device):
     assert stats["buckets"] == ["1x32", "1x64", "2x32", "2x64", "4x32", "4x64", "5x32", "5x64"]
     assert all(c.endswith("x32") for c in stats["captured"])  # a narrower table than the widest: its own layout
     infopt.undo(model)
-    plain = [model.generate(torch.tensor([p], device=device), max_new_tokens=10, min_new_tokens=10,
-                            do_sample=False)[0, len(p):].tolist() for p in prompts]
+    plain = _plain(model, prompts, 10)
     assert got == expected == plain
     assert stats["backend"] == backend and stats["replays"] > 0 and stats["padded_rows"] > 0, stats
     assert stats["disabled"] is None and stats["recaptures"] == 0 and stats["captured"], stats
@@ -151,8 +156,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_still_runs(monkeypatch):
     out = [o.token_ids for o in engine.generate([[1, 2, 3], [4, 5]], params)]
     stats = engine.metrics()["cuda_graphs"]
     infopt.undo(model)
-    plain = [model.generate(torch.tensor([p]), max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(p):]
-             .tolist() for p in ([1, 2, 3], [4, 5])]
+    plain = _plain(model, [[1, 2, 3], [4, 5]], 4)
     assert out == plain and "capture failed: RuntimeError" in stats["disabled"] and stats["replays"] == 0
 
 
@@ -233,6 +237,5 @@ def test_capture_every_bucket_up_front_then_serve():
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert stats.captured == ["3x64", "3x32", "2x64", "2x32", "1x64", "1x32"] and stats.replays > 0
     infopt.undo(model)
-    plain = [model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):]
-             .tolist() for p in prompts]
+    plain = _plain(model, prompts, 6)
     assert got == plain
