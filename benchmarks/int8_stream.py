@@ -47,7 +47,7 @@ def grouped(g):
 
 
 if args.rows:
-    from infopt.quantize.formats.int8 import _dequantized_matmul
+    from infopt.quantize.formats.int8_layouts import _dequantized_matmul
 
     out = []
     for m in args.rows:

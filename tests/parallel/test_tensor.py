@@ -49,7 +49,7 @@ def test_layers_swapped_per_kind(tiny_results):
 def test_shards_keep_int8_activations(tiny_results):
     # a shard is built in its layer's kernel layout, not the device's automatic one (which dropped int8 activations)
     assert tiny_results["llama-int4-a8"]["q_proj_kernel"] == tiny_results["llama-int4-a8"]["o_proj_kernel"] == "a8"
-    assert tiny_results["llama-int8-a8"]["q_proj_kernel"] == tiny_results["llama-int8-a8"]["o_proj_kernel"] == "int8"
+    assert tiny_results["llama-int8-a8"]["q_proj_kernel"] == tiny_results["llama-int8-a8"]["o_proj_kernel"] == "a8"
 
 
 @pytest.fixture(scope="module")

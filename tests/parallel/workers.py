@@ -109,8 +109,8 @@ def tp_case(model, quant=None, ref=None, dtensor=False):
 
 
 def _kernel_of(m) -> str | None:
-    """An int4 layer's layout, an int8 layer's activations (what a shard must keep from its layer)."""
-    return getattr(m, "layout", None) or getattr(m, "activations", None)
+    """A quantized layer's layout (what a shard must keep from its layer)."""
+    return getattr(m, "layout", None)
 
 
 def tp_tiny_families():

@@ -2,12 +2,15 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import infopt
 from infopt.io import load_optimized, save_optimized
 from infopt.models import tiny_model
 from infopt.quantize import Int8Linear, Int8WeightOnly, quantize_
+from infopt.quantize.formats.int8_layouts import LAYOUTS
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -107,11 +110,11 @@ def test_float32_without_the_kernels_dequantizes_in_chunks_of_rows(monkeypatch, 
     """Without infopt's C++ kernels, fp32 calls run on the weight dequantized a chunk of rows at a time into a reused
     buffer: the same product as the whole dequantized weight, across chunk edges (chunks of 3 rows of 64 here, 40
     rows: a partial last chunk)."""
-    import infopt.quantize.formats.int8 as int8_mod
+    import infopt.quantize.formats.int8_layouts as layouts
 
-    monkeypatch.setattr(int8_mod.a8, "available", lambda: False)
-    monkeypatch.setattr(int8_mod, "_CHUNK_WEIGHTS", 3 * 64)
-    monkeypatch.setattr(int8_mod, "_SCRATCH", threading.local())
+    monkeypatch.setattr(layouts.a8, "available", lambda: False)
+    monkeypatch.setattr(layouts, "_CHUNK_WEIGHTS", 3 * 64)
+    monkeypatch.setattr(layouts, "_SCRATCH", threading.local())
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 40)
     layer = Int8Linear.from_float(lin, compute_dtype="float32", group_size=group_size)
@@ -120,7 +123,7 @@ def test_float32_without_the_kernels_dequantizes_in_chunks_of_rows(monkeypatch, 
     got = layer(x)
     assert got.shape == (2, 20, 40) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert int8_mod._SCRATCH.buf.numel() == 3 * 64  # one buffer of one chunk, reused for every chunk
+    assert layouts._SCRATCH.buf.numel() == 3 * 64  # one buffer of one chunk, reused for every chunk
 
 
 def test_auto_compute_dtype_is_fp32_for_fp32_models_where_the_kernel_was_measured_faster():
@@ -138,3 +141,32 @@ def test_auto_compute_dtype_is_fp32_for_fp32_models_where_the_kernel_was_measure
     assert bf16.compute_dtype == (torch.bfloat16 if hasattr(torch, "_weight_int8pack_mm") else None)
     x = torch.randn(3, 64)
     torch.testing.assert_close(fp32(x), x @ fp32.dequantize().t() + fp32.bias, atol=3e-2, rtol=1e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout=st.sampled_from(sorted(LAYOUTS)), blocks=st.integers(1, 4), k=st.sampled_from([4, 12, 40, 64, 96]),
+       seed=st.integers(0, 2**16))
+def test_each_layout_keeps_the_codes_exactly(layout, blocks, k, seed):
+    """Codes set into a layout come back exactly, whole (``codes()``, the saved ``weight_int8``) and row by row."""
+    n = 16 * blocks
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    activations = LAYOUTS[layout].activations
+    layer = Int8Linear.from_codes(codes, torch.rand(n) + 0.1, activations=activations)
+    assert layer.layout == layout and layer.activations == activations
+    assert torch.equal(layer.codes(), codes)
+    assert torch.equal(layer.state_dict()["weight_int8"], codes)
+    index = torch.tensor([[n - 1, 0], [n // 2, 3]])
+    assert torch.equal(layer.rows(index), codes[index].float() * layer.weight_scale[index, None])
+    fresh = Int8Linear(k, n, bias=False, dtype=torch.float32, compute_dtype=None, activations=activations)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.codes(), codes)
+
+
+def test_unknown_or_unfitting_layout_is_refused():
+    with pytest.raises(ValueError, match="activations must be 'float' or 'int8', got 'int4'"):
+        Int8Linear(64, 32, bias=False, dtype=torch.float32, compute_dtype=None, activations="int4")
+    with pytest.raises(ValueError, match="out_features divisible by 16.*64 -> 24"):
+        Int8Linear(64, 24, bias=False, dtype=torch.float32, compute_dtype=None, activations="int8")
+    with pytest.raises(ValueError, match="one scale per channel.*group_size=32"):
+        Int8Linear.from_float(nn.Linear(64, 32), group_size=32, activations="int8")
+    assert LAYOUTS["plain"].fits(24, 64, 32) is None

@@ -47,6 +47,7 @@ from ..quantize.formats.fp8 import FP8Linear
 from ..quantize.formats.int4 import Int4Linear
 from ..quantize.formats.int4_layouts import LAYOUTS
 from ..quantize.formats.int8 import Int8Linear
+from ..quantize.formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from .packed import usable as packed_usable
 from .packed import wants_grad
 
@@ -217,8 +218,9 @@ class QuantizedFusedGroup(FusedGroup):
 def _quantized_tensors(m: nn.Module) -> tuple[str, ...] | None:
     """The code and scale buffers of a quantized layer that :class:`QuantizedFusedGroup` fuses, or None for a layer
     it does not take."""
-    if type(m) is Int8Linear and m.activations == "float" and m.group_size is None:
-        return ("weight_int8", "weight_scale")
+    if type(m) is Int8Linear and m.group_size is None:  # per channel: _like builds no group scales
+        layout = INT8_LAYOUTS[m.layout]  # the layout says whether its codes concatenate along the rows
+        return (*layout.buffers, "weight_scale") if layout.concatenates else None
     if type(m) is Int4Linear and m.in_perm is None and m.weight_dense is None:
         layout = LAYOUTS[m.layout]  # the layout says whether its buffers concatenate along the rows
         return layout.buffers if layout.concatenates else None

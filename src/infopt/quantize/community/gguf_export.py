@@ -129,8 +129,7 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
             codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
         data, got, exact = _int4_blocks(codes, scales, zeros)
         return data, getattr(Q, got), got, "exact" if exact else "rounded"
-    if (type(module) is Int8Linear and module.group_size == BLOCK
-            and getattr(module, "weight_int8", None) is not None):
+    if type(module) is Int8Linear and module.group_size == BLOCK and module.layout == "plain":
         codes, scales = module.weight_int8, module.weight_scale
         if perm is not None:
             codes, scales = codes[perm], scales[perm]

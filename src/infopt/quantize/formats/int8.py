@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
-import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.step import StepConfig, bad_field, register_step
-from ...ops.triton_gemv import GEMV_MAX_ROWS, w8_gemv
-from ...ops.triton_int8 import MM_DTYPES, int8_weight_mm
 from ..api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
+from .int8_layouts import BY_ACTIVATIONS, LAYOUTS, _int8pack_available, act_group
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact",
@@ -34,9 +30,6 @@ kernel ran); the weight dequantized per call (group scales off the fp32 CPU path
 interpreter); ``torch._weight_int8pack_mm`` (CPU, bf16/fp16); ``reference``: the int8 weight cast, times the scales."""
 
 _CALLS = dict.fromkeys(KERNELS, 0)  # eager forwards per kernel since import (a diagnostic: unlocked, += under the GIL)
-
-# Triton's CPU interpreter (tests): CPU layers take the Triton ops' routes, as CUDA layers do (read once, at import)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_calls() -> dict[str, int]:
@@ -185,37 +178,6 @@ def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) ->
     return q, (scale[:, 0] if group_size is None else scale)
 
 
-_SCRATCH = threading.local()
-_CHUNK_WEIGHTS = 1 << 20
-"""Weights dequantized at a time by :func:`_dequantized_matmul` (4 MiB of fp32: stays in the caches)."""
-
-
-def _dequantized_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` fp32 times the dequantized ``codes [N, K]`` (``scale [N]`` or ``[N, G]``): ``[M, N]`` fp32.
-
-    The weight is dequantized a chunk of rows at a time into one reused per-thread buffer, each chunk's product
-    written straight into the output: no full fp32 copy of the weight is allocated per call (for the default model's
-    prompts that copy was 540 MB per token batch, most of its time in page faults).
-    """
-    n, k = codes.shape
-    rows = max(1, min(n, _CHUNK_WEIGHTS // k))
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < rows * k:
-        buf = _SCRATCH.buf = torch.empty(max(rows * k, _CHUNK_WEIGHTS), dtype=torch.float32)
-    y_t = torch.empty(n, x.shape[0], dtype=torch.float32)
-    xt = x.t()
-    for i in range(0, n, rows):
-        j = min(n, i + rows)
-        w = buf[: (j - i) * k].view(j - i, k)
-        w.copy_(codes[i:j])
-        if scale.dim() == 1:
-            w.mul_(scale[i:j, None])
-        else:
-            w.view(j - i, scale.shape[1], -1).mul_(scale[i:j, :, None])
-        torch.mm(w, xt, out=y_t[i:j])
-    return y_t.t().contiguous()
-
-
 def _auto_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
     """``compute_dtype="auto"`` for a per-channel layer: fp32 for an fp32 model on a CPU whose C++ kernels are built
     with AVX-512 (infopt's int8 x fp32 kernel: exact activations, and measured faster than bf16 activations on
@@ -226,25 +188,15 @@ def _auto_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if _int8pack_available(device) else None
 
 
-def _int8pack_available(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
-
-
-def act_group(in_features: int) -> int:
-    """The activation group of an ``activations="int8"`` layer: 16 input channels (or 8, or 4, whichever divides
-    ``in_features``). Finer than the int4 layers' 32: the head decides every token, and on the default model
-    groups of 16 keep top-1 at 0.964 against 0.960 with 32, for ~0.1 ms more per token on its 49152 x 576
-    weight (``benchmarks/a8_quality.py``)."""
-    return next(g for g in (16, 8, 4, in_features) if in_features % g == 0)
-
-
 class Int8Linear(KeepsFormat):
     """A linear layer with int8 weights ``[out, in]`` and per-channel scales.
 
     Saved (``state_dict``): ``weight_int8`` int8 ``[out, in]``, ``weight_scale`` fp32 ``[out]`` (or
-    ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter. With
-    ``activations="int8"`` the codes live in the block layout of :mod:`infopt.quantize.formats.a8` (buffers
-    ``weight_a8`` and ``wsum``) and are converted to ``weight_int8`` when saved and from it when loaded.
+    ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter. ``activations`` picks the
+    layout of the codes in memory, ``layout`` (a small class of :mod:`infopt.quantize.formats.int8_layouts`):
+    ``"plain"`` (``"float"``) keeps ``weight_int8`` itself; ``"a8"`` (``"int8"``) the block layout of
+    :mod:`infopt.quantize.formats.a8` (buffers ``weight_a8`` and ``wsum``), converted to ``weight_int8`` when saved
+    and from it when loaded.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype,
@@ -253,26 +205,21 @@ class Int8Linear(KeepsFormat):
         super().__init__()
         if group_size is not None and in_features % group_size:
             raise ValueError(f"Int8Linear: group_size {group_size} does not divide in_features {in_features}")
-        if activations not in ("float", "int8"):
+        if activations not in BY_ACTIVATIONS:
             raise ValueError(f"Int8Linear: activations must be 'float' or 'int8', got {activations!r}")
-        if activations == "int8" and (group_size is not None or out_features % a8.ROWS or in_features % 4):
-            raise ValueError(f"Int8Linear: activations='int8' needs one scale per channel, out_features divisible by "
-                             f"{a8.ROWS} and in_features by 4; got group_size={group_size}, {in_features} -> {out_features}")
+        layout = LAYOUTS[BY_ACTIVATIONS[activations]]
+        reason = layout.fits(out_features, in_features, group_size)
+        if reason is not None:
+            raise ValueError(f"Int8Linear: {reason}")
         self.in_features = in_features
         self.out_features = out_features
         self.out_dtype = dtype
         self.group_size = group_size
-        self.activations = activations
-        if activations == "int8":
-            self.act_group = act_group(in_features)
-            # not persistent: saved and loaded as weight_int8 (see _save_to_state_dict)
-            self.register_buffer("weight_a8", torch.zeros(out_features // a8.ROWS, in_features // 4, 4 * a8.ROWS,
-                                                          dtype=torch.int8, device=device), persistent=False)
-            self.register_buffer("wsum", torch.zeros(out_features // a8.ROWS, in_features // self.act_group, a8.ROWS,
-                                                     dtype=torch.int32, device=device), persistent=False)
-        else:
-            self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8,
-                                                            device=device))
+        self.layout = layout.name
+        self.act_group = act_group(in_features)  # of the int8 activations (the a8 layout's)
+        # a layout that does not save its buffers saves and loads weight_int8 (see _save_to_state_dict)
+        for name, t in layout.empty(out_features, in_features, device).items():
+            self.register_buffer(name, t, persistent=layout.saves_buffers)
         scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
@@ -318,24 +265,22 @@ class Int8Linear(KeepsFormat):
             new.bias.data.copy_(bias.detach())
         return new
 
+    @property
+    def activations(self) -> str:
+        """``"float"`` or ``"int8"``: the activations the layer computes with (what its layout stands for)."""
+        return LAYOUTS[self.layout].activations
+
     def codes(self) -> torch.Tensor:
         """The int8 codes ``[out, in]`` (converted from the block layout with ``activations="int8"``)."""
-        return a8.unpack_blocked_int8(self.weight_a8) if self.activations == "int8" else self.weight_int8
+        return LAYOUTS[self.layout].codes(self)
 
     def _set_codes(self, codes: torch.Tensor) -> None:
-        if self.activations == "int8":
-            self.weight_a8, self.wsum = a8.pack_blocked_int8(codes.to(self.weight_a8.device), self.act_group)
-        else:
-            self.weight_int8.copy_(codes)
+        LAYOUTS[self.layout].set_codes(self, codes)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` (any shape) of the dequantized weight: ``[*index.shape, in]`` in ``dtype``, computed in
         fp32 as ``codes * scale`` (the lookups of a :class:`SharedInt8Embedding`). Reads only those rows."""
-        if self.activations == "int8":  # block layout [N/16, K/4, 16 rows, 4 columns]
-            blocks = self.weight_a8.view(self.out_features // a8.ROWS, self.in_features // 4, a8.ROWS, 4)
-            codes = blocks[index // a8.ROWS, :, index % a8.ROWS].reshape(*index.shape, self.in_features)
-        else:
-            codes = self.weight_int8[index]
+        codes = LAYOUTS[self.layout].rows(self, index)
         scale = self.weight_scale[index]
         if self.group_size is None:
             w = codes.float() * scale.unsqueeze(-1)
@@ -349,7 +294,7 @@ class Int8Linear(KeepsFormat):
         return dequantize(codes, group_block(codes.shape, self.group_size), self.weight_scale)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self.activations != "int8":
+        if LAYOUTS[self.layout].saves_buffers:
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight_int8"] = self.codes()
         destination[prefix + "weight_scale"] = self.weight_scale
@@ -366,10 +311,10 @@ class Int8Linear(KeepsFormat):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         self._scale_cache.clear()
-        if self.activations != "int8":
+        if LAYOUTS[self.layout].saves_buffers:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
-        # the saved weight_int8 is converted into the block layout; the derived buffers are not saved
+        # the saved weight_int8 is converted into the layout's buffers, which are not saved
         key = prefix + "weight_int8"
         rest = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(rest, prefix, local_metadata, False, [], [], error_msgs)
@@ -392,56 +337,7 @@ class Int8Linear(KeepsFormat):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        cd = self.compute_dtype
-        # fp32 activations and sums on CPU: compute_dtype float32, or auto (None) with group scales
-        fp32_cpu = (x.dtype == torch.float32 and x.device.type == "cpu" and self.activations == "float"
-                    and (cd == torch.float32 or (cd is None and self.group_size is not None)))
-        if fp32_cpu and a8.available():
-            # the int8 kernel (per-channel or per-group scales), decode and prompts alike (faster than an fp32 GEMM
-            # over the dequantized weight at every row count measured, 4 to 2,048); called directly: this layer
-            # runs about 200 times per token, and each Python step costs
-            kernel = "int8_f32_linear"
-            y = torch.ops.infopt.int8_f32_linear(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
-            y = y.view(*x.shape[:-1], self.out_features)
-        elif fp32_cpu and not torch.compiler.is_compiling():
-            # without the C++ kernels: the dequantized weight, a chunk of rows at a time
-            kernel = "dequantized_chunks"
-            y = _dequantized_matmul(x.reshape(-1, self.in_features), self.weight_int8, self.weight_scale)
-            y = y.view(*x.shape[:-1], self.out_features)
-        elif fp32_cpu:  # while compiling without the C++ kernels: the dequantized weight
-            kernel = "dequantized"
-            y = F.linear(x, self.dequantize())
-        elif self.activations == "int8":
-            kernel = "int8_a8_linear"
-            y = a8.int8_a8_linear(x, self.weight_a8, self.wsum, self.weight_scale, self.act_group)
-        elif self.group_size is not None:  # other devices and dtypes: the dequantized weight
-            kernel, wd = "dequantized", cd or x.dtype
-            y = F.linear(x.to(wd), self.dequantize().to(wd)).to(x.dtype)
-        elif (x.is_cuda or _INTERPRET) and (cd or x.dtype) in MM_DTYPES:
-            # the weight stays int8 in memory: the Triton kernel converts tiles in registers (the op falls back
-            # to dequantize-then-matmul, warning once, where Triton is missing)
-            wd = cd or x.dtype
-            if self.cuda_kernel == "gemv" and x.numel() <= GEMV_MAX_ROWS * self.in_features:
-                kernel = "w8_gemv"
-                y = w8_gemv(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-            else:
-                kernel = "int8_weight_mm"
-                y = int8_weight_mm(x.to(wd), self.weight_int8, self.weight_scale).to(x.dtype)
-        elif cd is not None and _int8pack_available(x.device) and cd in (torch.bfloat16, torch.float16):
-            kernel = "weight_int8pack_mm"
-            if not torch.compiler.is_compiling() and self.weight_int8.data_ptr() % 64:
-                # the CPU kernel's vector loads assume torch's 64-byte allocation alignment; a weight viewed into a
-                # memory-mapped file at another offset can crash it (SIGSEGV), so take an allocation of our own;
-                # is_compiling() first: dynamo cannot trace data_ptr() (the eager prompt pass before a compiled decode
-                # step takes the copy)
-                self.weight_int8 = self.weight_int8.clone()
-            x2 = x.reshape(-1, self.in_features).to(cd).contiguous()
-            y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale(cd))
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        else:
-            kernel, wd = "reference", cd or x.dtype
-            y = F.linear(x.to(wd), self.weight_int8.to(wd)) * self._scale(wd)
-            y = y.to(x.dtype)
+        kernel, y = LAYOUTS[self.layout].matmul(self, x)
         if not torch.compiler.is_compiling():  # a count read while tracing would make dynamo guard on it
             _CALLS[kernel] += 1
         if self.bias is not None:
@@ -545,7 +441,7 @@ def _make(module: nn.Module, config: Int8WeightOnly, conv1d: bool) -> Int8Linear
     activations = a8.resolve(config.activations, module.weight.device)
     if config.activations == "auto":  # per layer: int8 only where the layer fits the kernel
         out_f, in_f = (module.weight.shape[::-1] if conv1d else module.weight.shape)
-        if config.group_size is not None or out_f % a8.ROWS or in_f % 4:
+        if LAYOUTS["a8"].fits(out_f, in_f, config.group_size) is not None:
             activations = "float"
     layer = Int8Linear.from_float(module, compute_dtype=config.compute_dtype, conv1d=conv1d,
                                   group_size=config.group_size, activations=activations)
