@@ -2,7 +2,7 @@
 path silently for the user (the tokens stay right), so the tests that check tokens alone would stay green.
 
 - ``cpu-fast`` builds its decode step as an AOTInductor package (where this torch has AOTInductor) on every dense
-  tiny family and on the default model, and no shape fell back;
+  tiny family and on the default model, for batch 1 and for every batch of 2-32, and no shape fell back;
 - ``throughput`` compiles the engine's two step graphs while the recipe is applied, and serves without compiling
   again.
 """
@@ -30,6 +30,13 @@ def _assert_cpu_fast_took_the_package(m) -> None:
     calls = stats.calls
     m.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert stats.calls > calls and stats.compiles_after_warmup == 0  # served by the warmed step
+    if stats.aot:  # a batch too (warmup_batch_sizes: auto): one package serves every batch of 2-32, no eager step
+        assert any(s.startswith("any batch 2-32") for s in stats.shapes), stats.shapes
+        calls = stats.calls
+        batch = PROMPT.expand(3, -1)
+        m.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=4, min_new_tokens=4,
+                   do_sample=False)
+        assert stats.calls == calls + 3 and stats.cold_eager_calls == 0 and stats.compiles_after_warmup == 0
 
 
 @pytest.mark.slow

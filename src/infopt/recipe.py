@@ -211,14 +211,15 @@ PRESETS: dict[str, Preset] = {
                "speculative decoding drafted by an int4 copy of "
                "the model (int8 head, int8 activations where the CPU has the kernel) and verified by the original "
                "weights, on a static KV cache with compiled verify and draft steps (fp32 linears on prepacked weights)",
-               ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default"}},
+               ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "warmup_batch_sizes": "auto"}},
                 {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode within KL < 0.02: int4 weights (group 32, int8 head that a tied "
                "embedding shares; int8 activations on AVX512-VNNI and AVX2 CPUs), static KV cache, decode step compiled "
                "(an AOTInductor package on CPU)",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                               "activations": "auto"}},
-                {"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "aot": "auto"}})),
+                {"kvcache": {"kind": "static"}},
+                {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": "auto"}})),
         Preset("memory-saver", "smallest weights + KV cache within KL < 0.02: int4 weights (group 32, int8 head that a "
                "tied embedding shares) and an int4 KV cache; decode is not compiled (slower than cpu-fast)",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True}},

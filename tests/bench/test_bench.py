@@ -108,6 +108,31 @@ def test_run_bench_lossy_recipe_measures_quality(tok):
     assert res["ratios"]["model_mb"] < 1.0
 
 
+@pytest.mark.parametrize("cold", ["compile", "eager"])
+def test_a_run_that_compiles_in_its_timed_part_is_not_valid(tok, cold, monkeypatch):
+    """The bench warms up with the first request; a later one here lands in a cache bucket the warm-up did not
+    compile (guarded graphs: one per bucket). Compiled on first use, that compile lands in the timed run: the result
+    says it is not valid, the table says why, and ``infopt bench`` would exit with 1. Run eagerly instead (the CPU
+    default), the run is valid and the table counts the eager steps."""
+    from infopt.bench import harness, workloads
+    from infopt.bench.report import format_table
+
+    short, long = (workloads.Request(torch.randint(3, 1000, (1, n)), 6) for n in (20, 300))
+    monkeypatch.setattr(harness, "make_workload", lambda *a, **k: [short, long])
+    m = tiny_model("llama", max_positions=2048)
+    recipe = [{"kvcache": {"kind": "static", "max_length": 1024}},
+              {"compile": {"backend": "aot_eager", "cold_shapes": cold}}]
+    res = run_bench(m, tok, recipe, "decode", repeats=1, progress=False)
+    c = res["compile"]
+    text = format_table(res)
+    if cold == "compile":
+        assert c["compiles_in_timed_run"] >= 1 and res["valid"] is False and "NOT VALID" in text
+    else:
+        assert c["compiles_in_timed_run"] == 0 and c["cold_eager_calls_in_timed_run"] > 0 and res["valid"] is True
+        assert "NOT VALID" not in text and "decode steps run eagerly on shapes the warm-up did not compile" in text
+    assert res["exact_greedy"] is True
+
+
 def test_baseline_only(tok):
     m = tiny_model("llama", max_positions=2048)
     res = run_bench(m, tok, "none", "decode", repeats=1, progress=False)

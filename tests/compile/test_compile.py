@@ -52,6 +52,36 @@ def test_warmup_batch_must_match_fixed_batch(llama):
     assert decoder_for(llama) is None
 
 
+@pytest.mark.slow
+def test_auto_warmup_with_speculative_drafts_at_batch_1_and_decodes_batches_on_their_warmed_graph():
+    """``warmup_batch_sizes="auto"`` beside speculative decoding warms the verify widths for batch 1 and the one-token
+    step for every batch of 2-32: a batch of rows decodes token by token on that graph (no eager verify, no compile),
+    a single row drafts; both keep plain generate's greedy tokens. Listing batch 2 warms its widths, and batches
+    draft again."""
+    from infopt.speculative import SelfDraft, stats
+
+    ref = tiny_model()
+    batch = torch.randint(3, 1000, (3, 7))
+    kw = dict(attention_mask=torch.ones_like(batch), max_new_tokens=10, do_sample=False)
+    for sizes, batch_loop in (("auto", "lean"), ((1, 2), "speculative")):
+        m = tiny_model()
+        infopt.optimize(m, [Static(max_length=256), Compile(warmup_batch_sizes=sizes),
+                            SelfDraft(quantize="int8", num_tokens=3)])
+        cs = compile_stats(m)
+        assert "any batch 2-32, any cache length, padded" in cs.shapes
+        assert any(s.startswith("any batch 2-32, 4 tokens") for s in cs.shapes) == (sizes != "auto"), cs.shapes
+        fwd = decoder_for(m).forward_for()
+        assert fwd.drafts(1) and fwd.drafts(3) == (sizes != "auto") and fwd.drafts(32) == fwd.drafts(3)
+        assert torch.equal(m.generate(batch, **kw), ref.generate(batch, **kw))
+        p = _prompts()[0]
+        assert torch.equal(m.generate(p, max_new_tokens=10, do_sample=False),
+                           ref.generate(p, max_new_tokens=10, do_sample=False))
+        assert routing_stats(m).loops == ({"lean": 1, "speculative": 1} if batch_loop == "lean"
+                                          else {"speculative": 2}), routing_stats(m).loops
+        assert cs.compiles_after_warmup == 0 and not cs.cold_shapes and cs.eager_calls == 0, cs.as_dict()
+        assert stats(m)["rounds"] > 0
+
+
 def test_warmup_needs_compile_step(llama):
     with pytest.raises(ValueError, match="no compile step"):
         warmup(llama)
@@ -122,13 +152,14 @@ def test_inductor_decode_token_identical_counts_and_undo():
                        ref.generate(_prompts()[0], max_new_tokens=5, do_sample=False))
 
 
-def test_one_inductor_graph_serves_every_batch_from_two_rows():
+def test_one_inductor_graph_serves_every_batch_from_two_rows(caplog):
     """Traced at two rows, the guard-free step keeps the batch symbolic as it keeps the cache length: batches of 2, 3
     and 5, padded or not, in the 256 and 512 buckets, run one graph (equal-length rows go through it on a mask of
-    ones), token-identical to plain generate, with no compile after the warm-up; 33 rows, past FREE_BATCH, get a
-    graph of their own."""
+    ones), token-identical to plain generate, with no compile after the warm-up (``warmup_batch_sizes="auto"``
+    compiles it); 33 rows, past FREE_BATCH, would need a graph of their own: on a CPU that call decodes eagerly
+    rather than wait for a compiler, and says so."""
     ref, m = tiny_model(), tiny_model()
-    infopt.optimize(m, [Static(max_length=512), Compile(warmup_batch_sizes=(1, 2))])
+    infopt.optimize(m, [Static(max_length=512), Compile(warmup_batch_sizes="auto")])
     stats = compile_stats(m)
     assert stats.compiles == 2 and stats.shapes == ["batch 1, any cache length, unpadded",
                                                     "any batch 2-32, any cache length, padded"]
@@ -143,9 +174,47 @@ def test_one_inductor_graph_serves_every_batch_from_two_rows():
     assert stats.compiles == 2 and stats.compiles_after_warmup == 0 and not stats.eager_shapes
     ids = torch.randint(3, 1000, (33, 4), generator=g)  # past FREE_BATCH: a graph of its own batch, any length
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
-    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    with caplog.at_level("WARNING", logger="infopt.compile"):
+        assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
     # (all-ones mask: unpadded; only a batch a free graph serves is routed through the padded one)
-    assert stats.shapes[2:] == ["batch 33, any cache length, unpadded"] and stats.compiles_after_warmup == 1
+    assert stats.cold_shapes == ["batch 33, any cache length, unpadded"] and stats.cold_eager_calls == 2
+    assert stats.compiles == 2 and stats.compiles_after_warmup == 0
+    said = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
+    assert len(said) == 1 and "batch 33" in said[0] and "cold_shapes='compile'" in said[0]
+
+
+def test_cold_shapes_compile_makes_the_call_wait_for_its_graph():
+    """``cold_shapes="compile"``: a shape the warm-up left out compiles on first use (the call waits), and later calls
+    of it run the graph."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(backend="aot_eager", cold_shapes="compile")])
+    ids = torch.randint(3, 1000, (3, 5))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    stats = compile_stats(m)
+    assert stats.compiles_after_warmup == 1 and not stats.cold_shapes and stats.cold_eager_calls == 0
+    calls = stats.calls
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    assert stats.calls == calls + 3 and stats.compiles_after_warmup == 1
+
+
+def test_cold_shapes_run_eagerly_on_a_cpu_by_default_and_explicit_warmups_still_compile():
+    """By default on a CPU a shape the warm-up left out decodes eagerly, token-identical, no compile; an explicit
+    :func:`warmup` of that shape afterwards compiles it, and the next call runs the graph."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=512), Compile(backend="aot_eager")])
+    assert Compile().cold_shapes == "auto" and decoder_for(m).forward_for(m).cold_eager
+    ids = torch.randint(3, 1000, (1, 300))  # the 512 bucket: guarded graphs are one per bucket
+    kw = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    stats = compile_stats(m)
+    assert stats.cold_shapes == ["batch 1, cache 512, unpadded"] and stats.cold_eager_calls == 3
+    assert stats.compiles == 1 and stats.compiles_after_warmup == 0
+    warmup(m, lengths=(300,))
+    assert stats.compiles == 2
+    calls = stats.calls
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    assert stats.calls == calls + 3 and stats.cold_eager_calls == 3
 
 
 @pytest.mark.slow
@@ -153,7 +222,8 @@ def test_one_inductor_graph_serves_every_batch_from_two_rows():
 def test_padded_batches_token_identical(backend):
     """Left-padded batches decode through the step with a fixed-width mask, as generate does."""
     ref, m = tiny_model(), tiny_model()
-    infopt.optimize(m, [Static(max_length=256), Compile(backend=backend, warmup_batch_sizes=(2,))])
+    infopt.optimize(m, [Static(max_length=256), Compile(backend=backend, warmup_batch_sizes=(2,),
+                                                        cold_shapes="compile")])
     ids = torch.tensor([[0, 0, 0, 7, 8, 9], [4, 5, 6, 7, 8, 9]])
     mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -395,7 +465,7 @@ def test_a_graph_that_cannot_hold_falls_back_to_eager_with_one_warning(monkeypat
     batch2 = torch.randint(3, 1000, (2, 12))
     with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])
+        infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", cold_shapes="compile")])
         for p in (*_prompts(), batch2):  # two shapes: batch 1 and batch 2
             assert torch.equal(m.generate(p, max_new_tokens=12, do_sample=False),
                                ref.generate(p, max_new_tokens=12, do_sample=False))
@@ -432,7 +502,7 @@ def test_every_cold_shape_compile_is_announced_the_remedy_once(caplog):
     """Each compile a call waits for after the warm-up is a stall the user sees: each is logged, the first with how
     to avoid it (warm those shapes up)."""
     m = tiny_model()
-    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])
+    infopt.optimize(m, [Static(max_length=512), Compile(backend="eager", cold_shapes="compile")])
     with caplog.at_level("WARNING", logger="infopt.compile"):
         m.generate(torch.randint(3, 1000, (1, 300)), max_new_tokens=3, do_sample=False)  # the 512 bucket: cold
         m.generate(torch.randint(3, 1000, (2, 20)), max_new_tokens=3, do_sample=False)  # batch 2: cold too
@@ -615,7 +685,7 @@ def test_a_step_that_fixes_the_cache_length_compiles_a_graph_per_bucket(monkeypa
 
     monkeypatch.setattr(CompiledForward, "_forward", branching)
     ref, m = tiny_model(), tiny_model()
-    infopt.optimize(m, [Static(max_length=512), Compile()])
+    infopt.optimize(m, [Static(max_length=512), Compile(cold_shapes="compile")])
     stats = compile_stats(m)
     assert stats.shapes == ["batch 1, any cache length, unpadded"]
     for n in (250, 5):  # the 512 bucket, then the 256 one again

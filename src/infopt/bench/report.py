@@ -122,8 +122,14 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
                          f"(max {d['kl_max']:.3g}), top-1 {d['top1']:.3f}")
     c = result.get("compile")
     if c:
+        cold = c.get("cold_eager_calls_in_timed_run")
         lines.append(f"compiled decode: {c['compiles']} graph(s) in {c['seconds']:.1f} s (last repeat), "
-                     f"{c.get('compiles_in_timed_run', '?')} compiled during the timed run")
+                     f"{c.get('compiles_in_timed_run', '?')} compiled during the timed runs"
+                     + (f", {cold} decode steps run eagerly on shapes the warm-up did not compile "
+                        f"({', '.join(c.get('cold_shapes', []))})" if cold else ""))
+        if c.get("compiles_in_timed_run"):
+            lines.append("NOT VALID: the timed runs waited for a compiler, so their figures time the compile; warm "
+                         "up the shapes the workload uses (Compile(warmup_batch_sizes=..., warmup_lengths=...))")
     if result.get("exact_greedy") is not None:
         claim = " (recipe claims lossless)" if result.get("lossless_claimed") else ""
         dtype = str(result.get("workload", {}).get("dtype", "")).replace("torch.", "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -69,6 +70,10 @@ def _run(args) -> int:
         print(f"wrote {plot(result, args.plot)}")
     if args.csv:
         append_csv(result, args.csv)
+    if result.get("valid") is False:
+        print("infopt bench: the run is not valid: a graph was compiled during the timed runs (see above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -78,6 +78,9 @@ class CompileStats:
         aot_indexed: of those, packages found by describing the model, without exporting the step
             (:func:`infopt.compile.aot.find_indexed`).
         aot_failed: shapes whose package could not be built, with the reason (they run ``torch.compile``'s graph).
+        cold_shapes: shapes a call brought after the warm-up that it did not compile, run eagerly instead of waiting
+            for a compiler (``Compile(cold_shapes="eager")``, the default on CPU).
+        cold_eager_calls: decode steps run eagerly for those shapes.
     """
 
     compiles: int = 0
@@ -93,13 +96,16 @@ class CompileStats:
     aot_cached: int = 0
     aot_indexed: int = 0
     aot_failed: dict[str, str] = field(default_factory=dict)
+    cold_shapes: list[str] = field(default_factory=list)
+    cold_eager_calls: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"compiles": self.compiles, "seconds": round(self.seconds, 2), "shapes": list(self.shapes),
                 "calls": self.calls, "warmed_up": self.warmed_up, "compiles_after_warmup": self.compiles_after_warmup,
                 "eager_shapes": dict(self.eager_shapes), "eager_calls": self.eager_calls,
                 "loaded": self.loaded, "aot": self.aot, "aot_cached": self.aot_cached,
-                "aot_failed": dict(self.aot_failed)}
+                "aot_failed": dict(self.aot_failed), "cold_shapes": list(self.cold_shapes),
+                "cold_eager_calls": self.cold_eager_calls}
 
 
 def compile_stats(model: nn.Module) -> CompileStats | None:
@@ -151,6 +157,7 @@ class CompiledForwards:
         self.stats = CompileStats()
         self._told_cold = False
         self._told_eager = False  # one warning per model when a shape falls back to eager, whatever the count
+        self.warming = 0  # inside infopt.compile.warmup: shapes compile whatever cold_shapes says
 
     def __call__(self, model: nn.Module) -> CompiledForward:
         return CompiledForward(model, self)
@@ -176,6 +183,9 @@ class CompiledForward(Forward):
         self._device = next(model.parameters()).device
         self._graphs: dict[tuple, int] = {}  # compiles per shape
         self._eager: set[tuple] = set()  # shapes that run eagerly (their graph did not hold)
+        # shapes that have had a graph (warmed, or compiled on first use): compiled again, whatever cold_shapes says,
+        # when a change to the model or a length the step fixes drops their graphs
+        self._known: set[tuple] = set()
         self._key: tuple | None = None  # the shape being called, for the compiler callback
         # Where shapes compile guard-free (Inductor on CPU), each graph or AOTInductor package keeps the cache length
         # symbolic and serves every whole bucket, and from two rows up the batch too: _class(key), (batch, or 2 for
@@ -195,6 +205,31 @@ class CompiledForward(Forward):
                              and any(p.kind is inspect.Parameter.VAR_KEYWORD
                                      for p in inspect.signature(type(model).forward).parameters.values())
                              and paged.load_cpu_kernel())
+
+    @property
+    def cold_eager(self) -> bool:
+        """Whether a call that brings a shape the warm-up did not compile runs it eagerly (``Compile(cold_shapes=
+        "eager")``, or ``"auto"`` on a CPU) instead of waiting for its compile."""
+        policy = getattr(self.config, "cold_shapes", "compile")
+        return policy == "eager" or (policy == "auto" and self._device.type == "cpu")
+
+    def _serves_cold(self, key: tuple) -> bool:
+        """Whether this call of shape ``key`` runs eagerly: served after the warm-up, outside a warm-up, under
+        :attr:`cold_eager`, and no graph or package is ready for the shape."""
+        if not self.stats.warmed_up or self.owner.warming or not self.cold_eager or key in self._known:
+            return False
+        fn = self._fns.get(key)
+        return fn is None or (isinstance(fn, GuardFreeStep) and fn.fn is None)
+
+    def drafts(self, batch: int) -> bool:
+        """Whether a speculative call of ``batch`` rows drafts (else it decodes one token per step): always, unless
+        cold shapes run eagerly (:attr:`cold_eager`) and the warm-up compiled no verify width for this batch (a
+        batch ``warmup_batch_sizes="auto"`` warmed for plain decoding only): drafting would then verify eagerly."""
+        if not self.cold_eager or not (self.stats.warmed_up or self.owner.warming):
+            return True  # shapes compile on first use (or lazily, with no warm-up)
+        # (inside the warm-up too: its calls compile the one-token step of each batch size, its width plan the rest)
+        rows = 2 if batch_free(batch, self.free_length) else batch
+        return any(b == rows and k > 1 for b, k, _ in self.timings)
 
     def is_free(self, key: tuple) -> bool:
         """Whether shape ``key``'s graph keeps the cache length symbolic, serving every length that is a multiple of
@@ -316,6 +351,23 @@ class CompiledForward(Forward):
             log.warning("compiling the decode step for another shape the warm-up did not cover (%s): this call waits "
                         "for it", self.name(key))
 
+    def _note_cold_eager(self, key: tuple) -> None:
+        """Say, once per shape (the first time with the remedy), that a call runs a shape the warm-up did not compile
+        eagerly."""
+        name = self.name(key)
+        if name in self.stats.cold_shapes:
+            return
+        self.stats.cold_shapes.append(name)
+        if len(self.stats.cold_shapes) == 1:
+            log.warning("a call brought a decode shape the warm-up did not compile (%s): it decodes eagerly (the same "
+                        "model without the compiled speed-up) rather than wait for a compiler. To compile it while "
+                        "the recipe is applied, list its batch size and length in Compile(warmup_batch_sizes=..., "
+                        "warmup_lengths=...)%s; Compile(cold_shapes='compile') compiles such shapes on first use "
+                        "instead", name, " (on CPU warmup_batch_sizes: auto covers every batch of 2-32 and every "
+                        "cache length)" if self.free_length else "")
+        else:
+            log.warning("another decode shape the warm-up did not compile (%s) decodes eagerly", name)
+
     def _compiled(self, key: tuple):
         fn = self._fns.get(key)
         if fn is None and self._guard_free():
@@ -431,6 +483,11 @@ class CompiledForward(Forward):
         if key in self._eager:
             self.stats.eager_calls += 1
             return self._forward(*args)
+        if self._serves_cold(key):
+            self._note_cold_eager(key)
+            self.stats.cold_eager_calls += 1
+            return self._forward(*args)
+        self._known.add(key)
         fn = self._compiled(key)
         self._key = key
         try:

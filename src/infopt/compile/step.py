@@ -20,13 +20,14 @@ from ..core.patch import record_custom
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
 from ..generate import Forward, decoder_for, rollback, set_part, uncounted
 from ..kvcache.static import BUCKET, StaticCaches, bucket_length, static_max_length
-from .aot import aot_available
+from .aot import FREE_BATCH, aot_available
 from .decoder import CompiledForwards, CompileStats, compile_stats, token_bucket
 from .saved import warmup_skipped
 
-__all__ = ["Compile", "compile_", "warmup", "engine_forward"]
+__all__ = ["Compile", "compile_", "warmup", "engine_forward", "auto_batch_sizes"]
 
 _MODES = ("default", "reduce-overhead", "max-autotune")
+COLD_SHAPES = ("auto", "eager", "compile")
 
 
 def _cxx_compiler() -> str | None:
@@ -38,10 +39,13 @@ def _cxx_compiler() -> str | None:
     return None
 
 
-def _positive_ints(obj, name: str, value) -> None:
+def _positive_ints(obj, name: str, value, auto: bool = False) -> None:
+    if auto and value == "auto":
+        return
     if not isinstance(value, tuple) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
                                                for x in value):
-        raise bad_field(obj, name, value, "a list of positive integers (empty: no warm-up)")
+        raise bad_field(obj, name, value, ("auto or " if auto else "") + "a list of positive integers (empty: no "
+                        "warm-up)")
 
 
 @register_step
@@ -67,10 +71,19 @@ class Compile(StepConfig):
         backend: ``inductor``; ``eager`` or ``aot_eager`` for debugging.
         cpp_wrapper: inductor's C++ wrapper around the kernels: less Python per token, but each
             graph takes minutes to compile on a small CPU.
-        warmup_batch_sizes: batch sizes compiled at apply time.
+        warmup_batch_sizes: batch sizes compiled at apply time, or ``"auto"``: batch 1, and on a CPU, where one
+            graph serves every batch of 2-32 rows and every cache length, that graph too (so no call of up to 32
+            rows meets a shape the warm-up left out); a speculative step's verify widths and draft steps are
+            warmed for batch 1 only, and a batch of rows decodes without drafting (:meth:`CompiledForward.drafts
+            <infopt.compile.decoder.CompiledForward.drafts>`). A listed batch size warms its widths too.
         warmup_lengths: call lengths (prompt + new tokens) compiled at apply time; each stands for
             its 256-token cache bucket (capped at the static cache's ``max_length``). Empty: compile
             lazily on the first call of each shape.
+        cold_shapes: what a call does with a decode shape the warm-up did not compile: ``"eager"`` runs it eagerly
+            (the same model, without the compiled speed-up: the call never waits for a compiler), ``"compile"``
+            compiles it on first use (that call waits, once per shape: a minute or more on a small CPU);
+            ``"auto"``: eager on a CPU, compile on other devices. Each is logged; :class:`CompileStats
+            <infopt.compile.decoder.CompileStats>` counts them (``cold_eager_calls``, ``compiles_after_warmup``).
         pack_linears: run the model's fp32 (or bf16) ``nn.Linear`` layers on oneDNN's prepacked weights
             (:mod:`infopt.compile.packed`: 1.5-4x faster fp32 linears at decode widths on the CPUs measured, and
             bf16 ones without a weight reorder per call; the packed copy costs the layers' size in memory).
@@ -111,8 +124,9 @@ class Compile(StepConfig):
     dynamic: bool = False
     backend: str = "inductor"
     cpp_wrapper: bool = False
-    warmup_batch_sizes: tuple[int, ...] = (1,)
+    warmup_batch_sizes: tuple[int, ...] | str = (1,)
     warmup_lengths: tuple[int, ...] = (256,)
+    cold_shapes: str = "auto"
     pack_linears: bool | str = "auto"
     fuse_projections: bool | str = "auto"
     module_guards: str = "per_call"
@@ -126,7 +140,9 @@ class Compile(StepConfig):
         for name in ("fullgraph", "dynamic", "cpp_wrapper"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_field(self, name, getattr(self, name), "true or false")
-        _positive_ints(self, "warmup_batch_sizes", self.warmup_batch_sizes)
+        _positive_ints(self, "warmup_batch_sizes", self.warmup_batch_sizes, auto=True)
+        if self.cold_shapes not in COLD_SHAPES:
+            raise bad_field(self, "cold_shapes", self.cold_shapes, ", ".join(COLD_SHAPES))
         _positive_ints(self, "warmup_lengths", self.warmup_lengths)
         if self.pack_linears not in (True, False, "auto"):
             raise bad_field(self, "pack_linears", self.pack_linears, "auto, true or false")
@@ -165,7 +181,7 @@ class Compile(StepConfig):
                     f"{'; '.join(why)}. Use aot: auto (packages where possible) or aot: false")
         static = next((s for s in steps if s.stage == "kvcache" and s.kind == "static"), None)
         fixed = getattr(static, "batch_size", None)
-        if fixed is not None and any(b != fixed for b in self.warmup_batch_sizes):
+        if fixed is not None and self.warmup_batch_sizes != "auto" and any(b != fixed for b in self.warmup_batch_sizes):
             raise IncompatibleModelError(
                 f"compile warmup_batch_sizes {list(self.warmup_batch_sizes)} differ from kvcache.Static(batch_size="
                 f"{fixed}), the only batch size the static cache serves; use warmup_batch_sizes: [{fixed}]"
@@ -246,7 +262,7 @@ def engine_forward(model: nn.Module, compile: bool | Compile, pack: bool | None 
 
 
 @torch.no_grad()
-def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tuple[int, ...] = (256,),
+def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] | str = (1,), lengths: tuple[int, ...] = (256,),
            padded: bool = False) -> CompileStats:
     """Compile the decode graphs that calls of these batch sizes and lengths will use.
 
@@ -254,7 +270,9 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     a warmed bucket, with a warmed batch size, never compiles. ``padded`` also warms the graphs for
     left-padded batches (an ``attention_mask`` with zeros). With speculative decoding in the recipe, every
     verify width bucket and the draft's one- and two-token steps are compiled directly on the caches real
-    calls reuse (a warm-up call's drafts need not reach every width).
+    calls reuse (a warm-up call's drafts need not reach every width). ``batch_sizes="auto"``: batch 1, and
+    where one graph serves every batch of 2-32 rows (Inductor on a CPU), that graph, with the speculative widths
+    for batch 1 only (:func:`auto_batch_sizes`). The warm-up compiles whatever ``Compile(cold_shapes=...)`` says.
     Warm-up calls are not counted in :func:`~infopt.generate.routing_stats`.
 
     Returns:
@@ -275,10 +293,15 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
     spec = decoder_for(model).speculative is not None
     new = 3  # two decode steps: the second shows a call of the same shape does not compile again
     cache_lengths = [bucket_length(min(n, limit), limit) for n in lengths]
-    plan = _width_plan(model, batch_sizes, cache_lengths) if spec else []
+    width_batches = batch_sizes
+    if batch_sizes == "auto":
+        batch_sizes, width_batches = auto_batch_sizes(model), (1,)
+    plan = _width_plan(model, width_batches, cache_lengths) if spec else []
     calls = len(batch_sizes) * len(lengths) * (2 if padded else 1)
     # a cold compile of a real model takes seconds to minutes per graph (inductor caches them on disk after)
     bar = tqdm(total=calls + len(plan), desc="infopt compile: warming decode graphs", unit="shape")
+    forwards = decoder_for(model).forwards
+    forwards.warming += 1  # the warm-up compiles, whatever Compile(cold_shapes=...) says of calls
     try:
         with uncounted(model):
             for b in batch_sizes:
@@ -296,9 +319,20 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] = (1,), lengths: tu
                         bar.update()
         _warm_widths(model, plan, token, bar.update)
     finally:
+        forwards.warming -= 1
         bar.close()
     stats.warmed_up = True
     return stats
+
+
+def auto_batch_sizes(model: nn.Module) -> tuple[int, ...]:
+    """The batch sizes ``warmup_batch_sizes="auto"`` compiles for ``model``: ``(1, 2)`` where its step compiles
+    one graph for every batch of :data:`~infopt.compile.aot.FREE_BATCH` (guard-free, on a CPU; the graph traced at
+    two rows), else ``(1,)``; the static cache's own batch size where it fixes one."""
+    fixed = getattr(getattr(decoder_for(model).cache, "config", None), "batch_size", None)
+    if fixed is not None:
+        return (fixed,)
+    return (1, FREE_BATCH[0]) if decoder_for(model).forward_for(model).free_length else (1,)
 
 
 def _width_plan(model: nn.Module, batch_sizes, cache_lengths) -> list[tuple[nn.Module, int, int, list[int]]]:
@@ -427,11 +461,18 @@ def _apply(model: nn.Module, config: Compile, ctx: ApplyContext) -> None:
         return
 
     def warm():
+        t0 = time.perf_counter()
         stats = warmup(model, batch_sizes=config.warmup_batch_sizes, lengths=config.warmup_lengths)
+        wall = time.perf_counter() - t0
+        batches = config.warmup_batch_sizes
+        batches = f"auto {list(auto_batch_sizes(model))}" if batches == "auto" else list(batches)
+        cold = ("run eagerly (never waiting for a compiler)" if decoder_for(model).forward_for(model).cold_eager
+                else "compile on first use")
         ctx.notes.append(
-            f"decode forwards compiled (mode={config.mode}, backend={config.backend}): {stats.compiles} graph(s) in "
-            f"{stats.seconds:.1f} s for batch {list(config.warmup_batch_sizes)} x cache "
-            f"{list(config.warmup_lengths)}; other shapes compile on first use"
+            f"decode forwards compiled (mode={config.mode}, backend={config.backend}): {stats.compiles} graph(s), "
+            f"warm-up {wall:.1f} s ({stats.seconds:.1f} s of it in the compiler backend, the rest tracing and "
+            f"running the warm-up calls) for batch {batches} x cache {list(config.warmup_lengths)}: "
+            f"{', '.join(stats.shapes)}; other shapes {cold}"
         )
 
     ctx.after.append(warm)  # once every step is applied, so the warm-up runs the loop the calls will run

@@ -79,6 +79,11 @@ class Forward:
                             use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
         return logits[:, -keep:]
 
+    def drafts(self, batch: int) -> bool:
+        """Whether a speculative call of ``batch`` rows should draft through this forward (a compiled forward
+        answers no where its verify widths for that batch were not compiled and would run eagerly)."""
+        return True
+
     def step_seconds(self, batch: int, k: int, length: int) -> float | None:
         """The measured time of a ``k``-token :meth:`step` of ``batch`` rows on a cache of ``length`` slots, or None
         where it was not measured (eager forwards are not; a compile step's warm-up times its graphs)."""

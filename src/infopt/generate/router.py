@@ -103,6 +103,10 @@ class LoopPart:
         """Generate for ``call``, or raise :class:`Unsupported` with the reason."""
         raise NotImplementedError
 
+    def takes(self, call: GenerateCall, decoder: Decoder) -> bool:
+        """Whether this loop serves ``call`` (False: the decoder's plain loop does, on the same cache and forward)."""
+        return True
+
     def resident(self, seen: set) -> dict[str, int]:
         """Bytes this part holds beside the model's weights (a draft model, a KV pool), by what they are; storages
         in ``seen`` are not counted again."""
@@ -239,7 +243,7 @@ class Decoder:
                     reason = call.lean_reason
                     if reason is None and (self.cache is None or self.cache.lean):
                         try:
-                            if self.speculative is not None:
+                            if self.speculative is not None and self.speculative.takes(call, self):
                                 out, loop = self.speculative.serve(call, self), "speculative"
                             else:
                                 cache = self.open_cache(call)

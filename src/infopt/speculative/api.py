@@ -208,6 +208,11 @@ class SpeculativePart(LoopPart):
         n = tensors_bytes([*draft.parameters(), *draft.buffers()], seen)  # what it shares with the target: once
         return {"speculative draft model": n} if n else {}
 
+    def takes(self, call, decoder) -> bool:
+        # a batch whose verify widths the compile step's warm-up left out (warmup_batch_sizes: auto warms them for
+        # batch 1) decodes token by token on its warmed graph rather than verify eagerly
+        return decoder.forward_for().drafts(call.batch)
+
     def serve(self, call, decoder) -> torch.Tensor:
         cap = self.config.cap
         B, T, N = call.batch, call.prompt_length, call.max_new_tokens

@@ -101,6 +101,34 @@ def test_infopt_quantized_layers_keep_their_codes(tmp_path):
     assert report["linears"] == {"Q4_1": 14} and len(report["requantized"]) == 14
 
 
+def test_a_cpu_fast_model_exports_its_shared_int8_head_as_the_token_embedding(tmp_path):
+    """``cpu-fast``'s quantization (here with symmetric int4, which Q4_0 holds): its int8 head, which the embedding
+    reads its rows from, goes out as the Q8_0 token embedding with the head's own codes (whatever the layer's layout),
+    no output tensor (llama.cpp then reads the embedding as the output layer, as infopt does); loaded back, the
+    embedding and the tied head are those codes times the fp16-rounded scales, and the int4 layers keep their
+    codes."""
+    from infopt.quantize.formats.int8 import SharedInt8Embedding
+    from infopt.quantize.formats.primitives import unpack_int4
+
+    model = tiny_model("llama")
+    infopt.optimize(model, [Int4WeightOnly(group_size=32, symmetric=True, include_lm_head=True, share_embedding=True,
+                                           activations="auto")])
+    head = model.lm_head
+    assert isinstance(model.model.embed_tokens, SharedInt8Embedding) and isinstance(head, Int8Linear)
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", type="Q4_0")
+    assert report["linears"] == {"Q4_0": 14, "Q8_0": 1} and "model.embed_tokens" in report["exact"] + report["rounded"]
+    kinds = {t.name: t.tensor_type.name for t in _reader(str(tmp_path / "m.gguf")).tensors}
+    assert kinds["token_embd.weight"] == "Q8_0" and "output.weight" not in kinds
+    loaded, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, reference=True)
+    scale = head.weight_scale.float().to(torch.float16).float()
+    scale = scale.unsqueeze(-1) if head.group_size is None else scale.repeat_interleave(head.group_size, dim=1)
+    want = head.codes().float() * scale
+    assert torch.equal(loaded.model.embed_tokens.weight, want)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    src, got = model.model.layers[1].mlp.up_proj, loaded.model.layers[1].mlp.up_proj
+    assert torch.equal(unpack_int4(src._portable()[0]), unpack_int4(got._portable()[0]))
+
+
 def test_the_tokenizer_round_trips(tmp_path):
     """The default tokenizer (BPE) written into the file encodes a text into the same ids once loaded back, with
     the same special tokens and chat template."""

@@ -6,11 +6,14 @@ What goes where:
   package's ``quants.quantize``, the same per-block formulas as ``llama-quantize``'s reference path); an
   :class:`~infopt.quantize.Int4Linear` with groups of 32 keeps its codes: symmetric ones (every zero point 8) as
   Q4_0, others as Q4_1 (``w = code * d + m`` with ``d = scale``, ``m = -zero * scale``); an
-  :class:`~infopt.quantize.Int8Linear` with groups of 32 as Q8_0. Those codes map exactly; each block's scale (and
+  :class:`~infopt.quantize.Int8Linear` (any layout, per-channel scales or groups of a multiple of 32) as Q8_0. Those
+  codes map exactly; each block's scale (and
   Q4_1's minimum) is stored in fp16, exact where it came from an fp16 value (a model loaded from a GGUF file) and
   rounded otherwise: the report lists both kinds. Any other quantized layer is dequantized and quantized again to
   ``type`` (listed as requantized);
-- a head not tied to the embeddings as the linears are; the embeddings in ``float_type``; norms and biases in
+- a head not tied to the embeddings as the linears are; the embeddings in ``float_type``, except an int8 head shared
+  with the embeddings (``cpu-fast``'s :class:`~infopt.quantize.formats.int8.SharedInt8Embedding`): its codes become
+  the Q8_0 token embedding, which llama.cpp also reads as the output layer, as infopt does; norms and biases in
   F32. A layer in a kernel layout holds its scales in bf16 (``cpu_int4pack``, ``cuda_tinygemm``): they fit fp16
   exactly, but a model loaded from a GGUF file that way has already rounded the file's fp16 scales to bf16; load
   it with ``reference=True`` to write the file's own blocks back;
@@ -36,7 +39,7 @@ from torch import nn
 from ...core.availability import require
 from ...core.errors import CheckpointError
 from ..formats.int4 import Int4Linear
-from ..formats.int8 import Int8Linear
+from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.primitives import unpack_int4
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
@@ -105,6 +108,19 @@ def _int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray,
     return torch.cat([_fp16_bytes(scales), q], dim=-1).reshape(rows, -1).numpy(), _fp16_exact(scales)
 
 
+def _q8_scales(layer: Int8Linear) -> torch.Tensor | None:
+    """An :class:`Int8Linear`'s scales as one per Q8_0 block ``[out, in // 32]`` (per-channel scales, or groups of a
+    multiple of 32, repeat over the blocks they cover), or None where a block would need two (groups of 16)."""
+    if layer.in_features % BLOCK:
+        return None
+    scale = layer.weight_scale.float()
+    if layer.group_size is None:
+        return scale.reshape(-1, 1).expand(-1, layer.in_features // BLOCK)
+    if layer.group_size % BLOCK:
+        return None
+    return scale.repeat_interleave(layer.group_size // BLOCK, dim=1)
+
+
 def _float_weight(module: nn.Module) -> torch.Tensor:
     """A layer's weight ``[out, in]`` in fp32: a float linear's, or a quantized layer's dequantized."""
     if type(module) is nn.Linear:
@@ -129,8 +145,9 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
             codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
         data, got, exact = _int4_blocks(codes, scales, zeros)
         return data, getattr(Q, got), got, "exact" if exact else "rounded"
-    if type(module) is Int8Linear and module.group_size == BLOCK and module.layout == "plain":
-        codes, scales = module.weight_int8, module.weight_scale
+    scales = _q8_scales(module) if type(module) is Int8Linear else None
+    if scales is not None:  # any layout: its codes read back exactly
+        codes = module.codes()
         if perm is not None:
             codes, scales = codes[perm], scales[perm]
         data, exact = _int8_blocks(codes.cpu(), scales.cpu())
@@ -167,7 +184,8 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
     for owner, module in model.named_modules():
         if not owner or next(module.children(), None) is not None:
             continue
-        if getattr(module, "weight", None) is None and not hasattr(module, "in_features"):
+        if (getattr(module, "weight", None) is None and not hasattr(module, "in_features")
+                and not isinstance(module, SharedInt8Embedding)):
             continue
         parts = owner.split(".")
         for i in range(len(parts)):  # "model.layers.0.mlp.up_proj", then "layers.0.mlp.up_proj", ...
@@ -287,15 +305,18 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is not None and head.weight is embed.weight
+    shared = isinstance(embed, SharedInt8Embedding)  # cpu-fast's: the embedding reads the int8 head's rows
+    tied = (head is not None and getattr(head, "weight", None) is not None and head.weight is embed.weight) or (
+        shared and head is embed.head)
+    rows = embed.num_embeddings
     # each tensor goes to a spooled temporary file as it is made (at most 256 MB of them in memory), not into a list
     # holding the whole model: an 8B model's export needs one layer's arrays at a time
     writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
     _metadata(writer, config, arch, str(getattr(config, "name_or_path", "") or "infopt"))
-    if getattr(config, "vocab_size", None) != embed.weight.shape[0]:
-        writer.add_vocab_size(embed.weight.shape[0])
+    if getattr(config, "vocab_size", None) != rows:
+        writer.add_vocab_size(rows)
     if tokenizer is not None:
-        _tokenizer(writer, tokenizer, embed.weight.shape[0], pre)
+        _tokenizer(writer, tokenizer, rows, pre)
     report: dict[str, Any] = {"path": str(path), "type": type, "float_type": float_type, "linears": {},
                               "exact": [], "rounded": [], "quantized": [], "requantized": [], "tensors": 0}
     for owner, stem in _gguf_names(model, arch, config.num_hidden_layers).items():
@@ -304,7 +325,11 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
             continue  # llama.cpp reads a missing output.weight as the embedding
         role = stem.rsplit(".", 1)[-1]
         perm = _qk_order(module.out_features, heads[role]) if arch == "llama" and role in heads else None
-        if module is embed:
+        if module is embed and shared:  # the head's int8 codes, which llama.cpp also reads as the output layer
+            data, raw, got, how = _linear_tensor(module.head, "Q8_0", None)
+            report["linears"][got] = report["linears"].get(got, 0) + 1
+            report[how].append(owner)
+        elif module is embed:
             data, raw = _numpy_float(module.weight, float_type)
         elif hasattr(module, "in_features"):  # a linear layer, float or quantized
             data, raw, got, how = _linear_tensor(module, type, perm)

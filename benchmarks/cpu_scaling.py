@@ -1,0 +1,276 @@
+"""CPU decode and prompt processing at real model sizes, infopt against llama.cpp on bit-identical weights.
+
+For each size of :data:`infopt.models.REAL_SIZES` (random weights in a real checkpoint's shapes), a model is built one
+decoder layer at a time, each layer quantized as it is made as ``cpu-fast`` quantizes (int4 in groups of 32, int8
+head shared with a tied embedding, int8 activations where the CPU has the kernel), except that the int4 codes are
+symmetric and every scale is rounded to fp16 first: so llama.cpp's Q4_0 and Q8_0 blocks hold those very weights, and
+``infopt.export_gguf`` writes them as they are (its report must call every linear exact). infopt then runs the rest of
+``cpu-fast`` (static cache, decode step as an AOTInductor package) and llama.cpp (``llama-cpp-python``, in a venv of
+its own) runs the exported file, each in its own process, rounds alternating, 2 threads each:
+
+- ``tg``: decode tokens/s after a 32-token prompt (128 new tokens, greedy; llama-bench's tg128);
+- ``pp``: prompt tokens/s of a 512-token prompt (time to the first token; llama-bench's pp512);
+- ``ctx``: decode tokens/s after a long prompt (``--contexts``, default 4096), 32 new tokens;
+- peak RSS of the process, and the seconds from process start to the model being ready (infopt: building the random
+  model and applying the steps, with a warm compile cache; llama.cpp: loading the file).
+
+Usage (one heavy process at a time, on a quiet machine)::
+
+    python -m venv /tmp/llama-venv && /tmp/llama-venv/bin/pip install llama-cpp-python==0.3.36 numpy
+    .venv/bin/python benchmarks/cpu_scaling.py run --sizes qwen2.5-0.5b --rounds 3 \\
+        --llama-python /tmp/llama-venv/bin/python --json benchmarks/results/cpu_scaling.json
+
+``run`` prepares each size once (build, export to ``--workdir``, prompt ids), then alternates ``infopt`` and
+``llama`` processes (``--rounds`` each, the order flipped every round) and writes the medians, the ratios and every
+round. Greedy tokens are compared between the two sides on the 32-token prompt (random weights: near-ties are common,
+so a parting is reported with its position, not counted as an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+T0 = time.perf_counter()
+HERE = Path(__file__).resolve()
+NEW_TOKENS, CTX_NEW = 128, 32
+
+
+def _prompt_ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]  # inside the default tokenizer's 49,152 ids
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- the infopt side (project venv) ------------------------------------------------------------------------------------
+def build(size: str):
+    """The random model of ``size``, quantized layer by layer as it is made (symmetric int4 g32 with fp16 scales, an
+    int8 head with fp16 scales shared with a tied embedding), and the default tokenizer."""
+    import torch
+    from torch import nn
+
+    from infopt.models import load_default_tokenizer, random_model
+    from infopt.quantize import Int4WeightOnly, quantize_
+    from infopt.quantize.formats import a8
+    from infopt.quantize.formats.int4 import Int4Linear, quantize_int4_grouped
+
+    torch.set_num_threads(2)
+    cfg = Int4WeightOnly(group_size=32, symmetric=True, include_lm_head=True, share_embedding=True,
+                         activations="auto")
+    layout = "a8" if a8.resolve(cfg.activations, torch.device("cpu")) == "int8" else None
+
+    def each_layer(layer: nn.Module) -> None:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is not nn.Linear:
+                continue
+            w = mod.weight.detach()
+            codes, scales, zeros = quantize_int4_grouped(w, 32, True, cfg.zero_point)
+            new = Int4Linear.from_codes(codes, scales.half().float(), zeros, group_size=32, bias=mod.bias,
+                                        dtype=w.dtype, layout=layout)
+            layer.set_submodule(name, new)
+
+    model = random_model(size, each_layer=each_layer)
+    quantize_(model, cfg)  # what is left: the head (int8) and a tied embedding
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight_scale.copy_(head.weight_scale.half().float())
+    return model, load_default_tokenizer()
+
+
+def prepare(args) -> None:
+    import infopt
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model, tok = build(args.size)
+    report = infopt.export_gguf(model, work / f"{args.size}.gguf", tok, type="Q4_0")
+    inexact = report["rounded"] + report["requantized"] + report["quantized"]
+    if inexact:
+        raise SystemExit(f"{args.size}: export_gguf did not keep every linear exactly: {inexact[:5]}")
+    prompts = {"tg": _prompt_ids(32, 1), "pp": _prompt_ids(512, 2),
+               **{f"ctx{n}": _prompt_ids(n, 3) for n in args.contexts}}
+    (work / f"{args.size}.prompts.json").write_text(json.dumps(prompts))
+    print(json.dumps({"size": args.size, "gguf_bytes": report["bytes"], "linears": report["linears"]}))
+
+
+class _Stamps:
+    """A generate streamer timestamping each ``put`` (the first is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_infopt(args) -> dict:
+    import torch
+
+    import infopt
+    from infopt.compile import compile_stats
+
+    model, _ = build(args.size)
+    infopt.optimize(model, [{"kvcache": {"kind": "static"}},
+                            {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": [1]}}])
+    ready = time.perf_counter() - T0
+    prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
+
+    def gen(ids: list[int], n: int):
+        stamps = _Stamps()
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             streamer=stamps, pad_token_id=0)
+        t1 = time.perf_counter()
+        new = out[0, len(ids):].tolist()
+        first = stamps.times[1] if len(stamps.times) > 1 else t1
+        return new, first - t0, (n - 1) / (t1 - first) if n > 1 else None
+
+    gen(prompts["tg"], 4)  # the first call allocates its cache bucket
+    tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
+    out = {"side": "infopt", "size": args.size, "ready_s": ready, "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft,
+           "tokens": tokens}
+    _, ttft, _ = gen(prompts["pp"], 1)
+    out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
+    for key in (k for k in prompts if k.startswith("ctx")):
+        _, ttft, rate = gen(prompts[key], CTX_NEW)
+        out[f"{key}_tokens_per_s"], out[f"{key}_ttft_s"] = rate, ttft
+    stats = compile_stats(model)
+    out["compiles_after_warmup"], out["cold_eager_calls"] = stats.compiles_after_warmup, stats.cold_eager_calls
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+# -- the llama.cpp side (its own venv: llama_cpp and numpy only) -------------------------------------------------------
+def run_llama(args) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
+    longest = max(len(v) for v in prompts.values())
+    llm = llama_cpp.Llama(str(Path(args.workdir) / f"{args.size}.gguf"), n_ctx=longest + NEW_TOKENS + 8,
+                          n_threads=2, n_threads_batch=2, n_batch=512, verbose=False, logits_all=False)
+    ready = time.perf_counter() - T0
+
+    def gen(ids: list[int], n: int):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        first = time.perf_counter()
+        new = [tok]
+        for _ in range(n - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            new.append(tok)
+        t1 = time.perf_counter()
+        return new, first - t0, (n - 1) / (t1 - first) if n > 1 else None
+
+    gen(prompts["tg"], 4)
+    tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
+    out = {"side": "llama.cpp Q4_0", "size": args.size, "ready_s": ready, "tg_tokens_per_s": tg,
+           "tg_ttft_ms": 1e3 * ttft, "tokens": tokens, "llama_cpp_python": llama_cpp.__version__}
+    _, ttft, _ = gen(prompts["pp"], 1)
+    out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
+    for key in (k for k in prompts if k.startswith("ctx")):
+        _, ttft, rate = gen(prompts[key], CTX_NEW)
+        out[f"{key}_tokens_per_s"], out[f"{key}_ttft_s"] = rate, ttft
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+# -- the orchestration (project venv) ----------------------------------------------------------------------------------
+def _child(python: str, mode: str, args) -> dict:
+    cmd = [python, str(HERE), mode, "--size", args.size_now, "--workdir", args.workdir,
+           "--contexts", *map(str, args.contexts)]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if res.returncode:
+        raise SystemExit(f"{mode} {args.size_now} failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _median(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def orchestrate(args) -> None:
+    sizes = {}
+    for size in args.sizes:
+        args.size_now = size
+        prep = subprocess.run([sys.executable, str(HERE), "prepare", "--size", size, "--workdir", args.workdir,
+                               "--contexts", *map(str, args.contexts)], capture_output=True, text=True, check=False)
+        if prep.returncode:
+            raise SystemExit(f"prepare {size} failed:\n{prep.stderr[-4000:]}")
+        rounds = []
+        for r in range(args.rounds):
+            order = ("infopt", "llama") if r % 2 == 0 else ("llama", "infopt")
+            got = {}
+            for side in order:
+                got[side] = _child(sys.executable if side == "infopt" else args.llama_python, side, args)
+                print(f"{size} round {r + 1} {side}: tg {got[side]['tg_tokens_per_s']:.2f} tok/s, "
+                      f"pp {got[side]['pp_tokens_per_s']:.1f} tok/s", flush=True)
+            rounds.append(got)
+        keys = ["tg_tokens_per_s", "pp_tokens_per_s", *[f"ctx{n}_tokens_per_s" for n in args.contexts],
+                "peak_rss_mb", "ready_s", "tg_ttft_ms"]
+        med = {side: {k: _median([g[side] for g in rounds], k) for k in keys} for side in ("infopt", "llama")}
+        # ratios per round (the two processes of a round ran back to back), then their median
+        ratio = {k: _median([{k: g["infopt"][k] / g["llama"][k]} for g in rounds
+                             if g["infopt"].get(k) and g["llama"].get(k)], k) for k in keys}
+        a, b = rounds[0]["infopt"]["tokens"], rounds[0]["llama"]["tokens"]
+        parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        sizes[size] = {"prepare": json.loads(prep.stdout.strip().splitlines()[-1]), "median": med,
+                       "ratio_infopt_over_llama": ratio, "greedy_parted_at": parted, "rounds": rounds}
+        print(json.dumps({size: {"median": med, "ratio": ratio, "greedy_parted_at": parted}}, indent=1), flush=True)
+    import platform
+
+    import torch
+
+    result = {"what": "infopt (cpu-fast's steps, symmetric int4 codes) against llama.cpp Q4_0 on the same weights, "
+                      "random weights in real checkpoints' shapes, 2 threads each, alternating processes",
+              "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                          "date": time.strftime("%Y-%m-%d")},
+              "command": " ".join(sys.argv), "sizes": sizes}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["run", "prepare", "infopt", "llama"])
+    p.add_argument("--size", help="(prepare, infopt, llama) one of infopt.models.REAL_SIZES")
+    p.add_argument("--sizes", nargs="+", default=["qwen2.5-0.5b"], help="(run) the sizes, in order")
+    p.add_argument("--contexts", nargs="*", type=int, default=[4096], help="long prompts to decode after")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workdir", default="/tmp/infopt-scaling")
+    p.add_argument("--llama-python", default="/tmp/llama-venv/bin/python")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.mode == "run":
+        orchestrate(args)
+    elif args.mode == "prepare":
+        prepare(args)
+    else:
+        print(json.dumps(run_infopt(args) if args.mode == "infopt" else run_llama(args)))
+
+
+if __name__ == "__main__":
+    main()
