@@ -49,6 +49,11 @@ def _prompt_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]  # inside the default tokenizer's 49,152 ids
 
 
+def _rss_now_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _peak_rss_mb() -> float:
     import resource
 
@@ -125,11 +130,16 @@ def run_infopt(args) -> dict:
     import infopt
     from infopt.compile import compile_stats
 
+    prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
+    longest = max(len(v) for v in prompts.values())
     model, _ = build(args.size)
-    infopt.optimize(model, [{"kvcache": {"kind": "static"}},
+    # (the static cache's default length is the model's context capped at 4096: the long prompts need more)
+    stages = {"built": _rss_now_mb(), "peak_while_building": _peak_rss_mb()}
+    length = -(-(longest + NEW_TOKENS + 8) // 256) * 256  # whole 256-slot buckets: one compiled step serves them all
+    infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": length}},
                             {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": [1]}}])
     ready = time.perf_counter() - T0
-    prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
+    stages["optimized"] = _rss_now_mb()
 
     def gen(ids: list[int], n: int):
         stamps = _Stamps()
@@ -145,13 +155,18 @@ def run_infopt(args) -> dict:
     tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
     out = {"side": "infopt", "size": args.size, "ready_s": ready, "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft,
            "tokens": tokens}
+    stages["tg"] = _rss_now_mb()
     _, ttft, _ = gen(prompts["pp"], 1)
     out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
+    stages["pp"] = _rss_now_mb()
     for key in (k for k in prompts if k.startswith("ctx")):
         _, ttft, rate = gen(prompts[key], CTX_NEW)
         out[f"{key}_tokens_per_s"], out[f"{key}_ttft_s"] = rate, ttft
+        stages[key] = _rss_now_mb()
+    out["rss_mb_after"] = stages
     stats = compile_stats(model)
     out["compiles_after_warmup"], out["cold_eager_calls"] = stats.compiles_after_warmup, stats.cold_eager_calls
+    out["routing"] = dict(infopt.generate.routing_stats(model).loops)
     out["peak_rss_mb"] = _peak_rss_mb()
     return out
 
@@ -164,19 +179,23 @@ def run_llama(args) -> dict:
     prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
     longest = max(len(v) for v in prompts.values())
     llm = llama_cpp.Llama(str(Path(args.workdir) / f"{args.size}.gguf"), n_ctx=longest + NEW_TOKENS + 8,
-                          n_threads=2, n_threads_batch=2, n_batch=512, verbose=False, logits_all=False)
+                          n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
     ready = time.perf_counter() - T0
+
+    def last_argmax() -> int:  # the last evaluated token's logits, read in place from llama.cpp's buffer
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))))
 
     def gen(ids: list[int], n: int):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = last_argmax()
         first = time.perf_counter()
         new = [tok]
         for _ in range(n - 1):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = last_argmax()
             new.append(tok)
         t1 = time.perf_counter()
         return new, first - t0, (n - 1) / (t1 - first) if n > 1 else None

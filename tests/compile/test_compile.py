@@ -183,6 +183,21 @@ def test_one_inductor_graph_serves_every_batch_from_two_rows(caplog):
     assert len(said) == 1 and "batch 33" in said[0] and "cold_shapes='compile'" in said[0]
 
 
+@pytest.mark.slow
+def test_a_capped_last_bucket_is_warmed_too():
+    """A ``max_length`` that is no multiple of 256 caps the last cache bucket at a length one graph cannot share with
+    the whole buckets: the warm-up compiles it as well, so a call that reaches it neither compiles nor runs eagerly."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=300), Compile()])
+    stats = compile_stats(m)
+    assert stats.shapes == ["batch 1, any cache length, unpadded", "batch 1, cache 300, unpadded"], stats.shapes
+    ids = torch.randint(3, 1000, (1, 280))
+    assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False),
+                       ref.generate(ids, max_new_tokens=8, do_sample=False))
+    assert decoder_for(m).cache.allocation().length == 300
+    assert stats.compiles == 2 and stats.compiles_after_warmup == 0 and not stats.cold_shapes
+
+
 def test_cold_shapes_compile_makes_the_call_wait_for_its_graph():
     """``cold_shapes="compile"``: a shape the warm-up left out compiles on first use (the call waits), and later calls
     of it run the graph."""

@@ -293,6 +293,10 @@ def warmup(model: nn.Module, *, batch_sizes: tuple[int, ...] | str = (1,), lengt
     spec = decoder_for(model).speculative is not None
     new = 3  # two decode steps: the second shows a call of the same shape does not compile again
     cache_lengths = [bucket_length(min(n, limit), limit) for n in lengths]
+    if limit % BUCKET and decoder_for(model).forward_for(model).free_length and limit not in cache_lengths:
+        # one graph serves every whole 256-slot bucket; a max_length that is no multiple of 256 caps the last bucket
+        # at a length of its own, which needs its own graph: warmed too, so no call meets it cold
+        lengths, cache_lengths = (*lengths, limit), [*cache_lengths, limit]
     width_batches = batch_sizes
     if batch_sizes == "auto":
         batch_sizes, width_batches = auto_batch_sizes(model), (1,)
