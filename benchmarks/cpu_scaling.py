@@ -229,6 +229,51 @@ def _median(rows: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
+def summarize(result: dict) -> dict:
+    """``result["table"]``: one row per size, in order (the doc figures read it by index), from its medians."""
+    rows = []
+    for size, got in result["sizes"].items():
+        med, ratio = got["median"], got["ratio_infopt_over_llama"]
+        if got.get("billions") is None:
+            from infopt.models import REAL_SIZES
+
+            got["billions"] = REAL_SIZES[size][1]
+        row = {"size": size, "billions": got["billions"]}
+        for key in ratio:
+            name = key.removesuffix("_tokens_per_s")
+            row[f"infopt_{name}"], row[f"llama_{name}"], row[f"ratio_{name}"] = (
+                med["infopt"][key], med["llama"][key], ratio[key])
+        rows.append(row)
+    result["table"] = rows
+    return result
+
+
+def chart(result: dict, path: Path) -> Path:
+    """Tokens/s of both sides against model size, one panel per figure (decode, prompt, decode after each long
+    prompt)."""
+    from matplotlib.figure import Figure
+
+    rows = result["table"]
+    names = [k.removeprefix("ratio_") for k in rows[0] if k.startswith("ratio_") and k.split("_", 1)[1] in
+             ("tg", "pp") or k.startswith("ratio_ctx")]
+    fig = Figure(figsize=(4 * len(names), 3.4))
+    for i, name in enumerate(names):
+        ax = fig.add_subplot(1, len(names), i + 1)
+        x = [r["billions"] for r in rows]
+        for side, mark in (("infopt", "o-"), ("llama", "s--")):
+            ax.plot(x, [r[f"{side}_{name}"] for r in rows], mark, label="infopt" if side == "infopt" else
+                    "llama.cpp Q4_0")
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title({"tg": "decode (tg128)", "pp": "prompt (pp512)"}.get(name, f"decode after {name[3:]} tokens"))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def orchestrate(args) -> None:
     sizes = {}
     for size in args.sizes:
@@ -254,7 +299,10 @@ def orchestrate(args) -> None:
                              if g["infopt"].get(k) and g["llama"].get(k)], k) for k in keys}
         a, b = rounds[0]["infopt"]["tokens"], rounds[0]["llama"]["tokens"]
         parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        sizes[size] = {"prepare": json.loads(prep.stdout.strip().splitlines()[-1]), "median": med,
+        from infopt.models import REAL_SIZES
+
+        sizes[size] = {"billions": REAL_SIZES[size][1], "prepare": json.loads(prep.stdout.strip().splitlines()[-1]),
+                       "median": med,
                        "ratio_infopt_over_llama": ratio, "greedy_parted_at": parted, "rounds": rounds}
         print(json.dumps({size: {"median": med, "ratio": ratio, "greedy_parted_at": parted}}, indent=1), flush=True)
     import platform
@@ -266,15 +314,16 @@ def orchestrate(args) -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                           "date": time.strftime("%Y-%m-%d")},
               "command": " ".join(sys.argv), "sizes": sizes}
+    summarize(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json} and {chart(result, Path(args.json).with_suffix('.png'))}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["run", "prepare", "infopt", "llama"])
+    p.add_argument("mode", choices=["run", "prepare", "infopt", "llama", "summarize"])
     p.add_argument("--size", help="(prepare, infopt, llama) one of infopt.models.REAL_SIZES")
     p.add_argument("--sizes", nargs="+", default=["qwen2.5-0.5b"], help="(run) the sizes, in order")
     p.add_argument("--contexts", nargs="*", type=int, default=[4096], help="long prompts to decode after")
@@ -285,6 +334,10 @@ def main() -> None:
     args = p.parse_args()
     if args.mode == "run":
         orchestrate(args)
+    elif args.mode == "summarize":  # recompute the table of a results file (--json), and its chart
+        path = Path(args.json)
+        path.write_text(json.dumps(summarize(json.loads(path.read_text())), indent=1))
+        print(f"wrote {chart(json.loads(path.read_text()), path.with_suffix('.png'))}")
     elif args.mode == "prepare":
         prepare(args)
     else:

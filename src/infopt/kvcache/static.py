@@ -33,7 +33,7 @@ class Static(StepConfig):
     Args:
         max_length: longest call served, in tokens (prompt + new tokens); longer calls go to the
             original ``generate`` and the report counts them. None: the model's context length,
-            capped at 4096. Each call gets a cache of its own length rounded up to a multiple of
+            capped at 32768. Each call gets a cache of its own length rounded up to a multiple of
             256 (see :func:`bucket_length`), reused while calls fit the same bucket.
         batch_size: fixed batch size, or None to size the cache on each call's batch.
 
@@ -73,7 +73,10 @@ class Static(StepConfig):
         return []
 
 
-DEFAULT_CAP = 4096
+DEFAULT_CAP = 32768
+"""The longest call a static cache serves by default (a model with a longer context is capped here): calls are served
+on caches of their own 256-token bucket, so a long cap costs memory only when a call is that long (4096 before:
+a longer prompt went to transformers' own loop)."""
 
 
 def resolved_max_length(model: nn.Module, config: Static) -> int:
