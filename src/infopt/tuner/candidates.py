@@ -73,7 +73,7 @@ def _c(name: str, steps: list[dict[str, Any]], **kw) -> Candidate:
 _STATIC = {"kvcache": {"kind": "static"}}
 # as the cpu-fast preset compiles (an AOTInductor package on CPU where it builds): the variants are measured with the
 # step a user of the preset gets, and cpu-fast stays one of them (int4 g32 auto + static + this)
-_COMPILE = {"compile": {"mode": "default", "aot": "auto"}}
+_COMPILE = {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": "auto"}}
 
 
 def _int4(group_size: int, activations: str = "auto") -> dict[str, Any]:
