@@ -75,7 +75,9 @@ def test_cpu_fast_moe_saves_and_loads_without_compiled_steps(tmp_path):
     save_optimized(m, tmp_path / "q")
     assert not (tmp_path / "q" / COMPILED_DIR).exists()
     m2, _ = load_optimized(tmp_path / "q")
-    assert compile_stats(m2).loaded == 0 and compile_stats(m2).compiles == 1
+    # the same shapes as the original's warm-up (batch 1 and every batch of 2-32), compiled here, none loaded
+    assert compile_stats(m2).loaded == 0 and compile_stats(m2).shapes == compile_stats(m).shapes
+    assert compile_stats(m2).compiles == compile_stats(m).compiles >= 1
     assert torch.equal(_generate(m2), out)
 
 
