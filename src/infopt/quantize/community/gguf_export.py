@@ -325,14 +325,12 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
             continue  # llama.cpp reads a missing output.weight as the embedding
         role = stem.rsplit(".", 1)[-1]
         perm = _qk_order(module.out_features, heads[role]) if arch == "llama" and role in heads else None
-        if module is embed and shared:  # the head's int8 codes, which llama.cpp also reads as the output layer
-            data, raw, got, how = _linear_tensor(module.head, "Q8_0", None)
-            report["linears"][got] = report["linears"].get(got, 0) + 1
-            report[how].append(owner)
-        elif module is embed:
+        if module is embed and not shared:
             data, raw = _numpy_float(module.weight, float_type)
-        elif hasattr(module, "in_features"):  # a linear layer, float or quantized
-            data, raw, got, how = _linear_tensor(module, type, perm)
+        elif hasattr(module, "in_features") or module is embed:  # a linear layer, float or quantized, or a shared
+            # embedding: the int8 head's codes, which llama.cpp also reads as the output layer
+            layer, kind = (module.head, "Q8_0") if module is embed else (module, type)
+            data, raw, got, how = _linear_tensor(layer, kind, perm)
             report["linears"][got] = report["linears"].get(got, 0) + 1
             report[how].append(owner)
         else:  # a norm
