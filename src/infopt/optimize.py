@@ -378,8 +378,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
                                tokenizer=tokenizer, calibration=calibration, rebuild=rebuild, after=after)
             t0 = time.perf_counter()
             TRANSFORMS[type(step)](model, step, ctx)
-            applied.append(StepReport(step.key, step.to_dict(), time.perf_counter() - t0, ctx.notes, ctx.fallbacks,
-                                      ctx.stats))
+            applied.append(StepReport(step.key, (ctx.config or step).to_dict(), time.perf_counter() - t0, ctx.notes,
+                                      ctx.fallbacks, ctx.stats))
             owners += [len(applied) - 1] * (len(after) - len(owners))
         for fn, owner in zip(after, owners, strict=True):
             t0 = time.perf_counter()

@@ -454,6 +454,8 @@ class ApplyContext:
             are loaded over them.
         after: callables run once every step of the recipe is applied (a compile warm-up that must run
             the decode loop the later steps install), shared by all the recipe's steps.
+        config: the step's config as applied, when the transform settled what the recipe left to it (a quantize
+            step's ``keep`` entries that hold its ``max_kl``): the report and a saved recipe record this one.
     """
 
     info: ModelInfo | None = None
@@ -465,3 +467,4 @@ class ApplyContext:
     calibration: Any = None
     rebuild: bool = False
     after: list = field(default_factory=list)
+    config: StepConfig | None = None

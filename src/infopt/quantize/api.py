@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import IncompatibleModelError, RecipeError
+from ..core.errors import IncompatibleModelError, RecipeError, did_you_mean
 from ..core.introspect import inspect_model, param_bytes
 from ..core.moe import moe_blocks
 from ..core.patch import swap_module
@@ -33,7 +33,8 @@ from .calibration.data import calibration_ids
 from .experts import EXPERT_QUANTIZERS, experts_targets
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
-           "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES", "SHARED_EMBEDDINGS", "register_shared_embedding"]
+           "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES", "SHARED_EMBEDDINGS", "register_shared_embedding",
+           "KEEP_LEVELS", "check_keep", "keep_level", "target_config"]
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes the fused int4 kernels accept (and the ones grouped configs suggest)."""
@@ -107,6 +108,84 @@ def register_calibrated(config_cls: type[StepConfig]):
     return deco
 
 
+KEEP_LEVELS = ("float-activations", "int8", "float")
+"""What a ``keep`` entry of a quantize config may keep a layer as, mildest first: ``float-activations`` (its quantized
+weights multiply floating-point activations: no int8 activations), ``int8`` (8-bit weights, floating-point
+activations), ``float`` (not quantized). :mod:`infopt.quantize.bound` fills ``keep`` to hold a ``max_kl`` bound."""
+
+
+def check_keep(config: StepConfig) -> None:
+    """Raise :class:`RecipeError` unless ``config.keep`` is a list of ``"PATTERN=LEVEL"`` strings, each ``PATTERN`` a
+    glob on a layer's dotted name and ``LEVEL`` one of :data:`KEEP_LEVELS`.
+
+    Example:
+        >>> from infopt.quantize import Int4WeightOnly
+        >>> Int4WeightOnly(group_size=32, keep=("lm_head=float",)).keep
+        ('lm_head=float',)
+        >>> Int4WeightOnly(group_size=32, keep=("lm_head=fp32",))
+        Traceback (most recent call last):
+        ...
+        infopt.core.errors.RecipeError: Int4WeightOnly.keep entry 'lm_head=fp32' ... one of float-activations, int8, float
+    """
+    keep = getattr(config, "keep", ())
+    name = type(config).__name__
+    if not isinstance(keep, tuple) or not all(isinstance(e, str) for e in keep):
+        raise RecipeError(f"{name}.keep must be a list of 'PATTERN=LEVEL' strings (e.g. ['lm_head=float']), got "
+                          f"{keep!r}")
+    for e in keep:
+        pattern, sep, level = e.rpartition("=")
+        if not sep or not pattern or level not in KEEP_LEVELS:
+            raise RecipeError(f"{name}.keep entry {e!r} is invalid: write 'PATTERN=LEVEL', PATTERN a glob on the "
+                              f"layer's dotted name (model.layers.3.mlp.down_proj, *.down_proj) and LEVEL one of "
+                              f"{', '.join(KEEP_LEVELS)}.{did_you_mean(level, KEEP_LEVELS)}")
+    bound = getattr(config, "max_kl", None)
+    if bound is not None and (not isinstance(bound, (int, float)) or isinstance(bound, bool) or not bound > 0):
+        raise RecipeError(f"{name}.max_kl={bound!r} is invalid: a KL divergence bound in nats/token, a number > 0 "
+                          "(e.g. 0.02), or null for no bound")
+
+
+def keep_level(config: StepConfig, fqn: str) -> str | None:
+    """The level ``config.keep`` keeps the layer ``fqn`` at (the last matching entry wins), or None.
+
+    Example:
+        >>> from infopt.quantize import Int4WeightOnly
+        >>> c = Int4WeightOnly(group_size=32, keep=("*.down_proj=int8", "model.layers.1.mlp.down_proj=float"))
+        >>> keep_level(c, "model.layers.0.mlp.down_proj"), keep_level(c, "model.layers.1.mlp.down_proj")
+        ('int8', 'float')
+    """
+    level = None
+    for e in getattr(config, "keep", ()):
+        pattern, _, lv = e.rpartition("=")
+        if fnmatch.fnmatchcase(fqn, pattern):
+            level = lv
+    return level
+
+
+def target_config(config: StepConfig, fqn: str, head_fqn: str | None, level: str | None = None) -> StepConfig | None:
+    """The config one layer is quantized with: the head's (``config.head_config()``) for ``head_fqn``, else
+    ``config``, changed by its :func:`keep_level` (or ``level`` when given) through the config's ``kept_as``;
+    None when the layer stays in float.
+
+    Example:
+        >>> from infopt.quantize import Int4WeightOnly
+        >>> c = Int4WeightOnly(group_size=32, include_lm_head=True, keep=("*.o_proj=int8",))
+        >>> [type(target_config(c, f, "lm_head")).__name__ for f in ("model.layers.0.mlp.up_proj", "lm_head",
+        ...                                                           "model.layers.0.self_attn.o_proj")]
+        ['Int4WeightOnly', 'Int8WeightOnly', 'Int8WeightOnly']
+        >>> target_config(c, "lm_head", "lm_head", "float") is None
+        True
+    """
+    base = config
+    if fqn == head_fqn:
+        base = getattr(config, "head_config", lambda: None)() or config
+    level = keep_level(config, fqn) if level is None else level
+    if level is None:
+        return base
+    if level == "float":
+        return None
+    return base.kept_as(level)
+
+
 def _known() -> str:
     return ", ".join(sorted(c.__name__ for c in (*QUANTIZERS, *CALIBRATED)))
 
@@ -126,6 +205,8 @@ def quantize_targets(model: nn.Module, config: StepConfig, filter_fn=None, inclu
         if exclude and any(fnmatch.fnmatchcase(fqn, pat) for pat in exclude):
             continue
         if filter_fn is not None and not filter_fn(mod, fqn):
+            continue
+        if keep_level(config, fqn) == "float":
             continue
         is_conv1d = type(mod).__name__ == "Conv1D"
         if not isinstance(mod, nn.Linear) and not is_conv1d:
@@ -199,6 +280,7 @@ def quantize_(
     keep_original: str = "disk",
     step: str | None = None,
     rebuild: bool = False,
+    layers: dict[str, nn.Module | None] | None = None,
 ) -> nn.Module:
     """Quantize the attention and MLP projections of ``model`` in place.
 
@@ -217,6 +299,8 @@ def quantize_(
             memory is freed while :func:`infopt.undo` can still restore them bit for bit;
             ``"memory"`` keeps them in RAM (faster undo, no memory saved).
         rebuild: build modules of the right structure without calibrating (for loading saved weights).
+        layers: replacements already built for ``config`` by name (:func:`infopt.quantize.bound.fit_bound`'s), used
+            instead of building them again (round-to-nearest configs).
 
     Returns:
         The same model.
@@ -247,11 +331,12 @@ def quantize_(
         )
     # build every replacement first, so a failure leaves the model untouched
     if type(config) in QUANTIZERS:
-        head_fqn = info.lm_head_fqn
-        head_config = getattr(config, "head_config", lambda: None)() or config
         replacements = {}
         for t in targets:
-            cfg = head_config if t.fqn == head_fqn else config
+            if layers is not None and layers.get(t.fqn) is not None:
+                replacements[t.fqn] = layers[t.fqn]
+                continue
+            cfg = target_config(config, t.fqn, info.lm_head_fqn)
             replacements[t.fqn] = QUANTIZERS[type(cfg)](t.module, cfg, t.conv1d)
         if getattr(config, "share_embedding", False):
             replacements.update(_shared_embedding(model, info, replacements))
@@ -293,12 +378,19 @@ def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]
 
 
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:
+    layers = None
+    if getattr(config, "max_kl", None) is not None and not ctx.rebuild:
+        # the config measures itself against its bound and comes back with the layers it keeps (infopt.quantize.bound)
+        config, fit, layers = config.fit_bound(model, tokenizer=ctx.tokenizer, calibration=ctx.calibration)
+        ctx.config = config
+        ctx.stats["bound"] = fit.to_dict()
+        ctx.notes.extend(fit.notes())
     before = param_bytes(model)
     n = len(quantize_targets(model, config))
     n_experts = len(experts_targets(model, config))
     blocks = moe_blocks(model)
     quantize_(model, config, calibration=ctx.calibration, tokenizer=ctx.tokenizer, rebuild=ctx.rebuild,
-              step=config.key)
+              step=config.key, layers=layers)
     after = param_bytes(model)
     ctx.stats["modules_quantized"] = n
     ctx.stats["weight_bytes_before"] = before

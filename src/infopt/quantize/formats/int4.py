@@ -25,6 +25,7 @@ with ``zero_point="float"``), optional ``in_perm`` int64 ``[in]``. A weight is `
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,7 +36,8 @@ from torch import nn
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.introspect import inspect_model
 from ...core.step import StepConfig, bad_field, register_step
-from ..api import KERNEL_GROUP_SIZES, check_group_size, quantize_targets, register_quantizer
+from .. import bound
+from ..api import KERNEL_GROUP_SIZES, check_group_size, check_keep, keep_level, quantize_targets, register_quantizer
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
 from .int4_layouts import A8_PROMPT_MIN_ROWS, BUFFERS, LAYOUTS, cuda_inner_k_tiles
@@ -119,9 +121,17 @@ class Int4WeightOnly(StepConfig):
             weights): each expert's ``gate_up`` and ``down`` become :class:`Int4Linear` layers with their own
             scales (:class:`infopt.quantize.experts.QuantizedExperts`). Routers and shared-expert gates stay in
             float. ``include``/``exclude`` globs match the experts module's name (``"*.mlp.experts"``).
+        max_kl: a bound on the step's error, in nats/token of KL divergence against the unquantized model (None:
+            no bound). When applied, the step measures its KL on 256 tokens of calibration text and, where the bound
+            breaks, keeps the layers whose error costs most in higher precision until it holds (int8 activations
+            dropped first, then 8-bit weights, then float), writing them into ``keep``; the report says what it
+            kept and why (:mod:`infopt.quantize.bound`). The ``cpu-fast`` and ``memory-saver`` presets set 0.02.
+        keep: ``"PATTERN=LEVEL"`` entries keeping matching layers (a glob on the dotted name) at a level of
+            :data:`infopt.quantize.api.KEEP_LEVELS`: ``float-activations``, ``int8`` or ``float``. A saved model's
+            recipe carries the entries its bound chose, so loading rebuilds the same layers.
 
     Raises:
-        RecipeError: a group size the kernels do not take, a non-boolean flag.
+        RecipeError: a group size the kernels do not take, a non-boolean flag, a malformed ``keep`` entry or bound.
 
     Example:
         >>> from infopt.models import tiny_model
@@ -144,8 +154,11 @@ class Int4WeightOnly(StepConfig):
     share_embedding: bool = False
     experts: bool = True
     cuda_kernel: str = "tinygemm"
+    max_kl: float | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self):
+        check_keep(self)
         if self.cuda_kernel not in CUDA_KERNELS:
             raise bad_field(self, "cuda_kernel", self.cuda_kernel, ", ".join(CUDA_KERNELS))
         if type(self.group_size) is not int or self.group_size not in KERNEL_GROUP_SIZES:
@@ -176,6 +189,24 @@ class Int4WeightOnly(StepConfig):
                                   cuda_kernel="gemv" if self.cuda_kernel == "gemv" else "tl_dot")
         return None
 
+    def kept_as(self, level: str) -> StepConfig:
+        """The config of one layer kept at ``level`` (``float-activations`` or ``int8``; see ``keep``).
+
+        Example:
+            >>> Int4WeightOnly(group_size=32, activations="int8").kept_as("float-activations").activations
+            'float'
+        """
+        if level == "float-activations":
+            return dataclasses.replace(self, activations="float", keep=(), max_kl=None)
+        if level == "int8":
+            return Int8WeightOnly(cuda_kernel="gemv" if self.cuda_kernel == "gemv" else "tl_dot")
+        raise ValueError(f"Int4WeightOnly.kept_as: unknown level {level!r}")
+
+    def fit_bound(self, model: nn.Module, *, tokenizer=None, calibration=None):
+        """This config with the ``keep`` entries that hold ``max_kl`` on ``model``, and the measurement
+        (:func:`infopt.quantize.bound.fit_bound`)."""
+        return bound.fit_bound(model, self, tokenizer=tokenizer, calibration=calibration)
+
 
 def check_int4_shapes(model: nn.Module, config: StepConfig, group_size: int) -> None:
     """Raise :class:`IncompatibleModelError` for a layer the int4 kernels cannot take: ``group_size`` not dividing
@@ -183,6 +214,8 @@ def check_int4_shapes(model: nn.Module, config: StepConfig, group_size: int) -> 
     head = inspect_model(model).lm_head_fqn
     # the head is quantized with another config when head_config() gives one
     skip = (head,) if getattr(config, "head_config", lambda: None)() is not None else ()
+    # layers ``keep`` holds at 8 bits are no int4 layers
+    skip += tuple(t.fqn for t in quantize_targets(model, config) if keep_level(config, t.fqn) == "int8")
     check_group_size(model, config, group_size, skip=skip)
     for t in quantize_targets(model, config):
         if t.fqn not in skip and t.weight.shape[0] % 16:

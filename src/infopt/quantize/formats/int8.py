@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,7 +14,8 @@ from torch import nn
 
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.step import StepConfig, bad_field, register_step
-from ..api import check_group_size, quantize_targets, register_quantizer, register_shared_embedding
+from .. import bound
+from ..api import check_group_size, check_keep, quantize_targets, register_quantizer, register_shared_embedding
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
 from .int8_layouts import BY_ACTIVATIONS, LAYOUTS, _int8pack_available, act_group
@@ -96,9 +98,12 @@ class Int8WeightOnly(StepConfig):
             ``tl_dot`` above. On an H200 at one row on an 8B Llama's q/k/v and o layers the GEMV kernel read at
             30-44% of the copy bandwidth against 42-48% for ``tl_dot`` (the fifth GPU lane run), so it is not the
             default.
+        max_kl / keep: a bound on the step's KL divergence and the layers kept in higher precision to hold it, as
+            in :class:`~infopt.quantize.formats.int4.Int4WeightOnly` (levels here: ``float-activations``, ``float``).
 
     Raises:
-        RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head.
+        RecipeError: unknown compute_dtype, a group_size that is not a positive integer, a non-boolean include_lm_head,
+            a malformed ``keep`` entry or bound.
 
     Example:
         >>> from infopt.models import tiny_model
@@ -118,8 +123,11 @@ class Int8WeightOnly(StepConfig):
     share_embedding: bool = False
     experts: bool = True
     cuda_kernel: str = "tl_dot"
+    max_kl: float | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self):
+        check_keep(self)
         if self.cuda_kernel not in CUDA_KERNELS:
             raise bad_field(self, "cuda_kernel", self.cuda_kernel, ", ".join(CUDA_KERNELS))
         if self.group_size is not None and (
@@ -153,6 +161,24 @@ class Int8WeightOnly(StepConfig):
                         "or use activations: float"
                     )
         return []
+
+    def kept_as(self, level: str) -> StepConfig:
+        """The config of one layer kept at ``level`` (``float-activations``, or ``int8``: itself; see ``keep``).
+
+        Example:
+            >>> Int8WeightOnly(activations="int8").kept_as("float-activations").activations
+            'float'
+        """
+        if level == "float-activations":
+            return dataclasses.replace(self, activations="float", keep=(), max_kl=None)
+        if level == "int8":
+            return dataclasses.replace(self, keep=(), max_kl=None)
+        raise ValueError(f"Int8WeightOnly.kept_as: unknown level {level!r}")
+
+    def fit_bound(self, model: nn.Module, *, tokenizer=None, calibration=None):
+        """This config with the ``keep`` entries that hold ``max_kl`` on ``model``, and the measurement
+        (:func:`infopt.quantize.bound.fit_bound`)."""
+        return bound.fit_bound(model, self, tokenizer=tokenizer, calibration=calibration)
 
 
 def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
