@@ -187,7 +187,8 @@ def test_recipes_name_says_when_the_measured_recipe_was_an_earlier_form(tmp_path
     assert "quality: not measured" in comments
     assert "decode-cpu-fast.json recorded an earlier form of this preset (steps then: quantize; now: quantize, " \
            "kvcache, compile; quantize.dense_prefill true then, false now; quantize.activations not recorded then, " \
-           "auto now; quantize.share_embedding not recorded then, true now)" in comments
+           "auto now; quantize.share_embedding not recorded then, true now; quantize.max_kl not recorded then, 0.02 " \
+           "now)" in comments
 
 
 def test_recipes_name_reads_the_repositorys_results(capsys):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import infopt
+from infopt.compile import compile_stats
 from infopt.core.errors import RecipeError
 from infopt.eval import logit_metrics
 from infopt.models import tiny_model
@@ -172,3 +173,22 @@ def test_a_model_the_default_tokenizer_does_not_fit_gets_a_clear_error_and_stays
     infopt.optimize(m, {"steps": [{"quantize": {"method": "int4", "group_size": 32, "max_kl": 0.02}}]},
                     calibration=ids)
     assert m.infopt.steps[0].stats["bound"]["tokens"] == BOUND_TOKENS
+
+
+@a8_kernel
+@pytest.mark.slow
+def test_a_model_with_kept_layers_compiles_and_decodes_the_tokens_it_decodes_eagerly():
+    # q/k/v of one layer in three formats (no fused projection across them), an int8 down_proj, a float head
+    keep = ("model.layers.0.self_attn.v_proj=float-activations", "model.layers.0.self_attn.k_proj=int8",
+            "model.layers.1.mlp.down_proj=float", "lm_head=float")
+    q = _cfg(keep=keep).to_dict()["quantize"]
+    eager = tiny_model()
+    infopt.optimize(eager, [{"quantize": q}])
+    m = tiny_model()
+    infopt.optimize(m, [{"quantize": q}, {"kvcache": {"kind": "static"}},
+                        {"compile": {"mode": "default", "warmup_lengths": [64]}}])
+    ids = torch.randint(0, m.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    want = eager.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(m.generate(ids, max_new_tokens=12, do_sample=False), want)
+    stats = compile_stats(m)
+    assert stats.calls >= 11 and stats.compiles_after_warmup == 0 and stats.eager_calls == 0
