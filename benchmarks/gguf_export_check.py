@@ -16,6 +16,11 @@ the same chat text with the file's vocabulary, greedy-decodes from the recorded 
 anywhere) its tokens first part from infopt's, with infopt's margin there. llama.cpp multiplies Q4_0 and Q8_0 weights
 with activations rounded to 8 bits (its ``q8_0`` dot products) and F32 ones in fp32, so the F32 file is the
 bit-for-bit check of the export and the quantized ones check the blocks (a part at a small margin is rounding).
+
+Both steps also compare whole distributions on the same weights: ``--prepare`` keeps infopt's log-probabilities over
+the prompt and its greedy tokens (teacher-forced), in fp32 reference arithmetic and in ``load_quantized``'s fast
+layers; ``--check`` runs llama.cpp over the same sequence and reports KL(llama.cpp || infopt) per position (mean,
+max) and top-1 agreement: what remains is arithmetic (activation rounding, summation order), not weights.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ args = p.parse_args()
 TEXT = [{"role": "user", "content": "Name three planets of the solar system and one fact about each."}]
 
 if args.prepare:
+    import numpy as np
     import torch
 
     import infopt
@@ -55,9 +61,17 @@ if args.prepare:
             gen = loaded.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, output_scores=True,
                                   return_dict_in_generate=True)
         margins = [round(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]), 5) for s in gen.scores]
+        # log-probabilities over the whole sequence (prompt + infopt's tokens), teacher-forced: the file's weights in
+        # infopt's reference arithmetic (fp32) and in its fast kernels (load_quantized's default layers)
+        seq = gen.sequences[:, :-1]
+        fast, _ = infopt.load_quantized(path)
+        with torch.no_grad():
+            for name, m in (("reference", loaded), ("fast", fast)):
+                lp = torch.log_softmax(m(seq).logits[0].float(), dim=-1)
+                np.save(out / f"{kind}.{name}.logprobs.npy", lp.numpy())
         doc["files"][kind] = {"file": path.name, "bytes": report["bytes"], "linears": report["linears"],
                               "prompt_ids": ids[0].tolist(), "infopt_tokens": gen.sequences[0, ids.shape[1]:].tolist(),
-                              "infopt_margins": margins}
+                              "infopt_margins": margins, "sequence": seq[0].tolist()}
         print(kind, report["linears"], report["bytes"], flush=True)
     (out / "infopt.json").write_text(json.dumps(doc))
     sys.exit(0)
@@ -70,7 +84,7 @@ doc = json.loads((folder / "infopt.json").read_text())
 results = {}
 for kind, rec in doc["files"].items():
     llm = llama_cpp.Llama(model_path=str(folder / rec["file"]), n_ctx=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
+                          n_threads_batch=args.threads, logits_all=True, verbose=False)
     prompt = rec["prompt_ids"]
     # the chat prompt's text, tokenized again by llama.cpp with the file's vocabulary (special tokens parsed)
     own = llm.tokenize(llm.detokenize(prompt, special=True), add_bos=False, special=True)
@@ -83,15 +97,33 @@ for kind, rec in doc["files"].items():
         toks.append(tok)
         llm.eval([tok])
     first = next((i for i, (a, b) in enumerate(zip(toks, rec["infopt_tokens"], strict=True)) if a != b), None)
+    # llama.cpp's log-probabilities over infopt's sequence, against infopt's: KL(llama.cpp || infopt) per position
+    llm.reset()
+    llm.eval(rec["sequence"])
+    n = len(rec["sequence"])
+    theirs = np.asarray(llm.scores[:n], dtype=np.float64)
+    theirs = theirs - theirs.max(-1, keepdims=True)
+    theirs = theirs - np.log(np.exp(theirs).sum(-1, keepdims=True))
+    agree = {}
+    for name in ("reference", "fast"):
+        f = folder / f"{kind}.{name}.logprobs.npy"
+        if not f.exists():
+            continue
+        ours = np.load(f, allow_pickle=False).astype(np.float64)
+        kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
+        agree[name] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                       "top1": float((theirs.argmax(-1) == ours.argmax(-1)).mean()), "positions": n}
     results[kind] = {"file": rec["file"], "linears": rec["linears"], "same_tokens": first is None,
                      "first_difference": first,
                      "infopt_margin_there": None if first is None else rec["infopt_margins"][first],
                      "llama_cpp_tokens": toks, "infopt_tokens": rec["infopt_tokens"],
-                     "prompt_tokenized_alike": own == prompt,
+                     "prompt_tokenized_alike": own == prompt, "logits_vs_infopt": agree,
                      "llama_cpp_text": llm.detokenize(toks).decode(errors="replace")}
     print(kind, "same tokens" if first is None else f"first difference at {first} (infopt margin "
           f"{results[kind]['infopt_margin_there']})", "| prompt tokenized alike:",
-          results[kind]["prompt_tokenized_alike"], flush=True)
+          results[kind]["prompt_tokenized_alike"], "| KL against infopt:",
+          {k: f"{v['kl_mean']:.2e} (max {v['kl_max']:.2e}, top-1 {v['top1']:.3f})" for k, v in agree.items()},
+          flush=True)
     del llm
 summary = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads, "results": results}
 if args.json:

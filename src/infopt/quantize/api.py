@@ -125,7 +125,7 @@ def check_keep(config: StepConfig) -> None:
         >>> Int4WeightOnly(group_size=32, keep=("lm_head=fp32",))
         Traceback (most recent call last):
         ...
-        infopt.core.errors.RecipeError: Int4WeightOnly.keep entry 'lm_head=fp32' ... one of float-activations, int8, float
+        infopt.core.errors.RecipeError: Int4WeightOnly.keep entry 'lm_head=fp32' is invalid: ... one of float-activations, int8, float....
     """
     keep = getattr(config, "keep", ())
     name = type(config).__name__
