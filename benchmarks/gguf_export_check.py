@@ -110,6 +110,8 @@ for kind, rec in doc["files"].items():
         if not f.exists():
             continue
         ours = np.load(f, allow_pickle=False).astype(np.float64)
+        ours = ours - ours.max(-1, keepdims=True)  # renormalized in float64, as llama.cpp's are
+        ours = ours - np.log(np.exp(ours).sum(-1, keepdims=True))
         kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
         agree[name] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                        "top1": float((theirs.argmax(-1) == ours.argmax(-1)).mean()), "positions": n}
