@@ -25,15 +25,23 @@ def _tensors(path) -> dict[str, np.ndarray]:
     return {t.name: np.array(t.data) for t in _reader(str(path)).tensors}
 
 
+def _with_rope_theta(model, theta: float):
+    model.config.rope_parameters["rope_theta"] = theta
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float_model_round_trips_exactly_in_f32(arch, tmp_path):
     """F32 everywhere: the loaded model's logits are the original's, bit for bit (names, Llama's q/k row order,
-    qwen2's biases, the config, the tied head all made it through)."""
-    model = tiny_model(arch)
+    qwen2's biases, the config, its rotary base (Qwen2.5's 1e6, SmolLM2's 1e5), the tied head all made it
+    through)."""
+    model = _with_rope_theta(tiny_model(arch), {"llama": 1e5, "qwen2": 1e6}[arch])
     report = infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
     assert report["linears"] == {"F32": 7 * model.config.num_hidden_layers} and report["exact"]
     loaded, tok = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False)
     assert tok is None and loaded.config.num_key_value_heads == model.config.num_key_value_heads
+    assert loaded.config.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
@@ -129,6 +137,37 @@ def test_a_cpu_fast_model_exports_its_shared_int8_head_as_the_token_embedding(tm
     assert torch.equal(unpack_int4(src._portable()[0]), unpack_int4(got._portable()[0]))
 
 
+def test_a_cpu_fast_file_loads_into_cpu_fasts_layers_with_the_files_codes(tmp_path):
+    """``load_quantized(activations="auto")``: the layers cpu-fast builds (int4 in the int8-activation layout where
+    the CPU has the kernel, an int8 head over the Q8_0 token embedding's codes that the embedding reads its rows
+    from, no float embedding), holding exactly the file's weights: exported again, every tensor is byte for byte
+    the first file's."""
+    from infopt.quantize.formats import a8
+    from infopt.quantize.formats.int8 import SharedInt8Embedding
+
+    model = _with_rope_theta(tiny_model("qwen2"), 1e6)
+    infopt.optimize(model, [Int4WeightOnly(group_size=32, symmetric=True, include_lm_head=True, share_embedding=True,
+                                           activations="auto")])
+    infopt.export_gguf(model, tmp_path / "a.gguf", type="Q4_0")
+    loaded, _ = infopt.load_quantized(tmp_path / "a.gguf", tokenizer=False, activations="auto")
+    int8 = a8.resolve("auto", "cpu") == "int8"
+    assert isinstance(loaded.model.embed_tokens, SharedInt8Embedding) and loaded.model.embed_tokens.head is loaded.lm_head
+    assert loaded.lm_head.group_size is None and loaded.lm_head.activations == ("int8" if int8 else "float")
+    up = loaded.model.layers[0].mlp.up_proj
+    assert isinstance(up, Int4Linear) and (up.layout == "a8") == int8
+    assert not any(p.numel() == loaded.config.vocab_size * loaded.config.hidden_size for p in loaded.parameters())
+    infopt.export_gguf(loaded, tmp_path / "b.gguf", type="Q4_0")
+    first, again = _tensors(tmp_path / "a.gguf"), _tensors(tmp_path / "b.gguf")
+    assert first.keys() == again.keys()
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    with torch.no_grad():  # it runs, and as the fast reading of the same weights it stays close to the reference's
+        ref, _ = infopt.load_quantized(tmp_path / "a.gguf", tokenizer=False, reference=True)
+        got, want = loaded(IDS).logits, ref(IDS).logits
+    assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
+    with pytest.raises(ValueError, match="activations='int4'"):
+        infopt.load_quantized(tmp_path / "a.gguf", tokenizer=False, activations="int4")
+
+
 def test_the_tokenizer_round_trips(tmp_path):
     """The default tokenizer (BPE) written into the file encodes a text into the same ids once loaded back, with
     the same special tokens and chat template."""
@@ -150,6 +189,10 @@ def test_bad_input_is_named(tmp_path):
         infopt.export_gguf(model, tmp_path / "m.gguf", float_type="Q4_0")
     with pytest.raises(CheckpointError, match="architecture 'gpt2'"):
         infopt.export_gguf(tiny_model("gpt2"), tmp_path / "m.gguf")
+    scaled = tiny_model("llama")
+    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(CheckpointError, match="rope_type 'linear'"):
+        infopt.export_gguf(scaled, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
 
 

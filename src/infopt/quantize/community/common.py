@@ -13,7 +13,9 @@ from ...core.errors import CheckpointError
 from ...core.introspect import text_config
 from ..api import KERNEL_GROUP_SIZES
 from ..formats.int4 import Int4Linear
+from ..formats.int4_layouts import LAYOUTS as INT4_LAYOUTS
 from ..formats.int8 import Int8Linear
+from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..serialization.export import unpack_words
 
 __all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_layer", "int8_layer",
@@ -21,14 +23,17 @@ __all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_laye
 
 
 class LoadOptions:
-    """How layers are built: the model's float ``dtype`` and whether to take the reference paths.
+    """How layers are built: the model's float ``dtype``, whether to take the reference paths, and the activations.
 
     ``reference=True`` builds :class:`Int4Linear` in the ``plain`` layout (fp32 dequantize per call) and
-    :class:`Int8Linear` with fp32 compute: the checkpoint's own arithmetic, for checking, slow."""
+    :class:`Int8Linear` with fp32 compute: the checkpoint's own arithmetic, for checking, slow. ``activations="int8"``
+    (resolved from ``"auto"`` by :func:`infopt.quantize.formats.a8.resolve`) builds the layers that fit it in the
+    ``a8`` layouts, as ``cpu-fast`` quantizes: int8 activations multiplied in integers."""
 
-    def __init__(self, dtype: torch.dtype, reference: bool = False):
+    def __init__(self, dtype: torch.dtype, reference: bool = False, activations: str = "float"):
         self.dtype = dtype
         self.reference = reference
+        self.activations = "float" if reference else activations
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -70,15 +75,28 @@ def int4_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     if k != group_size:
         scales = scales.repeat_interleave(group_size // k, dim=1)
         zeros = zeros.repeat_interleave(group_size // k, dim=1)
+    layout = "plain" if opts.reference else None
+    if opts.activations == "int8" and INT4_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], k) is None:
+        layout = "a8"
     return Int4Linear.from_codes(codes, scales, zeros, group_size=k, bias=bias, in_perm=in_perm, dtype=opts.dtype,
-                                 layout="plain" if opts.reference else None)
+                                 layout=layout)
 
 
 def int8_layer(codes: torch.Tensor, scales: torch.Tensor, opts: LoadOptions, *,
                bias: torch.Tensor | None = None) -> Int8Linear:
-    """An :class:`Int8Linear` from int8 codes ``[out, in]`` and scales ``[out]`` (per channel) or ``[out, G]``."""
+    """An :class:`Int8Linear` from int8 codes ``[out, in]`` and scales ``[out]`` (per channel) or ``[out, G]``.
+
+    With ``opts.activations == "int8"``, group scales that are one value per row (a per-channel layer written in
+    groups, as ``export_gguf`` writes ``cpu-fast``'s head as Q8_0) become per-channel scales, exactly, so the layer
+    takes int8 activations where the ``a8`` layout fits it."""
+    activations = "float"
+    if opts.activations == "int8":
+        if scales.dim() == 2 and bool((scales == scales[:, :1]).all()):
+            scales = scales[:, 0].contiguous()
+        if scales.dim() == 1 and INT8_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], None) is None:
+            activations = "int8"
     return Int8Linear.from_codes(codes, scales, bias=bias, dtype=opts.dtype,
-                                 compute_dtype="float32" if opts.reference else "auto")
+                                 compute_dtype="float32" if opts.reference else "auto", activations=activations)
 
 
 def empty_model(config, dtype: torch.dtype) -> nn.Module:

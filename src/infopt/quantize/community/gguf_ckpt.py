@@ -29,6 +29,7 @@ from torch import nn
 
 from ...core.availability import require
 from ...core.errors import CheckpointError
+from ..formats.int8 import SharedInt8Embedding
 from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense
 from .gguf_blocks import BLOCKS, Int4Blocks, decode_int4, decode_int8, dequantize_blocks
 
@@ -211,6 +212,20 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
     return layer
 
 
+def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions) -> SharedInt8Embedding | None:
+    """The int8 head built from a tied embedding's 8-bit blocks and the embedding that reads them, or None when the
+    blocks are not 8-bit or the embedding cannot read a head's rows (it is then loaded dense, as usual)."""
+    if kind not in ("Q8_0",):
+        return None
+    emb = model.get_input_embeddings()
+    rows, dim = emb.num_embeddings, emb.embedding_dim
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if shape != (rows, dim):
+        raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
+    codes, scales, _group = decode_int8(_raw(t).view(rows, -1), kind)
+    return SharedInt8Embedding.for_head(int8_layer(codes, scales, opts), emb)
+
+
 def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
     """Build ``(model, tokenizer)`` from one GGUF file (see the module docstring). The model is on the CPU.
 
@@ -235,6 +250,10 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
     name_map = _name_map(model, arch, config.num_hidden_layers, processor, source)
     linears = {fqn: m for fqn, m in model.named_modules() if type(m) is nn.Linear}
     heads = {"q": cfg.get("num_attention_heads"), "k": cfg.get("num_key_value_heads")}
+    # cpu-fast's layers: a quantized embedding the head is tied to (no output tensor) becomes the int8 head, and the
+    # embedding reads its rows from the head's codes, as share_embedding does
+    shared_head = opts.activations == "int8" and bool(cfg.get("tie_word_embeddings"))
+    embed_name = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "") + ".weight"
     permute_qk = type(processor).__name__ == "LlamaTensorProcessor" and None not in heads.values()
     for t in reader.tensors:
         hf_name = name_map.get(t.name)
@@ -254,6 +273,11 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
             if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 perm = _qk_perm(linears[owner].out_features, heads["q" if ".attn_q." in t.name else "k"])
             model.set_submodule(owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
+            continue
+        if (shared_head and hf_name == embed_name and kind not in _FLOAT
+                and (shared := _shared_head(model, t, kind, opts)) is not None):
+            model.set_output_embeddings(shared.head)
+            model.set_input_embeddings(shared)
             continue
         weights = _dense(t, opts.dtype)
         if isinstance(weights, np.ndarray):

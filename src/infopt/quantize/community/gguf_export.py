@@ -196,12 +196,38 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
+def _rope(config) -> dict[str, Any]:
+    """The config's rotary parameters (``rope_parameters``, or the older top-level ``rope_theta`` / ``rope_scaling``).
+
+    Raises:
+        CheckpointError: a scaled rotary embedding (``llama3``, ``yarn``, ``linear``, ...), which infopt does not
+            write: llama.cpp would compute other positions than the model does.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
+        out = dict(params)
+    else:  # per layer type (Gemma 3's sliding and full layers): the full-attention layers' parameters
+        out = dict((params or {}).get("full_attention") or {})
+    if "rope_theta" not in out and getattr(config, "rope_theta", None) is not None:
+        out["rope_theta"] = config.rope_theta
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = out.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise CheckpointError(f"export_gguf: the model's rotary embedding is scaled (rope_type {kind!r}); infopt writes "
+                              "unscaled rotary parameters only, and llama.cpp would compute other positions than the "
+                              "model does. Convert this model with llama.cpp's convert_hf_to_gguf.py instead")
+    return out
+
+
 def _metadata(writer, config, arch: str, name: str) -> None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     writer.add_name(name)
+    rope = _rope(config)
     for gguf_key, hf_key in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch].items():
         value = getattr(config, hf_key, None) if hf_key else None
+        if hf_key == "rope_theta" and value is None:  # transformers 5 keeps it in rope_parameters
+            value = rope.get("rope_theta")
         if value is None:
             continue
         key = f"{arch}.{gguf_key}"
@@ -278,8 +304,8 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
         ``quantized``, ``requantized`` (the linears of each kind; see the module docstring).
 
     Raises:
-        CheckpointError: an architecture other than :data:`ARCHS`, a type outside :data:`EXPORT_TYPES`, a layer
-            infopt cannot write, a tokenizer that is not BPE.
+        CheckpointError: an architecture other than :data:`ARCHS`, a scaled rotary embedding, a type outside
+            :data:`EXPORT_TYPES`, a layer infopt cannot write, a tokenizer that is not BPE.
         MissingBackendError: the ``gguf`` package is not installed (``pip install 'infopt[gguf]'``).
 
     Example:
@@ -302,6 +328,7 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     float_type = float_type or {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtype, "F32")
     if float_type not in FLOAT_TYPES:
         raise CheckpointError(f"export_gguf: float_type {float_type!r}; allowed: {', '.join(FLOAT_TYPES)}")
+    _rope(config)  # a scaled rotary embedding is refused before any file is written
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()

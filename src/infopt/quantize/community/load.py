@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from ...core.errors import CheckpointError
 from ...core.save_hook import install_save_hook
 from ...models import register_quantized_loader
+from ..formats import a8
 from .common import LoadOptions, empty_model, finish_model, set_dense
 from .gptq_ckpt import AWQFormat, GPTQFormat, SafetensorsFolder, awq_layer, gptq_layer, read_quant_config
 
@@ -101,7 +102,8 @@ def _load_folder(folder: Path, method: str, opts: LoadOptions, *, with_tokenizer
 
 @register_quantized_loader  # what infopt.models.load_default(quantized=True) calls
 def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", tokenizer: bool = True, reference: bool = False):
+                   device: str | torch.device = "cpu", tokenizer: bool = True, reference: bool = False,
+                   activations: str = "float"):
     """Load a community quantized checkpoint onto infopt's int4/int8 layers, with no GPTQ/AWQ backend installed.
 
     Formats (see ``docs/quantize.md``, "Community checkpoints"):
@@ -124,6 +126,12 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         tokenizer: also load the tokenizer (from the folder, or from the GGUF file's vocabulary).
         reference: build the layers on their reference paths (int4 ``plain`` layout, int8 fp32 compute): the
             checkpoint's own arithmetic in fp32, for checking; slow.
+        activations: ``"float"`` (default): the layers multiply floating-point activations; ``"int8"``: the layers
+            that fit it take int8 activations (the ``a8`` layouts), and a GGUF file whose Q8_0 embedding the head is
+            tied to gets an int8 head over those codes that the embedding reads its rows from: the layers
+            ``cpu-fast`` builds, from the file's weights, with no float copy of the embedding; ``"auto"``: ``"int8"``
+            where the CPU has the kernel (:func:`infopt.quantize.formats.a8.resolve`). A lossy step beyond the
+            file's weights (activations rounded to 8 bits, as llama.cpp does).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer is None when not asked for or the folder has none. The model is in
@@ -146,7 +154,9 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     t0 = time.perf_counter()
     p = Path(path)
     fmt = detect_format(p)
-    opts = LoadOptions(dtype, reference)
+    if activations not in a8.ACTIVATIONS:
+        raise ValueError(f"load_quantized: activations={activations!r}; allowed: {', '.join(a8.ACTIVATIONS)}")
+    opts = LoadOptions(dtype, reference, a8.resolve(activations, torch.device(device)))
     if fmt == "gguf":
         from .gguf_ckpt import load_gguf
 
