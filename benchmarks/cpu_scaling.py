@@ -11,8 +11,10 @@ its own) runs the exported file, each in its own process, rounds alternating, 2 
 - ``tg``: decode tokens/s after a 32-token prompt (128 new tokens, greedy; llama-bench's tg128);
 - ``pp``: prompt tokens/s of a 512-token prompt (time to the first token; llama-bench's pp512);
 - ``ctx``: decode tokens/s after a long prompt (``--contexts``, default 4096), 32 new tokens;
-- peak RSS of the process, and the seconds from process start to the model being ready (infopt: building the random
-  model and applying the steps, with a warm compile cache; llama.cpp: loading the file).
+- peak RSS of the process, the seconds from process start to the model being ready and to its first generated token
+  (``--infopt-source gguf``, the default: infopt loads the exported file llama.cpp runs with
+  ``load_quantized(activations="auto")`` into cpu-fast's layers and applies the rest of cpu-fast with a warm compile
+  cache, llama.cpp maps the file; ``build``: infopt builds and quantizes the random model in its process).
 
 Usage (one heavy process at a time, on a quiet machine)::
 
@@ -132,8 +134,11 @@ def run_infopt(args) -> dict:
 
     prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
     longest = max(len(v) for v in prompts.values())
-    model, _ = build(args.size)
-    # (the static cache's default length is the model's context capped at 4096: the long prompts need more)
+    if args.infopt_source == "gguf":  # the file llama.cpp runs, into cpu-fast's layers: equal terms for RSS and load
+        model, _ = infopt.load_quantized(Path(args.workdir) / f"{args.size}.gguf", activations="auto", tokenizer=False)
+        torch.set_num_threads(2)
+    else:
+        model, _ = build(args.size)
     stages = {"built": _rss_now_mb(), "peak_while_building": _peak_rss_mb()}
     length = -(-(longest + NEW_TOKENS + 8) // 256) * 256  # whole 256-slot buckets: one compiled step serves them all
     infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": length}},
@@ -151,10 +156,11 @@ def run_infopt(args) -> dict:
         first = stamps.times[1] if len(stamps.times) > 1 else t1
         return new, first - t0, (n - 1) / (t1 - first) if n > 1 else None
 
-    gen(prompts["tg"], 4)  # the first call allocates its cache bucket
+    _, first, _ = gen(prompts["tg"], 4)  # the first call allocates its cache bucket
+    first_token = time.perf_counter() - T0  # (an upper bound: the 4 tokens' end)
     tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
-    out = {"side": "infopt", "size": args.size, "ready_s": ready, "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft,
-           "tokens": tokens}
+    out = {"side": "infopt", "size": args.size, "source": args.infopt_source, "ready_s": ready,
+           "first_token_s": first_token, "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft, "tokens": tokens}
     stages["tg"] = _rss_now_mb()
     _, ttft, _ = gen(prompts["pp"], 1)
     out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
@@ -201,9 +207,10 @@ def run_llama(args) -> dict:
         return new, first - t0, (n - 1) / (t1 - first) if n > 1 else None
 
     gen(prompts["tg"], 4)
+    first_token = time.perf_counter() - T0  # (an upper bound: the 4 tokens' end)
     tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
-    out = {"side": "llama.cpp Q4_0", "size": args.size, "ready_s": ready, "tg_tokens_per_s": tg,
-           "tg_ttft_ms": 1e3 * ttft, "tokens": tokens, "llama_cpp_python": llama_cpp.__version__}
+    out = {"side": "llama.cpp Q4_0", "size": args.size, "ready_s": ready, "first_token_s": first_token,
+           "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft, "tokens": tokens, "llama_cpp_python": llama_cpp.__version__}
     _, ttft, _ = gen(prompts["pp"], 1)
     out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
     for key in (k for k in prompts if k.startswith("ctx")):
@@ -216,7 +223,7 @@ def run_llama(args) -> dict:
 # -- the orchestration (project venv) ----------------------------------------------------------------------------------
 def _child(python: str, mode: str, args) -> dict:
     cmd = [python, str(HERE), mode, "--size", args.size_now, "--workdir", args.workdir,
-           "--contexts", *map(str, args.contexts)]
+           "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if res.returncode:
@@ -292,7 +299,7 @@ def orchestrate(args) -> None:
                       f"pp {got[side]['pp_tokens_per_s']:.1f} tok/s", flush=True)
             rounds.append(got)
         keys = ["tg_tokens_per_s", "pp_tokens_per_s", *[f"ctx{n}_tokens_per_s" for n in args.contexts],
-                "peak_rss_mb", "ready_s", "tg_ttft_ms"]
+                "peak_rss_mb", "ready_s", "first_token_s", "tg_ttft_ms"]
         med = {side: {k: _median([g[side] for g in rounds], k) for k in keys} for side in ("infopt", "llama")}
         # ratios per round (the two processes of a round ran back to back), then their median
         ratio = {k: _median([{k: g["infopt"][k] / g["llama"][k]} for g in rounds
@@ -311,6 +318,7 @@ def orchestrate(args) -> None:
 
     result = {"what": "infopt (cpu-fast's steps, symmetric int4 codes) against llama.cpp Q4_0 on the same weights, "
                       "random weights in real checkpoints' shapes, 2 threads each, alternating processes",
+              "infopt_source": args.infopt_source,
               "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                           "date": time.strftime("%Y-%m-%d")},
               "command": " ".join(sys.argv), "sizes": sizes}
@@ -331,6 +339,10 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/infopt-scaling")
     p.add_argument("--llama-python", default="/tmp/llama-venv/bin/python")
     p.add_argument("--json")
+    p.add_argument("--infopt-source", choices=["gguf", "build"], default="gguf",
+                   help="gguf: infopt loads the exported file llama.cpp runs (load_quantized(activations='auto')), "
+                        "so peak RSS and the time to the first token compare on equal terms; build: the random model "
+                        "built and quantized in the process")
     args = p.parse_args()
     if args.mode == "run":
         orchestrate(args)

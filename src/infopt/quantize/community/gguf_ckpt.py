@@ -20,6 +20,7 @@ Any other quantized type in a linear raises :class:`~infopt.core.errors.Checkpoi
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,21 @@ def gguf_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _release(reader, t) -> None:
+    """Drop the file pages of tensor ``t`` from the process once its layer holds its own copy: they are clean pages
+    of a read-only mapping (read again from the file if touched), but until dropped they count in the resident set,
+    so a load's peak would hold the whole file beside the model it builds."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = int(t.data_offset) + int(t.n_bytes)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # advice only: a platform that refuses it keeps the pages
+        pass
 
 
 def _qk_perm(rows: int, heads: int) -> torch.Tensor:
@@ -243,6 +259,9 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
         raise CheckpointError(f"{source}: not a readable GGUF file ({err})") from err
     cfg = gguf_config(reader, source)
     arch = _value(reader.fields["general.architecture"])
+    # the metadata's Python objects (a 152k-token vocabulary and its merges: ~160 MB of them) are done with once the
+    # config is read (the tokenizer reads the file on its own): freed before the weights are decoded
+    reader.fields.clear()
     processor = _processor(arch, cfg, source)
     config = AutoConfig.for_model(**cfg)
     config.name_or_path = str(path.parent)  # as from_pretrained(folder, gguf_file=...) sets it
@@ -273,11 +292,13 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
             if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 perm = _qk_perm(linears[owner].out_features, heads["q" if ".attn_q." in t.name else "k"])
             model.set_submodule(owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
+            _release(reader, t)
             continue
         if (shared_head and hf_name == embed_name and kind not in _FLOAT
                 and (shared := _shared_head(model, t, kind, opts)) is not None):
             model.set_output_embeddings(shared.head)
             model.set_input_embeddings(shared)
+            _release(reader, t)
             continue
         weights = _dense(t, opts.dtype)
         if isinstance(weights, np.ndarray):
@@ -285,5 +306,6 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
         elif permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):  # a quantized q/k that is no linear
             weights = weights[_qk_perm(weights.shape[0], heads["q" if ".attn_q." in t.name else "k"])]
         set_dense(model, hf_name, weights, opts.dtype)
+        _release(reader, t)
     tokenizer = gguf_tokenizer(path) if with_tokenizer else None
     return model, tokenizer

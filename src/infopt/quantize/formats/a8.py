@@ -143,14 +143,24 @@ def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[
     return codes, sm[0].clone(), -sm[1] / sm[0]
 
 
+_SUM_CHUNK = 1 << 22
+"""Codes summed per step when packing an int8 block-layout weight (16 MiB of int32 at a time)."""
+
+
 def pack_blocked_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Int8 codes ``[N, K]`` into ``(weight, wsum)`` (module docstring) for activation groups of ``group``."""
     n, k = codes.shape
     _check_rows(n)
     c = codes.to(torch.int8)
     weight = c.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 4 * ROWS)
-    wsum = c.to(torch.int32).reshape(n // ROWS, ROWS, k // group, group).sum(-1, dtype=torch.int32).permute(0, 2, 1)
-    return weight.contiguous(), wsum.contiguous()
+    wsum = torch.empty(n // ROWS, k // group, ROWS, dtype=torch.int32, device=c.device)
+    # the sums a block of rows at a time: an int32 copy of a whole large head (a 152k-token vocabulary) would take
+    # four times the codes' memory at once
+    step = ROWS * max(1, _SUM_CHUNK // (ROWS * k))
+    for i in range(0, n, step):
+        part = c[i:i + step].to(torch.int32).reshape(-1, ROWS, k // group, group).sum(-1, dtype=torch.int32)
+        wsum[i // ROWS:(i + step) // ROWS] = part.permute(0, 2, 1)
+    return weight.contiguous(), wsum
 
 
 def unpack_blocked_int8(weight: torch.Tensor) -> torch.Tensor:
