@@ -134,10 +134,6 @@ def run_infopt(args) -> dict:
 
     prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
     longest = max(len(v) for v in prompts.values())
-    if args.prefill_chunk is not None:  # 0: every prompt in one forward
-        from infopt.generate import forward
-
-        forward.PREFILL_CHUNK = args.prefill_chunk or 1 << 30
     if args.infopt_source == "gguf":  # the file llama.cpp runs, into cpu-fast's layers: equal terms for RSS and load
         model, _ = infopt.load_quantized(Path(args.workdir) / f"{args.size}.gguf", activations="auto", tokenizer=False)
         torch.set_num_threads(2)
@@ -163,8 +159,7 @@ def run_infopt(args) -> dict:
     _, first, _ = gen(prompts["tg"], 4)  # the first call allocates its cache bucket
     first_token = time.perf_counter() - T0  # (an upper bound: the 4 tokens' end)
     tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
-    out = {"side": "infopt", "size": args.size, "source": args.infopt_source, "prefill_chunk": args.prefill_chunk,
-           "ready_s": ready,
+    out = {"side": "infopt", "size": args.size, "source": args.infopt_source, "ready_s": ready,
            "first_token_s": first_token, "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft, "tokens": tokens}
     stages["tg"] = _rss_now_mb()
     _, ttft, _ = gen(prompts["pp"], 1)
@@ -344,8 +339,6 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/infopt-scaling")
     p.add_argument("--llama-python", default="/tmp/llama-venv/bin/python")
     p.add_argument("--json")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="(infopt) prompt tokens per forward (infopt.generate.forward.PREFILL_CHUNK; 0: the whole prompt)")
     p.add_argument("--infopt-source", choices=["gguf", "build"], default="gguf",
                    help="gguf: infopt loads the exported file llama.cpp runs (load_quantized(activations='auto')), "
                         "so peak RSS and the time to the first token compare on equal terms; build: the random model "

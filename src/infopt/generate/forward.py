@@ -20,7 +20,7 @@ from ..core.compat import CACHE_KWARG
 from ..ops.scope import in_packed_call, packed_call
 
 __all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache",
-           "packed_call", "in_packed_call", "head_rows", "PREFILL_CHUNK", "chunks_prefill"]
+           "packed_call", "in_packed_call", "head_rows"]
 
 _TAKES: dict[type, bool] = {}
 
@@ -55,23 +55,6 @@ def static_length(cache) -> int | None:
     return int(cache.get_max_length())
 
 
-PREFILL_CHUNK = 512
-"""Prompt tokens per forward for longer prompts (see :meth:`Forward.prefill`; llama.cpp's default batch, too)."""
-
-
-def chunks_prefill(cache) -> bool:
-    """Whether a prompt may fill ``cache`` a chunk at a time: an empty cache whose layers all keep every key at its
-    slot (dynamic, or static holding every slot, as infopt's static cache does for sliding-window layers too, where
-    the mask keeps each query to its window), with no eviction or quantization that would see the chunks
-    differently from the whole."""
-    layers = getattr(cache, "layers", None)
-    if type(cache).__name__ not in ("DynamicCache", "StaticCache") or not layers:
-        return False
-    full = all(type(layer) is DynamicLayer or (isinstance(layer, StaticLayer)
-                                               and not isinstance(layer, StaticSlidingWindowLayer)) for layer in layers)
-    return full and cache.get_seq_length() == 0
-
-
 class Forward:
     """Eager forwards of ``model`` for the decode loops.
 
@@ -90,27 +73,10 @@ class Forward:
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, keep: int = 1) -> torch.Tensor:
-        """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions.
-
-        A prompt longer than :data:`PREFILL_CHUNK` tokens on an empty cache of full-attention layers
-        (:func:`chunks_prefill`) goes through in forwards of that many tokens, each attending to the cache the ones
-        before filled: the same math in another order (lossless), and the activations, attention scores and masks
-        of one chunk at a time instead of the whole prompt's (a 4,096-token prompt on a Qwen2.5-0.5B-shaped model:
-        peak memory 0.5 GB lower)."""
-        T = input_ids.shape[1]
+        """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions."""
         kw = {"logits_to_keep": keep} if self.keeps else {}
-        if T <= PREFILL_CHUNK or keep > T - (T - 1) // PREFILL_CHUNK * PREFILL_CHUNK or not chunks_prefill(cache):
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
-            return logits[:, -keep:]
-        one = {"logits_to_keep": 1} if self.keeps else {}
-        for start in range(0, T, PREFILL_CHUNK):
-            end = min(T, start + PREFILL_CHUNK)
-            logits = self.model(input_ids=input_ids[:, start:end],
-                                attention_mask=None if attention_mask is None else attention_mask[:, :end],
-                                position_ids=position_ids[:, start:end],
-                                cache_position=torch.arange(start, end, device=input_ids.device), use_cache=True,
-                                **{CACHE_KWARG: cache}, **(kw if end == T else one)).logits
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
         return logits[:, -keep:]
 
     def drafts(self, batch: int) -> bool:
