@@ -34,7 +34,7 @@ from .experts import EXPERT_QUANTIZERS, experts_targets
 
 __all__ = ["quantize_", "QUANTIZERS", "CALIBRATED", "Target", "register_quantizer", "register_calibrated",
            "quantize_targets", "check_group_size", "KERNEL_GROUP_SIZES", "SHARED_EMBEDDINGS", "register_shared_embedding",
-           "KEEP_LEVELS", "check_keep", "keep_level", "target_config"]
+           "KEEP_LEVELS", "check_keep", "keep_level", "target_config", "head_tied", "shared_embedding"]
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes the fused int4 kernels accept (and the ones grouped configs suggest)."""
@@ -362,19 +362,31 @@ def quantize_(
     return model
 
 
+def head_tied(model: nn.Module, info) -> bool:
+    """Whether ``model``'s output head reads its input embedding's weight (``info``: its :class:`ModelInfo`)."""
+    embed = model.get_submodule(info.embed_fqn)
+    head = model.get_submodule(info.lm_head_fqn)
+    return embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
+
+
+def shared_embedding(head: nn.Module | None, embedding: nn.Module) -> nn.Module | None:
+    """The embedding of :data:`SHARED_EMBEDDINGS` that reads ``head``'s codes in place of ``embedding`` (the caller
+    checks the tie, :func:`head_tied`), or None when none accepts the pair."""
+    for cls in SHARED_EMBEDDINGS:
+        shared = cls.for_head(head, embedding)
+        if shared is not None:
+            return shared
+    return None
+
+
 def _shared_embedding(model: nn.Module, info, replacements: dict[str, nn.Module]) -> dict[str, nn.Module]:
     """``{embedding fqn: SharedInt8Embedding}`` when the new head is an :class:`Int8Linear` built from a head tied to
     an embedding it can stand in for (one of :data:`SHARED_EMBEDDINGS` accepts it); else nothing (the embedding
     keeps its weight)."""
-    embed = model.get_submodule(info.embed_fqn)
-    old_head = model.get_submodule(info.lm_head_fqn)
-    if embed is None or getattr(old_head, "weight", None) is not getattr(embed, "weight", None):
-        return {}  # not tied
-    for cls in SHARED_EMBEDDINGS:
-        shared = cls.for_head(replacements.get(info.lm_head_fqn), embed)
-        if shared is not None:
-            return {info.embed_fqn: shared}
-    return {}
+    if not head_tied(model, info):
+        return {}
+    shared = shared_embedding(replacements.get(info.lm_head_fqn), model.get_submodule(info.embed_fqn))
+    return {} if shared is None else {info.embed_fqn: shared}
 
 
 def _apply(model: nn.Module, config: StepConfig, ctx: ApplyContext) -> None:

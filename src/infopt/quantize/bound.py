@@ -35,10 +35,19 @@ from ..core.compat import CACHE_KWARG
 from ..core.errors import RecipeError
 from ..core.introspect import inspect_model
 from ..core.step import StepConfig
-from .api import KEEP_LEVELS, QUANTIZERS, SHARED_EMBEDDINGS, Target, keep_level, quantize_targets, target_config
+from .api import (
+    KEEP_LEVELS,
+    QUANTIZERS,
+    Target,
+    head_tied,
+    keep_level,
+    quantize_targets,
+    shared_embedding,
+    target_config,
+)
 from .calibration.data import calibration_ids
 
-__all__ = ["BOUND_TOKENS", "BoundFit", "fit_bound", "int8_activations"]
+__all__ = ["BOUND_TOKENS", "BoundFit", "HoldsBound", "fit_bound", "int8_activations"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +108,17 @@ class BoundFit:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class HoldsBound:
+    """What a quantize config with ``max_kl`` and ``keep`` fields inherits: :meth:`fit_bound`, which the generic
+    quantize transform calls before building its layers (the config also gives ``kept_as(level)``)."""
+
+    def fit_bound(self, model: nn.Module, *, tokenizer: Any = None, calibration: Any = None
+                  ) -> tuple[StepConfig, BoundFit, dict[str, nn.Module | None]]:
+        """This config with the ``keep`` entries that hold its ``max_kl`` on ``model``, the measurement and the
+        layers built (:func:`fit_bound`)."""
+        return fit_bound(model, self, tokenizer=tokenizer, calibration=calibration)
 
 
 def int8_activations(layer: nn.Module) -> bool:
@@ -283,9 +303,7 @@ def fit_bound(model: nn.Module, config: StepConfig, *, tokenizer: Any = None, ca
     info = inspect_model(model)
     head_fqn, embed_fqn = info.lm_head_fqn, info.embed_fqn
     targets = {t.fqn: t for t in quantize_targets(model, config)}
-    tied = getattr(model.get_submodule(head_fqn), "weight", None) is getattr(model.get_input_embeddings(), "weight",
-                                                                             None)
-    share = bool(getattr(config, "share_embedding", False)) and tied
+    share = bool(getattr(config, "share_embedding", False)) and head_tied(model, info)
     cache: dict[tuple[str, str | None], nn.Module | None] = {}
 
     def build(fqn: str, level: str | None) -> nn.Module | None:
@@ -304,9 +322,7 @@ def fit_bound(model: nn.Module, config: StepConfig, *, tokenizer: Any = None, ca
             swapped.put(fqn, new)
         if share:
             embed = swapped.originals.get(embed_fqn, model.get_submodule(embed_fqn))
-            shared = next((e for cls in SHARED_EMBEDDINGS if (e := cls.for_head(state.get(head_fqn), embed)) is not None),
-                          None)
-            swapped.put(embed_fqn, shared)
+            swapped.put(embed_fqn, shared_embedding(state.get(head_fqn), embed))
         with torch.inference_mode():
             return _kl(_logits_in_rows(model, ids), ref)
 

@@ -272,7 +272,8 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
     # cpu-fast's layers: a quantized embedding the head is tied to (no output tensor) becomes the int8 head, and the
     # embedding reads its rows from the head's codes, as share_embedding does
     shared_head = opts.activations == "int8" and bool(cfg.get("tie_word_embeddings"))
-    embed_name = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "") + ".weight"
+    embedding = model.get_input_embeddings()
+    embed_name = next((n for n, m in model.named_modules() if m is embedding), "") + ".weight"
     permute_qk = type(processor).__name__ == "LlamaTensorProcessor" and None not in heads.values()
     for t in reader.tensors:
         hf_name = name_map.get(t.name)

@@ -36,8 +36,8 @@ from torch import nn
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.introspect import inspect_model
 from ...core.step import StepConfig, bad_field, register_step
-from .. import bound
 from ..api import KERNEL_GROUP_SIZES, check_group_size, check_keep, keep_level, quantize_targets, register_quantizer
+from ..bound import HoldsBound
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
 from .int4_layouts import A8_PROMPT_MIN_ROWS, BUFFERS, LAYOUTS, cuda_inner_k_tiles
@@ -76,7 +76,7 @@ CUDA_KERNELS = ("tinygemm", "gemv")
 
 @register_step
 @dataclass(frozen=True)
-class Int4WeightOnly(StepConfig):
+class Int4WeightOnly(StepConfig, HoldsBound):
     """Weights stored as 4-bit codes (two per byte) with one scale and zero point per group of
     ``group_size`` input channels; activations stay floating point (bf16 inside the fused kernel).
 
@@ -201,11 +201,6 @@ class Int4WeightOnly(StepConfig):
         if level == "int8":
             return Int8WeightOnly(cuda_kernel="gemv" if self.cuda_kernel == "gemv" else "tl_dot")
         raise ValueError(f"Int4WeightOnly.kept_as: unknown level {level!r}")
-
-    def fit_bound(self, model: nn.Module, *, tokenizer=None, calibration=None):
-        """This config with the ``keep`` entries that hold ``max_kl`` on ``model``, and the measurement
-        (:func:`infopt.quantize.bound.fit_bound`)."""
-        return bound.fit_bound(model, self, tokenizer=tokenizer, calibration=calibration)
 
 
 def check_int4_shapes(model: nn.Module, config: StepConfig, group_size: int) -> None:

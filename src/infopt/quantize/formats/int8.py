@@ -14,8 +14,8 @@ from torch import nn
 
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.step import StepConfig, bad_field, register_step
-from .. import bound
 from ..api import check_group_size, check_keep, quantize_targets, register_quantizer, register_shared_embedding
+from ..bound import HoldsBound
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
 from .int8_layouts import BY_ACTIVATIONS, LAYOUTS, _int8pack_available, act_group
@@ -56,7 +56,7 @@ CUDA_KERNELS = ("tl_dot", "gemv")
 
 @register_step
 @dataclass(frozen=True)
-class Int8WeightOnly(StepConfig):
+class Int8WeightOnly(StepConfig, HoldsBound):
     """Weights stored as int8 with one fp32 scale per output channel; activations stay floating point.
 
     Args:
@@ -174,11 +174,6 @@ class Int8WeightOnly(StepConfig):
         if level == "int8":
             return dataclasses.replace(self, keep=(), max_kl=None)
         raise ValueError(f"Int8WeightOnly.kept_as: unknown level {level!r}")
-
-    def fit_bound(self, model: nn.Module, *, tokenizer=None, calibration=None):
-        """This config with the ``keep`` entries that hold ``max_kl`` on ``model``, and the measurement
-        (:func:`infopt.quantize.bound.fit_bound`)."""
-        return bound.fit_bound(model, self, tokenizer=tokenizer, calibration=calibration)
 
 
 def quantize_int8_per_channel(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
