@@ -37,6 +37,10 @@ p.add_argument("--types", nargs="+", default=["F32", "Q8_0", "Q4_0"])
 p.add_argument("--new-tokens", type=int, default=48)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--json", default=None)
+p.add_argument("--rope", choices=["model", "llama3", "linear"], default="model",
+               help="(prepare) give the model a scaled rotary embedding first (llama3: factor 8, original context 64, "
+                    "so that every position past 16 is scaled; linear: factor 4): checks that llama.cpp computes "
+                    "the positions the exported scaling says")
 args = p.parse_args()
 TEXT = [{"role": "user", "content": "Name three planets of the solar system and one fact about each."}]
 
@@ -50,7 +54,14 @@ if args.prepare:
     out = Path(args.prepare)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_default()
-    doc = {"text": TEXT, "new_tokens": args.new_tokens, "files": {}}
+    if args.rope != "model":
+        theta = model.config.rope_parameters["rope_theta"]
+        model.config.rope_parameters = {"llama3": {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64},
+                                        "linear": {"rope_type": "linear", "rope_theta": theta, "factor": 4.0}}[args.rope]
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    doc = {"text": TEXT, "new_tokens": args.new_tokens, "rope": model.config.rope_parameters, "files": {}}
     for kind in args.types:
         path = out / f"smollm2-135m-instruct.export.{kind}.gguf"
         report = infopt.export_gguf(model, path, tok, type=kind, pre="smollm")
@@ -127,6 +138,7 @@ for kind, rec in doc["files"].items():
           {k: f"{v['kl_mean']:.2e} (max {v['kl_max']:.2e}, top-1 {v['top1']:.3f})" for k, v in agree.items()},
           flush=True)
     del llm
-summary = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads, "results": results}
+summary = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads, "rope": doc.get("rope"),
+           "results": results}
 if args.json:
     Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -31,6 +31,93 @@ def _with_rope_theta(model, theta: float):
     return model
 
 
+def _with_rope(model, params: dict):
+    model.config.rope_parameters = params
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("params", [LLAMA3, {**LLAMA3, "original_max_position_embeddings": 2048},
+                                    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}],
+                         ids=["llama3", "llama3-2048", "linear"])
+def test_a_scaled_rotary_embedding_round_trips(params, tmp_path):
+    """A llama3 scaling goes out as llama.cpp's rope_freqs tensor (one divisor per frequency) and a linear one as
+    metadata; loaded back, the model computes the same frequencies and the same logits bit for bit, where the file
+    read without its scaling would give others."""
+    model = _with_rope(tiny_model("llama"), params)
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    tensors = _tensors(tmp_path / "m.gguf")
+    fields = _reader(str(tmp_path / "m.gguf")).fields
+    if params["rope_type"] == "llama3":
+        divisors = tensors["rope_freqs.weight"]
+        assert divisors.shape == (model.config.head_dim // 2,) and divisors.max() == 8.0 and divisors.min() == 1.0
+        assert report["tensors"] == len(tensors)
+    else:
+        assert "rope_freqs.weight" not in tensors and "llama.rope.scaling.type" in fields
+    loaded, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False)
+    assert loaded.config.rope_parameters["rope_type"] == params["rope_type"]
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    positions = torch.arange(400, 400 + IDS.shape[1])[None]
+    with torch.no_grad():
+        want = model(IDS, position_ids=positions).logits
+        assert torch.equal(loaded(IDS, position_ids=positions).logits, want)
+        unscaled = _with_rope(loaded, {"rope_type": "default", "rope_theta": 10000.0})
+        assert not torch.equal(unscaled(IDS, position_ids=positions).logits, want)
+
+
+@pytest.mark.parametrize(("theta", "head_dim", "factor"), [(500000.0, 128, 8.0), (500000.0, 64, 32.0),
+                                                            (500000.0, 128, 32.0)],
+                         ids=["llama3.1-8b", "llama3.2-1b", "llama3.2-3b"])
+def test_llama3_divisors_solve_back_to_the_parameters_that_gave_them(theta, head_dim, factor):
+    """The divisors of the Llama 3.x checkpoints' own rotary parameters (low 1, high 4, original 8192) solve back to
+    those parameters; divisors no llama3 set gives are refused, not loaded as something else."""
+    from transformers import LlamaConfig
+
+    from infopt.quantize.community.gguf_rope import export_rope, rope_from_gguf
+
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(hidden_size=head_dim * 8, num_attention_heads=8, head_dim=head_dim,
+                         max_position_embeddings=131072, rope_parameters=params)
+    _, divisors = export_rope(config, "llama")
+    cfg = {"rope_theta": theta}
+    rope_from_gguf(cfg, "llama", {}, divisors, "m.gguf")
+    assert cfg["rope_scaling"] == {k: v for k, v in params.items() if k != "rope_theta"}
+    bent = divisors.copy()
+    bent[-1] *= 0.5  # the longest wavelength divided by half the factor: no llama3 set does that
+    with pytest.raises(CheckpointError, match="no llama3 rotary scaling"):
+        rope_from_gguf({"rope_theta": theta}, "llama", {}, bent, "m.gguf")
+
+
+def test_a_rotary_scaling_infopt_does_not_map_is_refused_on_load(tmp_path):
+    import gguf
+
+    model = tiny_model("llama")
+    infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    reader = _reader(str(tmp_path / "m.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+    writer.add_string("llama.rope.scaling.type", "yarn")
+    writer.add_float32("llama.rope.scaling.factor", 4.0)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="rotary scaling 'yarn'"):
+        infopt.load_quantized(tmp_path / "yarn.gguf", tokenizer=False)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float_model_round_trips_exactly_in_f32(arch, tmp_path):
     """F32 everywhere: the loaded model's logits are the original's, bit for bit (names, Llama's q/k row order,
@@ -189,9 +276,9 @@ def test_bad_input_is_named(tmp_path):
         infopt.export_gguf(model, tmp_path / "m.gguf", float_type="Q4_0")
     with pytest.raises(CheckpointError, match="architecture 'gpt2'"):
         infopt.export_gguf(tiny_model("gpt2"), tmp_path / "m.gguf")
-    scaled = tiny_model("llama")
-    scaled.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    with pytest.raises(CheckpointError, match="rope_type 'linear'"):
+    scaled = _with_rope(tiny_model("llama"), {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 256})
+    with pytest.raises(CheckpointError, match="rope_type 'yarn'"):
         infopt.export_gguf(scaled, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
 

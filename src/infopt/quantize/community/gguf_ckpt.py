@@ -12,7 +12,9 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
   (a quantized embedding is dequantized: a lookup reads one row, and a tied head reads it dense);
 - llama.cpp stores Llama's q/k rows permuted for its rotary layout and transformers' loader permutes them back
   (``LlamaTensorProcessor``); a quantized matrix's rows carry their own scales, so the same row permutation
-  applies to codes, scales and zero points.
+  applies to codes, scales and zero points;
+- a rotary scaling (``linear`` metadata, llama3's ``rope_freqs.weight``) becomes the config's, checked against the
+  file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
 Any other quantized type in a linear raises :class:`~infopt.core.errors.CheckpointError` naming the tensor.
 """
@@ -33,6 +35,7 @@ from ...core.errors import CheckpointError
 from ..formats.int8 import SharedInt8Embedding
 from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense
 from .gguf_blocks import BLOCKS, Int4Blocks, decode_int4, decode_int8, dequantize_blocks
+from .gguf_rope import FREQS_TENSOR, check_rope, rope_from_gguf
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "SUPPORTED_LINEAR_TYPES"]
 
@@ -112,7 +115,15 @@ def gguf_config(reader, source: str) -> dict[str, Any]:
         cfg["model_type"] = "gemma3_text"
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in fields:
         cfg["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    scaling = {key[len(arch) + 1:]: _value(field) for key, field in fields.items()
+               if key.startswith(f"{arch}.rope.scaling.")}
+    rope_from_gguf(cfg, arch, scaling, _rope_divisors(reader), source)
     return cfg
+
+
+def _rope_divisors(reader) -> np.ndarray | None:
+    t = next((t for t in reader.tensors if t.name == FREQS_TENSOR), None)
+    return None if t is None else np.array(t.data, dtype=np.float32)
 
 
 def gguf_tokenizer(path: Path):
@@ -259,12 +270,14 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
         raise CheckpointError(f"{source}: not a readable GGUF file ({err})") from err
     cfg = gguf_config(reader, source)
     arch = _value(reader.fields["general.architecture"])
+    divisors = _rope_divisors(reader)
     # the metadata's Python objects (a 152k-token vocabulary and its merges: ~160 MB of them) are done with once the
     # config is read (the tokenizer reads the file on its own): freed before the weights are decoded
     reader.fields.clear()
     processor = _processor(arch, cfg, source)
     config = AutoConfig.for_model(**cfg)
     config.name_or_path = str(path.parent)  # as from_pretrained(folder, gguf_file=...) sets it
+    check_rope(config, divisors, source)
     model = empty_model(config, opts.dtype)
     name_map = _name_map(model, arch, config.num_hidden_layers, processor, source)
     linears = {fqn: m for fqn, m in model.named_modules() if type(m) is nn.Linear}

@@ -18,6 +18,7 @@ What goes where:
   exactly, but a model loaded from a GGUF file that way has already rounded the file's fp16 scales to bf16; load
   it with ``reference=True`` to write the file's own blocks back;
 - Llama's q/k rows permuted into llama.cpp's rotary order (the inverse of what the loaders undo);
+- a linear or llama3 rotary scaling as llama.cpp reads it (:mod:`~infopt.quantize.community.gguf_rope`);
 - the config as the architecture's GGUF keys (transformers' own GGUF table read backwards) and, given a tokenizer,
   its BPE vocabulary, merges, special tokens and chat template.
 
@@ -41,6 +42,7 @@ from ...core.errors import CheckpointError
 from ..formats.int4 import Int4Linear
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.primitives import unpack_int4
+from .gguf_rope import FREQS_TENSOR, export_rope, rope_parameters
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
 
@@ -196,34 +198,11 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
-def _rope(config) -> dict[str, Any]:
-    """The config's rotary parameters (``rope_parameters``, or the older top-level ``rope_theta`` / ``rope_scaling``).
-
-    Raises:
-        CheckpointError: a scaled rotary embedding (``llama3``, ``yarn``, ``linear``, ...), which infopt does not
-            write: llama.cpp would compute other positions than the model does.
-    """
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and params and not isinstance(next(iter(params.values())), dict):
-        out = dict(params)
-    else:  # per layer type (Gemma 3's sliding and full layers): the full-attention layers' parameters
-        out = dict((params or {}).get("full_attention") or {})
-    if "rope_theta" not in out and getattr(config, "rope_theta", None) is not None:
-        out["rope_theta"] = config.rope_theta
-    scaling = getattr(config, "rope_scaling", None) or {}
-    kind = out.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise CheckpointError(f"export_gguf: the model's rotary embedding is scaled (rope_type {kind!r}); infopt writes "
-                              "unscaled rotary parameters only, and llama.cpp would compute other positions than the "
-                              "model does. Convert this model with llama.cpp's convert_hf_to_gguf.py instead")
-    return out
-
-
 def _metadata(writer, config, arch: str, name: str) -> None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     writer.add_name(name)
-    rope = _rope(config)
+    rope = rope_parameters(config)
     for gguf_key, hf_key in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch].items():
         value = getattr(config, hf_key, None) if hf_key else None
         if hf_key == "rope_theta" and value is None:  # transformers 5 keeps it in rope_parameters
@@ -239,6 +218,9 @@ def _metadata(writer, config, arch: str, name: str) -> None:
             writer.add_float32(key, float(value))
     if getattr(config, "head_dim", None) is None:  # llama.cpp derives it; the key keeps the loaders' config whole
         writer.add_uint32(f"{arch}.rope.dimension_count", config.hidden_size // config.num_attention_heads)
+    scaling, _ = export_rope(config, arch)
+    for key, value in scaling.items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
 
 
 def _tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
@@ -328,7 +310,7 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     float_type = float_type or {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtype, "F32")
     if float_type not in FLOAT_TYPES:
         raise CheckpointError(f"export_gguf: float_type {float_type!r}; allowed: {', '.join(FLOAT_TYPES)}")
-    _rope(config)  # a scaled rotary embedding is refused before any file is written
+    _, rope_divisors = export_rope(config, arch)  # a scaling llama.cpp cannot compute is refused before writing
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -346,6 +328,9 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
         _tokenizer(writer, tokenizer, rows, pre)
     report: dict[str, Any] = {"path": str(path), "type": type, "float_type": float_type, "linears": {},
                               "exact": [], "rounded": [], "quantized": [], "requantized": [], "tensors": 0}
+    if rope_divisors is not None:  # llama3's rotary scaling: one divisor per frequency, as llama.cpp reads it
+        writer.add_tensor(FREQS_TENSOR, rope_divisors)
+        report["tensors"] += 1
     for owner, stem in _gguf_names(model, arch, config.num_hidden_layers).items():
         module = model.get_submodule(owner)
         if tied and module is head:
