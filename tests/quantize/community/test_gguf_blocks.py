@@ -41,7 +41,7 @@ def test_decode_matches_gguf_dequantize(kind, rows, per_row, seed, zero_scale):
     t = torch.from_numpy(raw)
     if kind in ("Q4_0", "Q4_1", "Q4_K"):
         codes, scales, zeros = decode_int4(t, kind)
-        assert codes.dtype == torch.int32 and 0 <= int(codes.min()) and int(codes.max()) <= 15
+        assert codes.dtype == torch.uint8 and 0 <= int(codes.min()) and int(codes.max()) <= 15
         assert scales.shape == zeros.shape == (rows, ref.shape[1] // 32)
         assert bool((scales != 0).all())  # the int4 layout recovers its zero points through the scales
         w = (codes.float().view(rows, -1, 32) - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)

@@ -44,12 +44,11 @@ def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles_16(qs: torch.Tensor) -> torch.Tensor:
-    # qs: uint8 [R, B, 16] -> int32 [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1);
-    # int32 because the int4 kernel's packing takes int32 codes (one conversion pass instead of two)
-    q = qs.to(torch.int32)
-    out = torch.empty(*qs.shape[:-1], 32, dtype=torch.int32)
-    torch.bitwise_and(q, 0x0F, out=out[..., :16])
-    torch.bitwise_right_shift(q, 4, out=out[..., 16:])
+    # qs: uint8 [R, B, 16] -> uint8 [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1);
+    # bytes, not int32: the a8 layout packs bytes, and a layout that takes int32 converts once
+    out = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=out[..., 16:])
     return out
 
 
@@ -72,9 +71,8 @@ def _affine(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
 
 
 def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q4_K bytes -> ``(codes, scales, zeros)``: int32 ``[R, in]`` codes 0..15 (the int4 kernel's
-    packing input), fp32 ``[R, in / 32]`` scales and zero points, with ``w = (code - zero) * scale`` (see the module
-    table).
+    """Q4_0 / Q4_1 / Q4_K bytes -> ``(codes, scales, zeros)``: uint8 ``[R, in]`` codes 0..15, fp32 ``[R, in / 32]``
+    scales and zero points, with ``w = (code - zero) * scale`` (see the module table).
 
     Example:
         >>> import numpy as np
@@ -95,8 +93,8 @@ def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
         d, dmin = _half(b, 0).unsqueeze(-1), _half(b, 2).unsqueeze(-1)  # [R, B, 1]
         sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8] each
         # 128 bytes = 4 chunks of 32: low nibbles are sub-block 2c, high nibbles 2c + 1
-        qs = b[..., 16:144].to(torch.int32).reshape(rows, -1, 4, 1, 32)
-        codes = (qs >> torch.tensor([0, 4], dtype=torch.int32).view(1, 1, 1, 2, 1)) & 0x0F
+        qs = b[..., 16:144].reshape(rows, -1, 4, 1, 32)
+        codes = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)) & 0x0F
         scale = (d * sc).reshape(rows, -1)  # exact in fp32: fp16 x 6-bit
         offset = -(dmin * mn).reshape(rows, -1)
         return _affine(codes.reshape(rows, -1), scale, offset, 32)
