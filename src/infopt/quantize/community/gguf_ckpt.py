@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import mmap
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +180,12 @@ def _qk_perm(rows: int, heads: int) -> torch.Tensor:
 
 
 def _raw(t) -> torch.Tensor:
-    # the tensor's bytes (or values) copied out of the read-only memory map
-    return torch.from_numpy(np.array(t.data))
+    """The tensor's bytes (or values) as a view of the read-only memory map, not a copy (a 152k-token Q8_0
+    embedding: 145 MB less at the load's peak). Read only: every decoder makes new tensors from it (writing into it
+    would fault), and its pages are dropped by :func:`_release` once decoded."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(t.data)
 
 
 def _dense(t, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
