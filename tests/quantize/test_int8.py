@@ -170,3 +170,23 @@ def test_unknown_or_unfitting_layout_is_refused():
     with pytest.raises(ValueError, match="one scale per channel.*group_size=32"):
         Int8Linear.from_float(nn.Linear(64, 32), group_size=32, activations="int8")
     assert LAYOUTS["plain"].fits(24, 64, 32) is None
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_from_codes_fills_every_buffer_it_leaves_uninitialised(activations):
+    """``from_codes`` allocates the layout's buffers uninitialised (the codes overwrite them): the layer holds exactly
+    the codes, and a layer constructed outside it still starts from zeros."""
+    from infopt.quantize.formats.int8_layouts import _FILLED_NEXT, filled_next
+
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    scales = torch.rand(32) + 0.1
+    layer = Int8Linear.from_codes(codes, scales, activations=activations)
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.weight_scale, scales)
+    assert _FILLED_NEXT.get() is False
+    with pytest.raises(RuntimeError), filled_next():
+        assert _FILLED_NEXT.get() is True
+        raise RuntimeError
+    assert _FILLED_NEXT.get() is False  # reset on the way out, an error included
+    fresh = Int8Linear(64, 32, bias=False, dtype=torch.float32, compute_dtype=torch.float32, activations=activations)
+    assert all(int(b.count_nonzero()) == 0 for name, b in fresh.named_buffers() if name != "weight_scale")

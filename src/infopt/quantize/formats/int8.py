@@ -18,7 +18,7 @@ from ..api import check_group_size, check_keep, quantize_targets, register_quant
 from ..bound import HoldsBound
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
-from .int8_layouts import BY_ACTIVATIONS, LAYOUTS, _int8pack_available, act_group
+from .int8_layouts import BY_ACTIVATIONS, LAYOUTS, _int8pack_available, act_group, filled_next
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, quantize
 
 __all__ = ["Int8WeightOnly", "Int8Linear", "SharedInt8Embedding", "quantize_int8_per_channel", "saving_compact",
@@ -278,8 +278,9 @@ class Int8Linear(KeepsFormat):
         cd = _COMPUTE_DTYPES[compute_dtype]
         if cd is None and group is None:
             cd = _auto_compute_dtype(dtype, codes.device)
-        new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
-                  group_size=group, activations=activations)
+        with filled_next():  # the codes fill the weight buffers below
+            new = cls(in_f, out_f, bias=bias is not None, dtype=dtype, compute_dtype=cd, device=codes.device,
+                      group_size=group, activations=activations)
         new._set_codes(codes.to(torch.int8))
         new.weight_scale.copy_(scales.float())
         if bias is not None:
