@@ -63,6 +63,16 @@ def export_rope(config, arch: str) -> tuple[dict[str, Any], np.ndarray | None]:
     Raises:
         CheckpointError: a scaling llama.cpp does not compute as transformers does (see the module docstring), or
             ``llama3`` on an architecture whose llama.cpp graph does not read the divisors.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> llama31 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        ...            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        >>> config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=131072,
+        ...                      rope_parameters=llama31)
+        >>> metadata, divisors = export_rope(config, "llama")
+        >>> metadata, divisors.shape, float(divisors.min()), float(divisors.max())
+        ({}, (64,), 1.0, 8.0)
     """
     params = rope_parameters(config)
     kind = params["rope_type"]
@@ -135,6 +145,12 @@ def rope_from_gguf(cfg: dict[str, Any], arch: str, metadata: dict[str, Any], div
 
     Raises:
         CheckpointError: a scaling infopt does not map (named), or divisors no ``llama3`` set gives.
+
+    Example:
+        >>> cfg = {"rope_theta": 10000.0}
+        >>> rope_from_gguf(cfg, "llama", {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}, None, "m.gguf")
+        >>> cfg["rope_scaling"]
+        {'rope_type': 'linear', 'factor': 4.0}
     """
     kind = str(metadata.get("rope.scaling.type") or "none")
     if kind == "linear":
