@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,6 @@ def int8_layer(codes: torch.Tensor, scales: torch.Tensor, opts: LoadOptions, *,
 def empty_model(config, dtype: torch.dtype) -> nn.Module:
     """A causal LM for ``config`` with every parameter on the meta device (no memory, no initialisation) and its
     buffers (rotary frequencies) computed on the CPU."""
-    from contextlib import nullcontext
-
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 

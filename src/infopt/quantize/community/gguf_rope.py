@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ...core.errors import CheckpointError
 
@@ -81,8 +82,6 @@ def export_rope(config, arch: str) -> tuple[dict[str, Any], np.ndarray | None]:
     if kind == "linear":
         return {"rope.scaling.type": "linear", "rope.scaling.factor": float(params["factor"])}, None
     if kind == "llama3" and arch == "llama":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         base = _base_inv_freq(float(params["rope_theta"]), _head_dim(config))
         return {}, (base / scaled.float()).numpy().astype(np.float32)
@@ -185,8 +184,6 @@ def check_rope(config, divisors: np.ndarray | None, source: str) -> None:
     """
     if divisors is None:
         return
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = rope_parameters(config)
     base = _base_inv_freq(float(params["rope_theta"]), _head_dim(config))
     want = base / torch.as_tensor(np.asarray(divisors, dtype=np.float32)).reshape(-1)
