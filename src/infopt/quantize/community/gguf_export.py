@@ -198,7 +198,7 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
-def _metadata(writer, config, arch: str, name: str) -> None:
+def _metadata(writer, config, arch: str, name: str, scaling: dict[str, Any]) -> None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     writer.add_name(name)
@@ -218,8 +218,7 @@ def _metadata(writer, config, arch: str, name: str) -> None:
             writer.add_float32(key, float(value))
     if getattr(config, "head_dim", None) is None:  # llama.cpp derives it; the key keeps the loaders' config whole
         writer.add_uint32(f"{arch}.rope.dimension_count", config.hidden_size // config.num_attention_heads)
-    scaling, _ = export_rope(config, arch)
-    for key, value in scaling.items():
+    for key, value in scaling.items():  # a rotary scaling's keys (export_rope)
         (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
 
 
@@ -310,7 +309,7 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     float_type = float_type or {torch.bfloat16: "BF16", torch.float16: "F16"}.get(dtype, "F32")
     if float_type not in FLOAT_TYPES:
         raise CheckpointError(f"export_gguf: float_type {float_type!r}; allowed: {', '.join(FLOAT_TYPES)}")
-    _, rope_divisors = export_rope(config, arch)  # a scaling llama.cpp cannot compute is refused before writing
+    rope_scaling, rope_divisors = export_rope(config, arch)  # a scaling llama.cpp cannot compute: refused here
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -321,7 +320,7 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     # each tensor goes to a spooled temporary file as it is made (at most 256 MB of them in memory), not into a list
     # holding the whole model: an 8B model's export needs one layer's arrays at a time
     writer = gguf.GGUFWriter(str(path), arch, use_temp_file=True)
-    _metadata(writer, config, arch, str(getattr(config, "name_or_path", "") or "infopt"))
+    _metadata(writer, config, arch, str(getattr(config, "name_or_path", "") or "infopt"), rope_scaling)
     if getattr(config, "vocab_size", None) != rows:
         writer.add_vocab_size(rows)
     if tokenizer is not None:
