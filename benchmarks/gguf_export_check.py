@@ -41,6 +41,12 @@ p.add_argument("--rope", choices=["model", "llama3", "linear"], default="model",
                help="(prepare) give the model a scaled rotary embedding first (llama3: factor 8, original context 64, "
                     "so that every position past 16 is scaled; linear: factor 4): checks that llama.cpp computes "
                     "the positions the exported scaling says")
+p.add_argument("--family", choices=["default", "qwen3", "gemma3"], default="default",
+               help="(prepare) default: the embedded model; qwen3 / gemma3: a random model of that family (6 layers, "
+                    "peaked logits from a wide initialisation, the default tokenizer's vocabulary), checking what "
+                    "the export writes for the family: Qwen3's q/k norms and a head size other than hidden / heads, "
+                    "Gemma 3's 1 + w norms, sliding window (16 here, so the sequence slides), five sliding layers to "
+                    "one full, attention scale and embedding scale")
 args = p.parse_args()
 TEXT = [{"role": "user", "content": "Name three planets of the solar system and one fact about each."}]
 
@@ -54,6 +60,25 @@ if args.prepare:
     out = Path(args.prepare)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_default()
+    if args.family != "default":
+        from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
+
+        shapes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=model.config.vocab_size, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                      # wide enough for peaked logits, not so wide that Gemma's embedding scale (x16 here) makes
+                      # every position predict its own token (mean entropy over the check: about 6 and 8 nats)
+                      initializer_range=0.2 if args.family == "qwen3" else 0.1,
+                      eos_token_id=tok.eos_token_id)
+        config = (Qwen3Config(**shapes, head_dim=96, rope_theta=1e6) if args.family == "qwen3" else
+                  Gemma3TextConfig(**shapes, head_dim=64, query_pre_attn_scalar=64, sliding_window=16))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        if args.family == "gemma3":  # Gemma's norms scale by 1 + w: give w values (bf16-exact, so 1 + w is exact)
+            gen = torch.Generator().manual_seed(1)
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.data = (torch.randn(param.shape, generator=gen) * 0.3).bfloat16().float()
     if args.rope != "model":
         theta = model.config.rope_parameters["rope_theta"]
         model.config.rope_parameters = {"llama3": {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0,
@@ -61,9 +86,11 @@ if args.prepare:
                                                    "original_max_position_embeddings": 64},
                                         "linear": {"rope_type": "linear", "rope_theta": theta, "factor": 4.0}}[args.rope]
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    doc = {"text": TEXT, "new_tokens": args.new_tokens, "rope": model.config.rope_parameters, "files": {}}
+    doc = {"text": TEXT, "new_tokens": args.new_tokens, "rope": model.config.rope_parameters, "family": args.family,
+           "files": {}}
+    stem = "smollm2-135m-instruct" if args.family == "default" else f"random-{args.family}"
     for kind in args.types:
-        path = out / f"smollm2-135m-instruct.export.{kind}.gguf"
+        path = out / f"{stem}.export.{kind}.gguf"
         report = infopt.export_gguf(model, path, tok, type=kind, pre="smollm")
         loaded, ltok = infopt.load_quantized(path, reference=True)
         ids = ltok.apply_chat_template(TEXT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -84,6 +111,34 @@ if args.prepare:
                               "prompt_ids": ids[0].tolist(), "infopt_tokens": gen.sequences[0, ids.shape[1]:].tolist(),
                               "infopt_margins": margins, "sequence": seq[0].tolist()}
         print(kind, report["linears"], report["bytes"], flush=True)
+        if args.family == "gemma3" and kind == "F32":  # how far a file read the wrong way lands: a KL near 0 from
+            # llama.cpp must be small against these to mean that it computes what the model does
+            ref = torch.log_softmax(loaded(seq).logits[0].float(), dim=-1).double()
+
+            def wrong(change, path=path, seq=seq, ref=ref) -> float:
+                m, _ = infopt.load_quantized(path, reference=True, tokenizer=False)
+                change(m)
+                with torch.no_grad():
+                    lp = torch.log_softmax(m(seq).logits[0].float(), dim=-1).double()
+                return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+            def no_window(m):
+                m.config.sliding_window = 1 << 20  # the masks read the config: every layer sees the whole sequence
+
+            def scale_256(m):
+                for layer in m.model.layers:
+                    layer.self_attn.scaling = 256 ** -0.5
+
+            def norms_plus_one(m):
+                for name, param in m.named_parameters():
+                    if "norm" in name:
+                        param.data += 1
+
+            with torch.no_grad():
+                doc["wrong_reads_kl"] = {"no_sliding_window": wrong(no_window),
+                                         "attention_scale_1_over_sqrt_256": wrong(scale_256),
+                                         "norm_weights_with_the_1_left_on": wrong(norms_plus_one)}
+            print("KL of wrong reads against the model:", doc["wrong_reads_kl"], flush=True)
     (out / "infopt.json").write_text(json.dumps(doc))
     sys.exit(0)
 
@@ -125,7 +180,10 @@ for kind, rec in doc["files"].items():
         ours = ours - np.log(np.exp(ours).sum(-1, keepdims=True))
         kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
         agree[name] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-                       "top1": float((theirs.argmax(-1) == ours.argmax(-1)).mean()), "positions": n}
+                       "top1": float((theirs.argmax(-1) == ours.argmax(-1)).mean()), "positions": n,
+                       # how peaked infopt's distributions are (nats; ln(vocab) would be uniform): a KL near 0 means
+                       # something only where the logits are not flat
+                       "entropy_mean": float(-(np.exp(ours) * ours).sum(-1).mean())}
     results[kind] = {"file": rec["file"], "linears": rec["linears"], "same_tokens": first is None,
                      "first_difference": first,
                      "infopt_margin_there": None if first is None else rec["infopt_margins"][first],
@@ -139,6 +197,7 @@ for kind, rec in doc["files"].items():
           flush=True)
     del llm
 summary = {"llama_cpp_python": llama_cpp.__version__, "threads": args.threads, "rope": doc.get("rope"),
+           "family": doc.get("family", "default"), "wrong_reads_kl": doc.get("wrong_reads_kl"),
            "results": results}
 if args.json:
     Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -133,6 +133,99 @@ def test_float_model_round_trips_exactly_in_f32(arch, tmp_path):
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
+def _gemma3(layers: int = 2, sliding_window: int = 8):
+    """A tiny Gemma 3 as llama.cpp computes one (attention scaled by 1/sqrt(head_dim)), with norm weights that are
+    not all zero (Gemma's norms scale by 1 + w) and bf16-exact (so 1 + w is exact in fp32), and a short sliding
+    window, so that positions past it test the sliding layers."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=sliding_window, vocab_size=1000, max_position_embeddings=512,
+                              tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = (torch.randn(p.shape, generator=gen) * 0.3).bfloat16().float()
+    return model
+
+
+LONG_IDS = torch.arange(3, 3 + 40).unsqueeze(0) * 37 % 1000  # past the sliding window of _gemma3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_qwen3_and_gemma3_round_trip_exactly_in_f32(arch, tmp_path):
+    """Qwen3's q/k norms, Gemma 3's four norms per layer (written as llama.cpp multiplies them, 1 + w), its sliding
+    window, its attention scale and its head size (256, not hidden / heads, in the real models): back through the
+    loader with the same logits bit for bit, over positions past the sliding window."""
+    model = _gemma3() if arch == "gemma3" else tiny_model("qwen3")
+    report = infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    assert report["linears"] == {"F32": 7 * model.config.num_hidden_layers} and report["exact"]
+    fields = _reader(str(tmp_path / "m.gguf")).fields
+    assert fields["general.architecture"].contents() == {"qwen3": "qwen3", "gemma3": "gemma3"}[arch]
+    loaded, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False)
+    assert loaded.config.head_dim == model.config.head_dim
+    if arch == "gemma3":
+        assert loaded.config.sliding_window == 8 and loaded.config.query_pre_attn_scalar == model.config.head_dim
+        norm = _tensors(tmp_path / "m.gguf")["blk.0.post_ffw_norm.weight"]
+        assert np.array_equal(norm, model.model.layers[0].post_feedforward_layernorm.weight.detach().numpy() + 1)
+    with torch.no_grad():
+        assert torch.equal(loaded(LONG_IDS).logits, model(LONG_IDS).logits)
+
+
+def test_a_head_size_other_than_hidden_over_heads_is_written_and_read(tmp_path):
+    """Qwen3-4B's heads are 128 wide over a hidden size of 2560 / 32 heads: llama.cpp reads the size from
+    key_length/value_length (else it takes 80), and the loader must too (transformers' qwen3 table skips it, so a
+    Qwen3 config would take its class default)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=24, vocab_size=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    fields = _reader(str(tmp_path / "m.gguf")).fields
+    assert [fields[f"qwen3.{k}"].contents() for k in ("attention.key_length", "attention.value_length",
+                                                      "rope.dimension_count")] == [24, 24, 24]
+    loaded, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False)
+    assert loaded.config.head_dim == 24
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize(("layers", "hidden", "heads", "head_dim", "scalar"), [
+    (26, 1152, 4, 256, 256),  # Gemma-3-1B
+    (62, 5376, 32, 128, 168),  # Gemma-3-27B: llama.cpp scales by hidden / heads there
+    (2, 64, 4, 16, 16),
+])
+def test_a_gemma3_file_gets_llama_cpps_attention_scale(layers, hidden, heads, head_dim, scalar):
+    """The file has no key for Gemma 3's attention scale (llama.cpp derives it); the config class's default (256)
+    is one size's, so the loader sets llama.cpp's rule."""
+    from infopt.quantize.community.gguf_ckpt import _gemma3_config
+
+    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "head_dim": head_dim}
+    _gemma3_config(cfg, {}, "gemma3")
+    assert cfg["query_pre_attn_scalar"] == scalar and "final_logit_softcapping" not in cfg
+
+
+@pytest.mark.parametrize(("setting", "value", "match"), [
+    ("query_pre_attn_scalar", 256, "query_pre_attn_scalar 256"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
+    ("layer_types", ["full_attention", "sliding_attention"], "layer_types"),
+    ("hidden_activation", "gelu", "hidden_activation 'gelu'"),
+])
+def test_a_gemma3_setting_llama_cpp_fixes_otherwise_is_refused(setting, value, match, tmp_path):
+    """llama.cpp's Gemma 3 graph fixes the layer pattern, the attention scale and the sliding layers' rotary base
+    instead of reading them: a model that differs is refused, not written as a file that runs another model."""
+    model = _gemma3()
+    setattr(model.config, setting, value)
+    with pytest.raises(CheckpointError, match=match):
+        infopt.export_gguf(model, tmp_path / "m.gguf", type="F32")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_float_linears_take_llama_cpps_reference_quantization(kind, tmp_path):
     """Each float linear is quantized as llama.cpp's reference quantizer does (gguf-py's ``quants``): the loaded

@@ -136,14 +136,37 @@ def gguf_config(reader, source: str) -> dict[str, Any]:
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, updated)
         cfg[renames[rest]] = value
+    # a head's size as llama.cpp takes it: key_length, else hidden / heads (transformers' qwen3 and llama tables skip
+    # the key, and a Qwen3 config's default head_dim is 128 whatever the file's shapes)
+    key_length = fields.get(f"{arch}.attention.key_length")
+    if "head_dim" not in cfg and key_length is not None:
+        cfg["head_dim"] = int(_value(key_length))
+    elif "head_dim" not in cfg and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if cfg.get("model_type") == "gemma3":
         cfg["model_type"] = "gemma3_text"
+        _gemma3_config(cfg, fields, arch)
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in fields:
         cfg["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
     scaling = {key[len(arch) + 1:]: _value(field) for key, field in fields.items()
                if key.startswith(f"{arch}.rope.scaling.")}
     rope_from_gguf(cfg, arch, scaling, _rope_divisors(reader), source)
     return cfg
+
+
+def _gemma3_config(cfg: dict[str, Any], fields, arch: str) -> None:
+    """What llama.cpp's Gemma 3 graph fixes rather than reads, set in the config (transformers' GGUF table leaves
+    them to the config class's defaults, which are one checkpoint's): attention scaled by ``1 / sqrt(head_dim)``
+    (``hidden / heads`` for the 62-layer size), a final logit soft-cap where the file has one."""
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if cfg.get("num_hidden_layers") == 62 and hidden and heads:
+        cfg["query_pre_attn_scalar"] = hidden // heads
+    elif head_dim:
+        cfg["query_pre_attn_scalar"] = head_dim
+    cap = fields.get(f"{arch}.final_logit_softcapping")
+    if cap is not None:
+        cfg["final_logit_softcapping"] = float(_value(cap))
 
 
 def _rope_divisors(reader) -> np.ndarray | None:

@@ -18,11 +18,15 @@ What goes where:
   exactly, but a model loaded from a GGUF file that way has already rounded the file's fp16 scales to bf16; load
   it with ``reference=True`` to write the file's own blocks back;
 - Llama's q/k rows permuted into llama.cpp's rotary order (the inverse of what the loaders undo);
+- Gemma 3's norm weights as llama.cpp multiplies them: ``1 + w`` (transformers' Gemma norms scale by ``1 + w``,
+  llama.cpp's by the stored weight; the loaders subtract the 1 again), in fp32: exact where ``w`` has no bits below
+  2^-23 (a bf16-trained weight);
 - a linear or llama3 rotary scaling as llama.cpp reads it (:mod:`~infopt.quantize.community.gguf_rope`);
 - the config as the architecture's GGUF keys (transformers' own GGUF table read backwards) and, given a tokenizer,
   its BPE vocabulary, merges, special tokens and chat template.
 
-Architectures: ``llama`` (SmolLM2, Llama 2/3, ...) and ``qwen2``.
+Architectures: ``llama`` (SmolLM2, Llama 2/3, ...), ``qwen2``, ``qwen3`` and ``gemma3`` (text models; what
+llama.cpp fixes for Gemma 3 rather than reads, the model must have: see :func:`_check_gemma3`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ EXPORT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32")
 """GGUF types :func:`export_gguf` writes float linears in."""
 FLOAT_TYPES = ("F16", "BF16", "F32")
 """GGUF types embeddings (and an untied float head) may be written in."""
-ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 """``config.model_type`` -> GGUF architecture written."""
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 
@@ -198,28 +202,64 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
+def _check_gemma3(config) -> None:
+    """What llama.cpp's Gemma 3 graph fixes instead of reading from the file, checked against the model: every sixth
+    layer full attention and the rest sliding, the sliding layers' rotary base 10000 unscaled, attention scaled by
+    ``1 / sqrt(head_dim)`` (``hidden / heads`` for its 62-layer size), no logit soft-capping, the tanh GELU.
+
+    Raises:
+        CheckpointError: naming the first setting llama.cpp would compute otherwise.
+    """
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    scalar = config.hidden_size // heads if layers == 62 else head_dim
+    params = getattr(config, "rope_parameters", None) or {}
+    local = params.get("sliding_attention", {}) if isinstance(params, dict) else {}
+    wrong = [
+        (list(getattr(config, "layer_types", None) or pattern) != pattern,
+         "layer_types: llama.cpp makes every sixth layer full attention and the others sliding"),
+        (not getattr(config, "sliding_window", None), "sliding_window: llama.cpp's Gemma 3 slides"),
+        (float(getattr(config, "query_pre_attn_scalar", scalar)) != scalar,
+         f"query_pre_attn_scalar {getattr(config, 'query_pre_attn_scalar', None)}: llama.cpp scales attention by "
+         f"1/sqrt({scalar})"),
+        (local.get("rope_type", "default") != "default" or float(local.get("rope_theta", 10000.0)) != 10000.0,
+         f"the sliding layers' rotary parameters {local}: llama.cpp uses base 10000, unscaled"),
+        (getattr(config, "attn_logit_softcapping", None) is not None, "attn_logit_softcapping: llama.cpp has none"),
+        (getattr(config, "final_logit_softcapping", None) is not None,
+         "final_logit_softcapping: llama.cpp builds differ in whether they read it"),
+        (getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+         f"hidden_activation {getattr(config, 'hidden_activation', None)!r}: llama.cpp's is the tanh GELU"),
+        (bool(getattr(config, "use_bidirectional_attention", False)), "bidirectional attention"),
+    ]
+    for bad, what in wrong:
+        if bad:
+            raise CheckpointError(f"export_gguf: a Gemma 3 model's {what}, so the file would run another model there")
+
+
 def _metadata(writer, config, arch: str, name: str, scaling: dict[str, Any]) -> None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     writer.add_name(name)
     rope = rope_parameters(config)
+    keys: dict[str, int | float | str] = {}
     for gguf_key, hf_key in GGUF_TO_TRANSFORMERS_MAPPING["config"][arch].items():
         value = getattr(config, hf_key, None) if hf_key else None
         if hf_key == "rope_theta" and value is None:  # transformers 5 keeps it in rope_parameters
             value = rope.get("rope_theta")
-        if value is None:
-            continue
-        key = f"{arch}.{gguf_key}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, float(value))
-    if getattr(config, "head_dim", None) is None:  # llama.cpp derives it; the key keeps the loaders' config whole
-        writer.add_uint32(f"{arch}.rope.dimension_count", config.hidden_size // config.num_attention_heads)
-    for key, value in scaling.items():  # a rotary scaling's keys (export_rope)
-        (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
+        if value is not None and not isinstance(value, bool) and isinstance(value, (int, float)):
+            keys[gguf_key] = value
+    # llama.cpp takes a head's size as hidden / heads unless told: Qwen3's and Gemma 3's differ (and transformers'
+    # qwen3 table does not write it); keys and values alike, and all of it rotated
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    keys["rope.dimension_count"] = head_dim
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        keys["attention.key_length"] = keys["attention.value_length"] = head_dim
+    keys.update(scaling)  # a rotary scaling's keys (export_rope)
+    for key, value in keys.items():
+        add = (writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int)
+               else writer.add_float32)
+        add(f"{arch}.{key}", value if isinstance(value, (int, str)) else float(value))
 
 
 def _tokenizer(writer, tokenizer, vocab_size: int, pre: str) -> None:
@@ -285,7 +325,8 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
         ``quantized``, ``requantized`` (the linears of each kind; see the module docstring).
 
     Raises:
-        CheckpointError: an architecture other than :data:`ARCHS`, a scaled rotary embedding, a type outside
+        CheckpointError: an architecture other than :data:`ARCHS`, a scaled rotary embedding or (Gemma 3) another
+            setting llama.cpp would not compute as the model does, a type outside
             :data:`EXPORT_TYPES`, a layer infopt cannot write, a tokenizer that is not BPE.
         MissingBackendError: the ``gguf`` package is not installed (``pip install 'infopt[gguf]'``).
 
@@ -310,6 +351,8 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     if float_type not in FLOAT_TYPES:
         raise CheckpointError(f"export_gguf: float_type {float_type!r}; allowed: {', '.join(FLOAT_TYPES)}")
     rope_scaling, rope_divisors = export_rope(config, arch)  # a scaling llama.cpp cannot compute: refused here
+    if arch == "gemma3":
+        _check_gemma3(config)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -344,8 +387,8 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
             data, raw, got, how = _linear_tensor(layer, kind, perm)
             report["linears"][got] = report["linears"].get(got, 0) + 1
             report[how].append(owner)
-        else:  # a norm
-            data, raw = _numpy_float(module.weight, "F32")
+        else:  # a norm (Gemma's scale by 1 + w, llama.cpp's by the stored weight)
+            data, raw = _numpy_float(module.weight.float() + 1 if arch == "gemma3" else module.weight, "F32")
         writer.add_tensor(f"{stem}.weight", data, raw_dtype=raw)
         report["tensors"] += 1
         bias = getattr(module, "bias", None)
