@@ -38,7 +38,7 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
     kv_len = kwargs.get(KV_LEN_KWARG)
     if kv_len is not None and _static_kernel_ok(module, query, key, value, dropout, kwargs):
-        return static_cache_attention(query, key, value, kv_len, scaling), None
+        return static_cache_attention(query, key, value, kv_len, scaling, window=_window(module, kwargs)), None
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
@@ -65,11 +65,14 @@ the mask (for such calls it is the causal mask over them)."""
 _STATIC_BLOCK = 16  # keys per block in the paged kernel's view of a static cache
 
 
+def _window(module, kwargs) -> int:
+    """A layer's sliding window, as the layer's attribute (Gemma 3) or the call's keyword (Mistral); 0: none."""
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    return int(window) if window else 0
+
+
 def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
     return (query.device.type == "cpu" and not dropout and getattr(module, "is_causal", True)
-            # a window comes as the layer's attribute (Gemma 3) or as the call's keyword (Mistral): the kernel reads
-            # every key up to kv_len, so only full-attention layers may use it
-            and getattr(module, "sliding_window", None) is None and kwargs.get("sliding_window") is None
             and kwargs.get("position_bias") is None
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and not kwargs.get("output_attentions", False)
@@ -81,9 +84,11 @@ def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
 
 
 def static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: torch.Tensor,
-                           scaling: float | None = None) -> torch.Tensor:
+                           scaling: float | None = None, *, window: int = 0) -> torch.Tensor:
     """Causal attention of ``q`` new tokens per row over a static cache's first ``kv_len`` keys, on the C++ paged
-    attention kernel (``torch.ops.infopt.paged_attention``), which reads the cache in place.
+    attention kernel (``torch.ops.infopt.paged_attention``), which reads the cache in place. With a sliding
+    ``window``, each query reads only its window's keys (itself and the ``window - 1`` before it, transformers'
+    rule): a sliding layer's step costs the window, not the cache, however long the call grew.
 
     The cache ``[B, H_kv, L, d]`` is viewed as a block pool ``[B * H_kv * L / 16, 16, H_kv, d]`` (blocks of 16
     tokens of one row, each block's heads ``L * d`` apart) with a block table per row, so each key row is read once
@@ -94,6 +99,7 @@ def static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         key, value: ``[B, H_kv, L, d]``, contiguous.
         kv_len: int64 ``[1]`` (or ``[B]``): keys per row after this step.
         scaling: the softmax scale (default ``d ** -0.5``).
+        window: the layer's sliding window in tokens; 0 for full attention.
 
     Returns:
         ``[B, q, H, d]`` (the layout transformers' attention functions return).
@@ -111,7 +117,7 @@ def static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     lens = kv_len.to(torch.int64).expand(b).contiguous()
     flat = query.transpose(1, 2).reshape(b * q, h, d)
     out = torch.ops.infopt.paged_attention(flat, k_pool, v_pool, table, starts, lens,
-                                           scaling if scaling is not None else d ** -0.5)
+                                           scaling if scaling is not None else d ** -0.5, window)
     return out.view(b, q, h, d)
 
 
