@@ -20,7 +20,7 @@ from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..serialization.export import unpack_words
 
 __all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_layer", "int8_layer",
-           "unpack_words", "read_json", "kernel_group", "check_shape"]
+           "unpack_words", "read_json", "kernel_group", "check_shape", "gemma3_attention_scalar"]
 
 
 class LoadOptions:
@@ -155,3 +155,15 @@ def finish_model(model: nn.Module, *, device: str | torch.device, source: str) -
         del config.quantization_config
     model.eval()
     return model.to(device)
+
+
+def gemma3_attention_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> int:
+    """The ``query_pre_attn_scalar`` llama.cpp's Gemma 3 graph computes with (a GGUF file has no key for it, so the
+    GGUF reader sets it and the writer checks a model against it): ``head_dim``, but ``hidden / heads`` for the
+    62-layer size (Gemma-3-27B: 168).
+
+    Example:
+        >>> gemma3_attention_scalar(26, 1152, 4, 256), gemma3_attention_scalar(62, 5376, 32, 128)
+        (256, 168)
+    """
+    return hidden // heads if layers == 62 else head_dim

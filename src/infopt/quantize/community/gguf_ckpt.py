@@ -35,7 +35,7 @@ from torch import nn
 from ...core.availability import require
 from ...core.errors import CheckpointError
 from ..formats.int8 import SharedInt8Embedding
-from .common import LoadOptions, empty_model, int4_layer, int8_layer, set_dense
+from .common import LoadOptions, empty_model, gemma3_attention_scalar, int4_layer, int8_layer, set_dense
 from .gguf_blocks import BLOCKS, Int4Blocks, decode_int4, decode_int8, dequantize_blocks
 from .gguf_rope import FREQS_TENSOR, check_rope, rope_from_gguf
 
@@ -139,10 +139,11 @@ def gguf_config(reader, source: str) -> dict[str, Any]:
     # a head's size as llama.cpp takes it: key_length, else hidden / heads (transformers' qwen3 and llama tables skip
     # the key, and a Qwen3 config's default head_dim is 128 whatever the file's shapes)
     key_length = fields.get(f"{arch}.attention.key_length")
-    if "head_dim" not in cfg and key_length is not None:
-        cfg["head_dim"] = int(_value(key_length))
-    elif "head_dim" not in cfg and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if "head_dim" not in cfg:
+        if key_length is not None:
+            cfg["head_dim"] = int(_value(key_length))
+        elif cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+            cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     if cfg.get("model_type") == "gemma3":
         cfg["model_type"] = "gemma3_text"
         _gemma3_config(cfg, fields, arch)
@@ -156,14 +157,12 @@ def gguf_config(reader, source: str) -> dict[str, Any]:
 
 def _gemma3_config(cfg: dict[str, Any], fields, arch: str) -> None:
     """What llama.cpp's Gemma 3 graph fixes rather than reads, set in the config (transformers' GGUF table leaves
-    them to the config class's defaults, which are one checkpoint's): attention scaled by ``1 / sqrt(head_dim)``
-    (``hidden / heads`` for the 62-layer size), a final logit soft-cap where the file has one."""
-    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-    head_dim = cfg.get("head_dim") or (hidden // heads if hidden and heads else None)
-    if cfg.get("num_hidden_layers") == 62 and hidden and heads:
-        cfg["query_pre_attn_scalar"] = hidden // heads
-    elif head_dim:
-        cfg["query_pre_attn_scalar"] = head_dim
+    them to the config class's defaults, which are one checkpoint's): the attention scale
+    (:func:`~infopt.quantize.community.common.gemma3_attention_scalar`), a final logit soft-cap where the file has
+    one."""
+    heads, hidden, head_dim = cfg.get("num_attention_heads"), cfg.get("hidden_size"), cfg.get("head_dim")
+    if heads and hidden and head_dim:  # head_dim: set by gguf_config from the file
+        cfg["query_pre_attn_scalar"] = gemma3_attention_scalar(cfg.get("num_hidden_layers"), hidden, heads, head_dim)
     cap = fields.get(f"{arch}.final_logit_softcapping")
     if cap is not None:
         cfg["final_logit_softcapping"] = float(_value(cap))

@@ -46,7 +46,8 @@ from ...core.errors import CheckpointError
 from ..formats.int4 import Int4Linear
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.primitives import unpack_int4
-from .gguf_rope import FREQS_TENSOR, export_rope, rope_parameters
+from .common import gemma3_attention_scalar
+from .gguf_rope import FREQS_TENSOR, _head_dim, export_rope, rope_parameters
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
 
@@ -210,10 +211,9 @@ def _check_gemma3(config) -> None:
     Raises:
         CheckpointError: naming the first setting llama.cpp would compute otherwise.
     """
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layers = config.num_hidden_layers
     pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
-    scalar = config.hidden_size // heads if layers == 62 else head_dim
+    scalar = gemma3_attention_scalar(layers, config.hidden_size, config.num_attention_heads, _head_dim(config))
     params = getattr(config, "rope_parameters", None) or {}
     local = params.get("sliding_attention", {}) if isinstance(params, dict) else {}
     wrong = [
@@ -251,7 +251,7 @@ def _metadata(writer, config, arch: str, name: str, scaling: dict[str, Any]) -> 
             keys[gguf_key] = value
     # llama.cpp takes a head's size as hidden / heads unless told: Qwen3's and Gemma 3's differ (and transformers'
     # qwen3 table does not write it); keys and values alike, and all of it rotated
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    head_dim = _head_dim(config)
     keys["rope.dimension_count"] = head_dim
     if head_dim != config.hidden_size // config.num_attention_heads:
         keys["attention.key_length"] = keys["attention.value_length"] = head_dim
