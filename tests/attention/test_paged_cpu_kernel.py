@@ -55,18 +55,20 @@ def _oracle(q, k, v, table, news, kv_lens, scale, window=0):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       kv_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]),
        heads=st.sampled_from([(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 24), (4, 2, 16)]),
        block_size=st.sampled_from([1, 4, 16, 100, 256]), int32_table=st.booleans(),
        window=st.sampled_from([0, 0, 1, 5, 64, 300]))
-def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table, window):
+def test_kernel_matches_oracle(data, dtype, kv_dtype, heads, block_size, int32_table, window):
     """Decode tokens, prefill chunks after earlier chunks and fresh prefills, any block size, GQA groups, head sizes
     on and off the unrolled paths, both table dtypes; few or many sequences (so the key-split path runs too); with
-    and without a sliding window (starting inside tiles, blocks and split parts)."""
+    and without a sliding window (starting inside tiles, blocks and split parts); K/V in the query's dtype or in
+    another (fp32, bf16, fp16 pools under fp32 or bf16 queries)."""
     h, h_kv, d = heads
     s = data.draw(st.integers(1, 6))
     news = data.draw(st.lists(st.integers(1, 40), min_size=s, max_size=s))
     kv_lens = [n + data.draw(st.integers(0, 700)) for n in news]
-    k, v, table = _layout(news, kv_lens, block_size, h_kv, d, d, dtype, seed=data.draw(st.integers(0, 99)))
+    k, v, table = _layout(news, kv_lens, block_size, h_kv, d, d, kv_dtype or dtype, seed=data.draw(st.integers(0, 99)))
     q = torch.randn(sum(news), h, d).to(dtype)
     starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()])
     scale = 1 / math.sqrt(d)
@@ -76,6 +78,24 @@ def test_kernel_matches_oracle(data, dtype, heads, block_size, int32_table, wind
     ref = _oracle(q, k, v, table, news, kv_lens, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(24, 8, 128), (14, 2, 64), (8, 8, 128)], ids=["g3-d128", "g7-d64", "g1-d128"])
+@pytest.mark.parametrize("split_keys", [True, False], ids=["any-order", "fixed-order"])
+def test_decode_rows_match_oracle(kv_dtype, heads, split_keys):
+    """Decode steps (one query per sequence) over long contexts: the three-pass path (every score, one softmax,
+    then the values; split over threads) and the fixed-order tile path give the oracle's result, fp32 queries over
+    fp32 or 16-bit K/V, GQA groups of 1 to 7 rows; one sequence (its keys split) and five."""
+    h, h_kv, d = heads
+    for kv_lens in ([1500], [700, 33, 1, 260, 1029]):
+        news = [1] * len(kv_lens)
+        k, v, table = _layout(news, kv_lens, 16, h_kv, d, d, kv_dtype, seed=3)
+        q = torch.randn(len(news), h, d)
+        starts = torch.arange(len(news) + 1)
+        out = torch.ops.infopt.paged_attention(q, k, v, table, starts, torch.tensor(kv_lens), d ** -0.5, 0, split_keys)
+        torch.testing.assert_close(out.double(), _oracle(q, k, v, table, news, kv_lens, d ** -0.5), atol=1e-5,
+                                   rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])

@@ -83,8 +83,10 @@ _KEY_SPLIT = _KeySplit()
 
 class fixed_key_order:
     """Within this context (this thread), the C++ kernel sums every query row's keys in one order, never splitting a
-    row's keys into parts merged afterwards. The split depends on how many sequences share the call, so without
-    this a request's attention could round differently beside others (:mod:`infopt.batching.invariant`).
+    row's keys into parts merged afterwards, and a decode row in the same order as a prefill row (not in the
+    three passes it takes otherwise). The split depends on how many sequences share the call, and a token is
+    decoded once and recomputed in a prefill chunk after a preemption, so without this a request's attention could
+    round differently beside others or when recomputed (:mod:`infopt.batching.invariant`).
 
     Example:
         >>> with fixed_key_order():

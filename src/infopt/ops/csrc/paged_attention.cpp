@@ -17,12 +17,15 @@
 // group) are processed together, so each key and value row is loaded once for its whole group. When there are
 // too few items to keep every thread busy (few sequences decoding long contexts), each item's keys are split
 // into parts processed independently and merged (flash-decoding). Items are dealt to threads longest first.
-// Softmax is online (running max and sum per query row) in fp32; K/V may be fp32 or bf16 (converted in registers).
+// Softmax is online (running max and sum per query row) in fp32; K/V may be fp32, bf16 or fp16 (converted in
+// registers). A decode step (one query per sequence) with a head size of 64 or 128 takes three passes instead:
+// every score of the item's keys, one softmax per row, then the values (no running rescale per tile).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -42,9 +45,15 @@ constexpr int64_t QCHUNK = 16;        // queries of one sequence per work item
 constexpr int64_t MIN_SPLIT_KEYS = 128;  // keys per part at least when an item's keys are split
 constexpr int64_t PREFETCH_BLOCKS = 1;  // how many blocks ahead rows are requested
 constexpr int64_t TILE = 64;           // keys scored together (a block, or a slice of a larger block)
+#if defined(__AVX512F__)
+constexpr bool DECODE_WHOLE = true;  // one query per row: scores, softmax, values in three passes (run_item)
+#else
+constexpr bool DECODE_WHOLE = false;
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
 
@@ -74,6 +83,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit left shift of the bits
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
 
@@ -309,6 +321,7 @@ struct Args {
   float scale;
   int64_t slot;    // floats per partial-result slot: QCHUNK * H rows of (max, sum, accumulator)
   int64_t window;  // keys a query sees, itself included (0: all earlier keys)
+  bool any_order;  // decode rows may take the three-pass path (split_keys; false: one summation order for every row)
 };
 
 inline int64_t block_id(const Args& a, int64_t s, int64_t b) {
@@ -331,7 +344,13 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
   const int64_t nq = it.q1 - it.q0, R = nq * HG, BS = a.BS;
   const int64_t D = DH > 0 ? DH : a.D, Dv = DH > 0 ? DH : a.Dv;
   const int64_t ksh = a.kh, vsh = a.vh;  // head stride inside a token's row of the pool
-  scratch.resize(R * D + R * Dv + 2 * R + R * TILE);
+  const int64_t pos0 = L - n + it.q0;               // position of the chunk's first query
+  const int64_t kend = std::min(it.k1, pos0 + nq);  // keys past the chunk's last query are never seen
+  // one query per row (a decode step) with a head size the vector paths unroll: every score of the item's keys
+  // first, one softmax per row, then the values (decode_item); room for those scores after the tile's
+  const bool whole = DECODE_WHOLE && a.any_order && nq == 1 && DH > 0 && DH % 16 == 0 && DH <= 128 && kend > it.k0;
+  const int64_t nk = whole ? kend - it.k0 : 0;
+  scratch.resize(R * D + R * Dv + 2 * R + R * TILE + R * nk + (whole && !std::is_same_v<KV, float> ? TILE * nh * D : 0));
   float* qf = scratch.data();
   float* acc = qf + R * D;
   float* m = acc + R * Dv;
@@ -346,8 +365,6 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
   std::fill(acc, acc + R * Dv, 0.f);
   std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R, 0.f);
-  const int64_t pos0 = L - n + it.q0;               // position of the chunk's first query
-  const int64_t kend = std::min(it.k1, pos0 + nq);  // keys past the chunk's last query are never seen
   const KV* krow[TILE];  // each key's row (its token's K for the item's first KV head), read in place
   const KV* vrow[TILE];
   // scores of row r against a tile's keys
@@ -362,6 +379,83 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
 #endif
     score_tile<DH, KV>(qf + r * D, kr, off, cnt, D, dst);
   };
+#if defined(__AVX512F__)
+  if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
+    if (whole) {
+      float* S = sc + R * TILE;  // S[r * nk + (j - k0)]: row r's score of key j
+      const int64_t k0 = it.k0;
+      // the item's keys in runs of at most TILE that sit in one block: fn(first key, count, its K rows, its V rows)
+      auto runs = [&](auto&& fn) {
+        for (int64_t lo = k0; lo < kend;) {
+          const int64_t j0 = lo / BS * BS, hi = std::min({lo + TILE, j0 + BS, kend});
+          const int64_t blk = block_id(a, it.seq, j0 / BS);
+          const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
+          const KV* vb = vpool + blk * a.vb + it.h0 * a.vh;
+          for (int64_t j = lo; j < hi; ++j) {
+            krow[j - lo] = kb + (j - j0) * a.kt;
+            vrow[j - lo] = vb + (j - j0) * a.vt;
+          }
+          fn(lo, hi - lo);
+          lo = hi;
+        }
+      };
+      constexpr bool dot_bf16 = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>;
+      if constexpr (!std::is_same_v<KV, float> && !dot_bf16) {
+        if (G > 1) {  // 16-bit keys read by several rows: each key converted to fp32 once, then scored per row
+          float* kf = S + R * nk;
+          const float* kfrow[TILE];
+          runs([&](int64_t lo, int64_t cnt) {
+            for (int64_t j = 0; j < cnt; ++j) {
+              float* dst = kf + j * nh * D;
+              kfrow[j] = dst;
+              for (int64_t hh = 0; hh < nh; ++hh)
+                for (int64_t d = 0; d < D; d += 16)
+                  _mm512_storeu_ps(dst + hh * D + d, load16(krow[j] + hh * ksh + d));
+            }
+            for (int64_t r = 0; r < R; ++r) score_tile<DH, float>(qf + r * D, kfrow, (r / G) * D, cnt, D, S + r * nk + (lo - k0));
+          });
+        }
+      }
+      if (!(G > 1 && !std::is_same_v<KV, float> && !dot_bf16))
+        runs([&](int64_t lo, int64_t cnt) {
+          for (int64_t r = 0; r < R; ++r) score(r, krow, (r / G) * ksh, cnt, S + r * nk + (lo - k0));
+        });
+      for (int64_t r = 0; r < R; ++r) {  // one softmax over the row's nk scores: S becomes exp(score - max)
+        float* srow = S + r * nk;
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < nk; j += 16) {
+          const __mmask16 k = nk - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - j)) - 1);
+          vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
+        }
+        const float mx = _mm512_reduce_max_ps(vmax);
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j += 16) {
+          const __mmask16 k = nk - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - j)) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, srow + j), vm));
+          _mm512_mask_storeu_ps(srow + j, k, e);
+          vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+        }
+        m[r] = mx;
+        l[r] = _mm512_reduce_add_ps(vsum);
+      }
+      const float ones[4] = {1.f, 1.f, 1.f, 1.f};
+      runs([&](int64_t lo, int64_t cnt) {
+        for (int64_t hh = 0; hh < nh; ++hh)
+          for (int64_t r0 = hh * G, rend = r0 + G; r0 < rend; r0 += 4) {  // rows sharing a KV head
+            const int nr = static_cast<int>(std::min<int64_t>(4, rend - r0));
+            float* ar = acc + r0 * Dv;
+            const float* pr = S + r0 * nk + (lo - k0);
+            if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
+            else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
+            else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
+            else accumulate_rows<DH, 4, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
+          }
+      });
+    }
+  }
+#endif
+  if (!whole)
   for (int64_t j0 = (it.k0 / BS) * BS; j0 < kend; j0 += BS) {
     const int64_t blk = block_id(a, it.seq, j0 / BS);
     const KV* kb = kpool + blk * a.kb + it.h0 * a.kh;
@@ -489,8 +583,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "paged_attention: key and value pools differ in dtype");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "paged_attention: query must be float32 or bfloat16");
-  TORCH_CHECK(key_pool.scalar_type() == at::kFloat || key_pool.scalar_type() == at::kBFloat16,
-              "paged_attention: pools must be float32 or bfloat16");
+  TORCH_CHECK(key_pool.scalar_type() == at::kFloat || key_pool.scalar_type() == at::kBFloat16 ||
+                  key_pool.scalar_type() == at::kHalf,
+              "paged_attention: pools must be float32, bfloat16 or float16");
   TORCH_CHECK(query.stride(2) == 1 && key_pool.stride(3) == 1 && value_pool.stride(3) == 1,
               "paged_attention: the head dimension must be contiguous");
   TORCH_CHECK(block_table.dim() == 2 && block_table.is_contiguous() &&
@@ -513,7 +608,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
          value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
          query.stride(0), query.stride(1), out.stride(0), out.stride(1),
          query_start.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), block_table.data_ptr(),
-         block_table.scalar_type() == at::kInt, static_cast<float>(scale), QCHUNK * H * (Dv + 2), window};
+         block_table.scalar_type() == at::kInt, static_cast<float>(scale), QCHUNK * H * (Dv + 2), window, split_keys};
   TORCH_CHECK(a.qstart[S] == N, "paged_attention: query_start[-1] must equal the number of query rows");
 
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -543,7 +638,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   const int64_t want = 4 * threads;
   for (const Item& it : base) {
     int64_t parts = 1;
-    // split_keys=false: every query row sums its keys in one fixed order whatever shares the call (batch invariance)
+    // split_keys=false: every query row sums its keys in one fixed order whatever shares the call (batch invariance):
+    // no split here, and no three-pass decode (a token decoded and the same token recomputed in a prefill chunk)
     if (split_keys && static_cast<int64_t>(base.size()) < want && threads > 1) {
       parts = std::min<int64_t>((want + base.size() - 1) / base.size(), (it.k1 - it.k0) / MIN_SPLIT_KEYS);
       parts = std::max<int64_t>(1, parts);
@@ -571,7 +667,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::vector<float> partial(heads.empty() ? 0 : slots * a.slot);
-  const bool q_bf16 = query.scalar_type() == at::kBFloat16, kv_bf16 = key_pool.scalar_type() == at::kBFloat16;
+  const bool q_bf16 = query.scalar_type() == at::kBFloat16;
+  const auto kv = key_pool.scalar_type();
   auto dispatch = [&](auto qtag, auto kvtag) {
     using Q = decltype(qtag);
     using KV = decltype(kvtag);
@@ -585,10 +682,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
     else go(std::integral_constant<int64_t, 0>{});
     if (!heads.empty()) merge<Q>(a, heads, partial.data(), reinterpret_cast<Q*>(out.data_ptr()));
   };
-  if (!q_bf16 && !kv_bf16) dispatch(float{}, float{});
-  else if (!q_bf16 && kv_bf16) dispatch(float{}, c10::BFloat16{});
-  else if (q_bf16 && !kv_bf16) dispatch(c10::BFloat16{}, float{});
-  else dispatch(c10::BFloat16{}, c10::BFloat16{});
+  if (!q_bf16 && kv == at::kFloat) dispatch(float{}, float{});
+  else if (!q_bf16 && kv == at::kBFloat16) dispatch(float{}, c10::BFloat16{});
+  else if (!q_bf16) dispatch(float{}, c10::Half{});
+  else if (kv == at::kFloat) dispatch(c10::BFloat16{}, float{});
+  else if (kv == at::kBFloat16) dispatch(c10::BFloat16{}, c10::BFloat16{});
+  else dispatch(c10::BFloat16{}, c10::Half{});
   return out;
 }
 
