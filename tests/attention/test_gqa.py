@@ -102,18 +102,21 @@ def test_static_cache_attention_matches_causal_sdpa_over_the_filled_keys(b, h_kv
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_decode_on_the_kernel_keeps_greedy_tokens(arch):
+@pytest.mark.parametrize("arch, kv_dtype", [("llama", None), ("qwen2", None), ("llama", "float16"),
+                                            ("qwen2", "bfloat16")])
+def test_compiled_decode_on_the_kernel_keeps_greedy_tokens(arch, kv_dtype):
     """cpu-fast's shape of step (static cache, compiled, unpadded): the attention runs the kernel (counted by the
     profiler) and the tokens equal the eager static-cache ones. (k-token verifies take the same path:
-    tests/compile/test_compile.py's speculative test stays token-identical through it.)"""
+    tests/compile/test_compile.py's speculative test stays token-identical through it.) A 16-bit cache
+    (``Static(dtype=...)``) is read by the kernel as it is stored, and by the eager run as fp32 copies of the
+    same values: the same tokens."""
     from torch.profiler import profile
 
     from infopt.compile import Compile
 
     ref, m = tiny_model(arch), tiny_model(arch)
-    infopt.optimize(ref, [Static(max_length=64)])
-    infopt.optimize(m, [Static(max_length=64), Compile(warmup_lengths=(64,))])
+    infopt.optimize(ref, [Static(max_length=64, dtype=kv_dtype)])
+    infopt.optimize(m, [Static(max_length=64, dtype=kv_dtype), Compile(warmup_lengths=(64,))])
     p = torch.randint(3, 1000, (1, 7))
     with profile() as prof:
         got = m.generate(p, max_new_tokens=12, do_sample=False)

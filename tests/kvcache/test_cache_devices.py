@@ -116,3 +116,37 @@ def test_paged_token_identical(device):
         assert torch.equal(m.generate(alone, max_new_tokens=32, do_sample=False),
                            ref[row:row + 1, int(mask[row].argmax()):])
     assert routing_stats(m).infopt == 1 + len(PROMPTS) and routing_stats(m).original == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_static_16bit_cache_stores_rounded_keys_and_stays_close(dtype, device):
+    """``Static(dtype=...)`` keeps keys and values in 16 bits on the model's device: layer 0's are the fp32 cache's
+    rounded once (the bits, not just close), the logits stay within a small KL of the fp32 cache's, and generate
+    runs on it; the step says it is lossy."""
+    from infopt.generate import decoder_for
+    from infopt.kvcache.static import CACHE_DTYPES
+
+    want = CACHE_DTYPES[dtype]
+    ids = torch.randint(3, 40_000, (1, 200), generator=torch.Generator().manual_seed(0)).to(device)
+    logits, caches = {}, {}
+    for kind in (None, dtype):
+        m = head64(device)
+        infopt.optimize(m, [Static(max_length=256, dtype=kind)])
+        out = m.generate(ids, max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        logits[kind] = out.logits[0][0].float()
+        caches[kind] = decoder_for(m).cache.allocation().cache
+    assert Static(dtype=dtype).fidelity == "lossy" and Static().fidelity == "lossless"
+    k16, k32 = caches[dtype].layers[0].keys, caches[None].layers[0].keys
+    assert k16.dtype == want and k32.dtype == torch.float32 and k16.device.type == device
+    assert torch.equal(k16[:, :, :200], k32[:, :, :200].to(want))
+    lp_ref, lp = logits[None].log_softmax(-1), logits[dtype].log_softmax(-1)
+    assert float((lp_ref.exp() * (lp_ref - lp)).sum()) < 1e-3
+
+
+def test_static_16bit_cache_refuses_other_dtypes():
+    from infopt.core.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="dtype.*float16, bfloat16"):
+        Static(dtype="int8")
+    with pytest.raises(RecipeError, match="dtype"):
+        infopt.Recipe.parse({"steps": [{"kvcache": {"kind": "static", "dtype": "float64"}}]})

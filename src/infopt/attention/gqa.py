@@ -39,6 +39,8 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     kv_len = kwargs.get(KV_LEN_KWARG)
     if kv_len is not None and _static_kernel_ok(module, query, key, value, dropout, kwargs):
         return static_cache_attention(query, key, value, kv_len, scaling, window=_window(module, kwargs)), None
+    if key.dtype != query.dtype:  # a 16-bit static cache (kvcache.Static(dtype=...)) that the kernel does not read
+        key, value = key.to(query.dtype), value.to(query.dtype)
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
@@ -77,7 +79,7 @@ def _static_kernel_ok(module, query, key, value, dropout, kwargs) -> bool:
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and not kwargs.get("output_attentions", False)
             and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == value.dtype
-            and key.dtype in (torch.float32, torch.bfloat16)
+            and key.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.shape[2] % _STATIC_BLOCK == 0
             and query.shape[1] % key.shape[1] == 0 and paged._USE_CPU_KERNEL[0]
             and cpp.loaded("paged_attention"))  # loaded by whoever passes the keyword (nothing is built while tracing)

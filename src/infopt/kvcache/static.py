@@ -11,6 +11,7 @@ from torch import nn
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from ..attention.gqa import GQA_SDPA_IMPL
 from ..core.errors import IncompatibleModelError
 from ..core.introspect import context_length, inspect_model
 from ..core.step import ApplyContext, StepConfig, bad_field, register_step, register_transform
@@ -36,9 +37,15 @@ class Static(StepConfig):
             capped at 32768. Each call gets a cache of its own length rounded up to a multiple of
             256 (see :func:`bucket_length`), reused while calls fit the same bucket.
         batch_size: fixed batch size, or None to size the cache on each call's batch.
+        dtype: ``"float16"`` or ``"bfloat16"`` to store keys and values in 16 bits while the model computes in its
+            own dtype (half the cache's bytes for an fp32 model, and half of what a decode step reads from it); None
+            (default): the model's dtype. Lossy: each key and value is rounded once, when it is written (fp16
+            keeps 11 significant bits, bf16 8; fp16 saturates at +-65504). On CPU, infopt's attention kernel reads
+            the 16-bit cache in place, converting in registers; other attention backends read a copy in the
+            model's dtype. The step's ``fidelity`` is ``lossy`` with a dtype, ``lossless`` without.
 
     Raises:
-        RecipeError: non-positive max_length or batch_size.
+        RecipeError: non-positive max_length or batch_size, or a dtype other than float16 / bfloat16.
 
     Example:
         >>> import infopt, torch
@@ -54,8 +61,14 @@ class Static(StepConfig):
     fidelity: ClassVar[str] = "lossless"  # attention over a fixed-length masked cache: another kernel shape
     max_length: int | None = None
     batch_size: int | None = None
+    dtype: str | None = None
 
     def __post_init__(self):
+        if self.dtype is not None:
+            if self.dtype not in CACHE_DTYPES:
+                raise bad_field(self, "dtype", self.dtype, f"one of {', '.join(CACHE_DTYPES)}, or null for the "
+                                "model's own dtype")
+            object.__setattr__(self, "fidelity", "lossy")  # each key and value rounded to 16 bits when written
         if self.max_length is not None and (
             not isinstance(self.max_length, int) or isinstance(self.max_length, bool) or self.max_length <= 0
         ):
@@ -72,6 +85,11 @@ class Static(StepConfig):
             )
         return []
 
+
+CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""The dtypes :class:`Static` stores keys and values in when asked to (its ``dtype``), by name."""
+
+FP16_MAX = 65504.0
 
 DEFAULT_CAP = 32768
 """The longest call a static cache serves by default (a model with a longer context is capped here): calls are served
@@ -124,6 +142,11 @@ class SizedStaticLayer(StaticLayer):
         ((512, 0), 512)
     """
 
+    def __init__(self, max_cache_len: int, dtype: torch.dtype | None = None, upcast: bool = True):
+        super().__init__(max_cache_len=max_cache_len)
+        self.store_dtype = dtype
+        self.upcast = upcast
+
     @property
     def max_cache_len(self):
         keys = self.__dict__.get("keys")
@@ -133,8 +156,26 @@ class SizedStaticLayer(StaticLayer):
     def max_cache_len(self, value: int) -> None:
         self._length = value
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The parent's update; with a ``store_dtype`` other than the states', they are rounded to it as they are
+        written (fp16 saturating at +-65504), and the whole cache is returned in that dtype to an attention that
+        reads it so (``upcast=False``: infopt's GQA backend), else as a copy in the states' dtype."""
+        dtype = self.store_dtype
+        if dtype is None or key_states.dtype == dtype:
+            return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = super().update(_narrow(key_states, dtype), _narrow(value_states, dtype), *args, **kwargs)
+        if self.upcast:
+            return keys.to(key_states.dtype), values.to(value_states.dtype)
+        return keys, values
 
-def full_length_static_cache(config, length: int):
+
+def _narrow(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float16:
+        states = states.clamp(-FP16_MAX, FP16_MAX)
+    return states.to(dtype)
+
+
+def full_length_static_cache(config, length: int, dtype: torch.dtype | None = None, upcast: bool = True):
     """transformers' ``StaticCache`` of ``length`` slots whose layers are all full-length :class:`SizedStaticLayer`.
 
     transformers' sliding-window static layer keeps only the window, in a buffer it rolls through Python-int
@@ -144,7 +185,8 @@ def full_length_static_cache(config, length: int):
     builds it for any layer) keeps each query to its window, so the attention result is the same. The price is the
     slots past the window: ``length`` is the call's 256-token bucket, not the model's context (Gemma 3 270M: 2 KiB
     per token per sliding layer in fp32). Every layer reports its mask width from its tensors' shape
-    (:class:`SizedStaticLayer`), so one compiled step serves every length.
+    (:class:`SizedStaticLayer`), so one compiled step serves every length. With ``dtype``, the layers store keys and
+    values in it, returned to the attention as copies in the model's dtype unless ``upcast`` is False.
 
     Example:
         >>> from infopt.models import tiny_model
@@ -153,8 +195,8 @@ def full_length_static_cache(config, length: int):
         (['SizedStaticLayer', 'SizedStaticLayer'], 256)
     """
     cache = StaticCache(config=config, max_cache_len=length)
-    cache.layers = [SizedStaticLayer(max_cache_len=length) if type(layer) in (StaticLayer, StaticSlidingWindowLayer)
-                    else layer for layer in cache.layers]
+    cache.layers = [SizedStaticLayer(max_cache_len=length, dtype=dtype, upcast=upcast)
+                    if type(layer) in (StaticLayer, StaticSlidingWindowLayer) else layer for layer in cache.layers]
     return cache
 
 
@@ -226,7 +268,9 @@ class StaticCaches(CachePart):
             held[1].reset()
             return held[1]
         self._held.pop(model, None)  # free the old allocation first
-        cache = full_length_static_cache(model.config, key[1])
+        # infopt's GQA backend reads a 16-bit cache as it is; any other attention gets copies in the model's dtype
+        cache = full_length_static_cache(model.config, key[1], dtype=CACHE_DTYPES.get(self.config.dtype),
+                                         upcast=getattr(model.config, "_attn_implementation", None) != GQA_SDPA_IMPL)
         self._held[model] = (key, cache)
         return cache
 
@@ -288,8 +332,11 @@ def _apply(model: nn.Module, config: Static, ctx: ApplyContext) -> None:
     use_(model, config)
     info = ctx.info or inspect_model(model)
     length = resolved_max_length(model, config)
-    per_seq = info.kv_bytes_per_token * length
+    per_seq, stored = info.kv_bytes_per_token * length, ""
+    if config.dtype is not None:
+        per_seq = 2 * info.num_layers * info.num_kv_heads * info.head_dim * CACHE_DTYPES[config.dtype].itemsize * length
+        stored = f", keys and values stored in {config.dtype}"
     ctx.notes.append(
-        f"static KV cache up to {length} tokens ({per_seq / 2**20:.1f} MiB per sequence at most), sized per call "
-        f"in {BUCKET}-token buckets and reused"
+        f"static KV cache up to {length} tokens ({per_seq / 2**20:.1f} MiB per sequence at most{stored}), sized per "
+        f"call in {BUCKET}-token buckets and reused"
     )
