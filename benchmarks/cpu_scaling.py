@@ -141,7 +141,8 @@ def run_infopt(args) -> dict:
         model, _ = build(args.size)
     stages = {"built": _rss_now_mb(), "peak_while_building": _peak_rss_mb()}
     length = -(-(longest + NEW_TOKENS + 8) // 256) * 256  # whole 256-slot buckets: one compiled step serves them all
-    infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": length}},
+    kv = {} if args.kv_dtype == "model" else {"dtype": args.kv_dtype}
+    infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": length, **kv}},
                             {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": [1]}}])
     ready = time.perf_counter() - T0
     stages["optimized"] = _rss_now_mb()
@@ -225,7 +226,7 @@ def run_llama(args) -> dict:
 # -- the orchestration (project venv) ----------------------------------------------------------------------------------
 def _child(python: str, mode: str, args) -> dict:
     cmd = [python, str(HERE), mode, "--size", args.size_now, "--workdir", args.workdir,
-           "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source]
+           "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source, "--kv-dtype", args.kv_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if res.returncode:
@@ -322,7 +323,7 @@ def orchestrate(args) -> None:
 
     result = {"what": "infopt (cpu-fast's steps, symmetric int4 codes) against llama.cpp Q4_0 on the same weights, "
                       "random weights in real checkpoints' shapes, 2 threads each, alternating processes",
-              "infopt_source": args.infopt_source,
+              "infopt_source": args.infopt_source, "infopt_kv_dtype": args.kv_dtype,
               "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                           "date": time.strftime("%Y-%m-%d")},
               "command": " ".join(sys.argv), "sizes": sizes}
@@ -347,6 +348,9 @@ def main() -> None:
                    help="gguf: infopt loads the exported file llama.cpp runs (load_quantized(activations='auto')), "
                         "so peak RSS and the time to the first token compare on equal terms; build: the random model "
                         "built and quantized in the process")
+    p.add_argument("--kv-dtype", choices=["float16", "model"], default="float16",
+                   help="infopt's static KV cache: float16 (cpu-fast's, and llama.cpp's default f16 cache) or the "
+                        "model's own fp32")
     args = p.parse_args()
     if args.mode == "run":
         orchestrate(args)

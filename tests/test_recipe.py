@@ -338,9 +338,9 @@ def test_static_max_len_names_max_length():
     from infopt.core.errors import UnknownFieldError
 
     with pytest.raises(UnknownFieldError, match=r"has no field\(s\) 'max_len'; allowed fields: max_length, "
-                                                r"batch_size\. Did you mean 'max_length'\?"):
+                                                r"batch_size, dtype\. Did you mean 'max_length'\?"):
         Static(max_len=128)
     with pytest.raises(UnknownFieldError, match="Did you mean 'max_length'"):  # the step's place in a recipe kept
         Recipe.parse([{"kvcache": {"kind": "static", "max_len": 128}}])
-    with pytest.raises(TypeError, match="positional arguments but 4 were given"):  # other call errors stay Python's
-        Static(1, None, 3)
+    with pytest.raises(TypeError, match="positional arguments but 5 were given"):  # other call errors stay Python's
+        Static(1, None, None, 3)

@@ -215,11 +215,11 @@ PRESETS: dict[str, Preset] = {
                 {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode: int4 weights (group 32, int8 head that a tied embedding shares; int8 "
                "activations on AVX512-VNNI and AVX2 CPUs) held to KL <= 0.02 (measured when applied; layers that break "
-               "it are kept in higher precision and listed in the report), static KV cache, decode step compiled (an "
-               "AOTInductor package on CPU)",
+               "it are kept in higher precision and listed in the report), static KV cache in fp16, decode step compiled "
+               "(an AOTInductor package on CPU)",
                ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                               "activations": "auto", "max_kl": 0.02}},
-                {"kvcache": {"kind": "static"}},
+                {"kvcache": {"kind": "static", "dtype": "float16"}},
                 {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": "auto"}})),
         Preset("memory-saver", "smallest weights + KV cache: int4 weights (group 32, int8 head that a tied embedding "
                "shares) held to KL <= 0.02 as cpu-fast's are, and an int4 KV cache; decode is not compiled (slower than "
