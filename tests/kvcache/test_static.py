@@ -135,3 +135,23 @@ def test_num_return_sequences_gets_a_cache_for_every_returned_row():
     # the next plain call (2 rows) gets its own allocation again and the same tokens as without infopt
     assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False),
                        ref.generate(p, max_new_tokens=6, do_sample=False))
+
+
+def test_16bit_cache_follows_the_attention_a_call_runs():
+    """A held 16-bit cache is read as it is stored by infopt's GQA backend only: a call after the model's attention
+    changed (here: back to sdpa) gets fp32 copies, and gives the tokens of a fresh model with the plain sdpa run."""
+    from infopt.attention.backends import set_backend_
+    from infopt.generate import decoder_for
+
+    m, ref = tiny_model("llama"), tiny_model("llama")
+    use_(ref, Static(max_length=64, dtype="float16"))
+    use_(m, Static(max_length=64, dtype="float16"))
+    p = torch.tensor([[1, 5, 9, 300, 7]])
+    set_backend_(m, "sdpa_gqa")
+    a = m.generate(p, max_new_tokens=8, do_sample=False)
+    cache = decoder_for(m).cache.allocation().cache
+    assert all(not layer.upcast and layer.keys.dtype == torch.float16 for layer in cache.layers)
+    set_backend_(m, "sdpa")
+    b = m.generate(p, max_new_tokens=8, do_sample=False)
+    assert decoder_for(m).cache.allocation().cache is cache and all(layer.upcast for layer in cache.layers)
+    assert torch.equal(b, ref.generate(p, max_new_tokens=8, do_sample=False)) and torch.equal(a, b)

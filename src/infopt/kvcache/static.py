@@ -263,14 +263,18 @@ class StaticCaches(CachePart):
         # since (model.to(torch.bfloat16), .cuda())
         key = (batch, bucket_length(min(needed, self.max_length), self.max_length), _autocast_state(model),
                getattr(model, "dtype", None), getattr(model, "device", None))
+        # infopt's GQA backend reads a 16-bit cache as it is; any other attention gets copies in the model's dtype
+        # (decided per call: the attention a model runs can change between calls, by undo or set_backend_)
+        upcast = getattr(model.config, "_attn_implementation", None) != GQA_SDPA_IMPL
         held = self._held.get(model)
         if held is not None and held[0] == key:
             held[1].reset()
+            for layer in held[1].layers:
+                if isinstance(layer, SizedStaticLayer):
+                    layer.upcast = upcast
             return held[1]
         self._held.pop(model, None)  # free the old allocation first
-        # infopt's GQA backend reads a 16-bit cache as it is; any other attention gets copies in the model's dtype
-        cache = full_length_static_cache(model.config, key[1], dtype=CACHE_DTYPES.get(self.config.dtype),
-                                         upcast=getattr(model.config, "_attn_implementation", None) != GQA_SDPA_IMPL)
+        cache = full_length_static_cache(model.config, key[1], dtype=CACHE_DTYPES.get(self.config.dtype), upcast=upcast)
         self._held[model] = (key, cache)
         return cache
 
