@@ -385,7 +385,10 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
       float* S = sc + R * TILE;  // S[r * nk + (j - k0)]: row r's score of key j
       const int64_t k0 = it.k0;
       // the item's keys in runs of at most TILE that sit in one block: fn(first key, count, its K rows, its V rows)
-      auto runs = [&](auto&& fn) {
+      // the item's keys in runs of at most TILE that sit in one block: fn(first key, count) with krow / vrow set;
+      // the next block's rows of the pass's pool (K for the scores, V for the values) are asked for ahead where
+      // the block table jumps (blocks sit anywhere in a paged pool)
+      auto runs = [&](bool keys, auto&& fn) {
         for (int64_t lo = k0; lo < kend;) {
           const int64_t j0 = lo / BS * BS, hi = std::min({lo + TILE, j0 + BS, kend});
           const int64_t blk = block_id(a, it.seq, j0 / BS);
@@ -394,6 +397,12 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
           for (int64_t j = lo; j < hi; ++j) {
             krow[j - lo] = kb + (j - j0) * a.kt;
             vrow[j - lo] = vb + (j - j0) * a.vt;
+          }
+          const int64_t nxt = hi == j0 + BS && hi < kend ? block_id(a, it.seq, hi / BS) : blk + 1;
+          if (nxt != blk + 1) {  // (the next block in the pool: the CPU's own prefetcher follows a contiguous run)
+            const int64_t rows = std::min(BS, kend - hi);
+            if (keys) prefetch_rows(kpool + nxt * a.kb + it.h0 * a.kh, rows, a.kt, nh, a.kh, D);
+            else prefetch_rows(vpool + nxt * a.vb + it.h0 * a.vh, rows, a.vt, nh, a.vh, Dv);
           }
           fn(lo, hi - lo);
           lo = hi;
@@ -404,7 +413,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         if (G > 1) {  // 16-bit keys read by several rows: each key converted to fp32 once, then scored per row
           float* kf = S + R * nk;
           const float* kfrow[TILE];
-          runs([&](int64_t lo, int64_t cnt) {
+          runs(true, [&](int64_t lo, int64_t cnt) {
             for (int64_t j = 0; j < cnt; ++j) {
               float* dst = kf + j * nh * D;
               kfrow[j] = dst;
@@ -417,7 +426,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         }
       }
       if (!(G > 1 && !std::is_same_v<KV, float> && !dot_bf16))
-        runs([&](int64_t lo, int64_t cnt) {
+        runs(true, [&](int64_t lo, int64_t cnt) {
           for (int64_t r = 0; r < R; ++r) score(r, krow, (r / G) * ksh, cnt, S + r * nk + (lo - k0));
         });
       for (int64_t r = 0; r < R; ++r) {  // one softmax over the row's nk scores: S becomes exp(score - max)
@@ -440,7 +449,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         l[r] = _mm512_reduce_add_ps(vsum);
       }
       const float ones[4] = {1.f, 1.f, 1.f, 1.f};
-      runs([&](int64_t lo, int64_t cnt) {
+      runs(false, [&](int64_t lo, int64_t cnt) {
         for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r0 = hh * G, rend = r0 + G; r0 < rend; r0 += 4) {  // rows sharing a KV head
             const int nr = static_cast<int>(std::min<int64_t>(4, rend - r0));
