@@ -99,9 +99,10 @@ rows = []
 print(f"{platform.machine()}, torch {torch.__version__}, {args.threads} threads")
 for shape in args.shapes:
     h, h_kv, d = map(int, shape.split("x"))
-    cases = [("static", f"1 x {n}", lambda dt, n=n: static_case(h, h_kv, d, n, dt)) for n in args.contexts]
+    cases = [("static", f"1 x {n}", lambda dt, n=n, h=h, h_kv=h_kv, d=d: static_case(h, h_kv, d, n, dt))
+             for n in args.contexts]
     cases.append(("engine", f"{args.seqs} x {args.engine_context}",
-                  lambda dt: engine_case(h, h_kv, d, args.seqs, args.engine_context, dt)))
+                  lambda dt, h=h, h_kv=h_kv, d=d: engine_case(h, h_kv, d, args.seqs, args.engine_context, dt)))
     for layout, keys, run in cases:
         for name, dtype in DTYPES.items():
             try:
