@@ -459,6 +459,7 @@ def explain(model: nn.Module, recipe: Any) -> str:
           1. kvcache:static  (Static; lossless)
                max_length = 64  (default None)
                batch_size = None
+               dtype = None
                fallbacks: none
         ...
     """

@@ -475,7 +475,7 @@ def test_a_graph_that_cannot_hold_falls_back_to_eager_with_one_warning(monkeypat
     import infopt.kvcache.static as static
 
     monkeypatch.setattr(static, "full_length_static_cache",
-                        lambda config, length: StaticCache(config=config, max_cache_len=length))
+                        lambda config, length, **_: StaticCache(config=config, max_cache_len=length))
     ref, m = tiny_model("gemma3", num_kv_heads=1), tiny_model("gemma3", num_kv_heads=1)
     batch2 = torch.randint(3, 1000, (2, 12))
     with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
@@ -500,7 +500,7 @@ def test_a_shape_that_recompiles_past_its_budget_runs_eagerly(monkeypatch):
     import infopt.kvcache.static as static
 
     monkeypatch.setattr(static, "full_length_static_cache",
-                        lambda config, length: StaticCache(config=config, max_cache_len=length))
+                        lambda config, length, **_: StaticCache(config=config, max_cache_len=length))
     ref, m = tiny_model("gemma3"), tiny_model("gemma3")
     with pytest.warns(RuntimeWarning, match="could not hold a compiled graph") as caught:
         infopt.optimize(m, [Static(max_length=512), Compile(backend="eager")])

@@ -128,7 +128,9 @@ def test_nf4_odd_shapes_take_the_generic_path_and_say_so(bnb, ids):
         y = q(x)
         w = dequantize_4bit(q.weight, q.weight.quant_state)  # [out, in]
         assert torch.equal(y, nn.functional.linear(x.to(q.compute_dtype), w.to(q.compute_dtype)).to(y.dtype))
-    assert sqnr_db(x @ weight.T, y) > 17  # 4-bit NF4 weights: 19.8 dB measured
+    # the generic path adds nothing to bitsandbytes' own 4-bit rounding (19.8 dB on an AVX2 CPU; bitsandbytes 0.50.2
+    # rounds blocks of 128 to 12-16 dB on an AVX-512 one, its quantizer's doing, not this path's)
+    assert sqnr_db(x @ weight.T, y) >= sqnr_db(x @ weight.T, x @ w.float().T) - 0.5 > 10
     assert kl(ref, out) < 2e-3 and (ref.argmax(-1) == out.argmax(-1)).float().mean() >= 0.9
     assert not getattr(q.weight.quant_state, "packing_format_for_cpu", False)
 

@@ -370,7 +370,7 @@ def unknown_fields(cls: type[StepConfig], unknown: list[str]) -> UnknownFieldErr
     Example:
         >>> from infopt.kvcache import Static
         >>> str(unknown_fields(Static, ["max_len"]))  # doctest: +NORMALIZE_WHITESPACE
-        "Static (kvcache:static) has no field(s) 'max_len'; allowed fields: max_length, batch_size. Did you mean
+        "Static (kvcache:static) has no field(s) 'max_len'; allowed fields: max_length, batch_size, dtype. Did you mean
         'max_length'? (`infopt recipes --fields kvcache:static` lists them with their defaults)"
     """
     names = [f.name for f in dataclasses.fields(cls) if f.init]
