@@ -275,6 +275,16 @@ inline void accumulate_rows(float* acc, int64_t acc_stride, const float* corr, c
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * acc_stride + 16 * i, a[r][i]);
 }
+
+// accumulate_rows for a group of nr (1 to 4) rows, the count known at run time
+template <int64_t DH, typename KV>
+inline void accumulate_group(int nr, float* acc, int64_t acc_stride, const float* corr, const float* p, int64_t p_stride,
+                             const KV* const* vrow, int64_t off, int64_t cnt) {
+  if (nr == 1) accumulate_rows<DH, 1, KV>(acc, acc_stride, corr, p, p_stride, vrow, off, cnt);
+  else if (nr == 2) accumulate_rows<DH, 2, KV>(acc, acc_stride, corr, p, p_stride, vrow, off, cnt);
+  else if (nr == 3) accumulate_rows<DH, 3, KV>(acc, acc_stride, corr, p, p_stride, vrow, off, cnt);
+  else accumulate_rows<DH, 4, KV>(acc, acc_stride, corr, p, p_stride, vrow, off, cnt);
+}
 #endif
 
 // o = o * corr + sum_j p[j] * vrow[j][off:off + n]: the portable path (accumulate_rows unrolls AVX-512 head sizes)
@@ -409,8 +419,9 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
         }
       };
       constexpr bool dot_bf16 = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>;
+      const bool convert_keys = !std::is_same_v<KV, float> && !dot_bf16 && G > 1;
       if constexpr (!std::is_same_v<KV, float> && !dot_bf16) {
-        if (G > 1) {  // 16-bit keys read by several rows: each key converted to fp32 once, then scored per row
+        if (convert_keys) {  // 16-bit keys read by several rows: each key converted to fp32 once, then scored per row
           float* kf = S + R * nk;
           const float* kfrow[TILE];
           runs(true, [&](int64_t lo, int64_t cnt) {
@@ -425,40 +436,18 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
           });
         }
       }
-      if (!(G > 1 && !std::is_same_v<KV, float> && !dot_bf16))
+      if (!convert_keys)
         runs(true, [&](int64_t lo, int64_t cnt) {
           for (int64_t r = 0; r < R; ++r) score(r, krow, (r / G) * ksh, cnt, S + r * nk + (lo - k0));
         });
-      for (int64_t r = 0; r < R; ++r) {  // one softmax over the row's nk scores: S becomes exp(score - max)
-        float* srow = S + r * nk;
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < nk; j += 16) {
-          const __mmask16 k = nk - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - j)) - 1);
-          vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
-        }
-        const float mx = _mm512_reduce_max_ps(vmax);
-        const __m512 vm = _mm512_set1_ps(mx);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk; j += 16) {
-          const __mmask16 k = nk - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - j)) - 1);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, srow + j), vm));
-          _mm512_mask_storeu_ps(srow + j, k, e);
-          vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
-        }
-        m[r] = mx;
-        l[r] = _mm512_reduce_add_ps(vsum);
-      }
+      // one softmax over each row's nk scores (from m = -inf, l = 0): S becomes exp(score - max)
+      for (int64_t r = 0; r < R; ++r) softmax_tile(S + r * nk, nk, m[r], l[r]);
       const float ones[4] = {1.f, 1.f, 1.f, 1.f};
       runs(false, [&](int64_t lo, int64_t cnt) {
         for (int64_t hh = 0; hh < nh; ++hh)
           for (int64_t r0 = hh * G, rend = r0 + G; r0 < rend; r0 += 4) {  // rows sharing a KV head
             const int nr = static_cast<int>(std::min<int64_t>(4, rend - r0));
-            float* ar = acc + r0 * Dv;
-            const float* pr = S + r0 * nk + (lo - k0);
-            if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
-            else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
-            else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
-            else accumulate_rows<DH, 4, KV>(ar, Dv, ones, pr, nk, vrow, hh * vsh, cnt);
+            accumulate_group<DH, KV>(nr, acc + r0 * Dv, Dv, ones, S + r0 * nk + (lo - k0), nk, vrow, hh * vsh, cnt);
           }
       });
     }
@@ -509,12 +498,7 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
             bool grouped = false;
 #if defined(__AVX512F__)
             if constexpr (DH > 0 && DH % 16 == 0 && DH <= 128) {
-              float* ar = acc + r0 * Dv;
-              const float* pr = sc + r0 * TILE;
-              if (nr == 1) accumulate_rows<DH, 1, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
-              else if (nr == 2) accumulate_rows<DH, 2, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
-              else if (nr == 3) accumulate_rows<DH, 3, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
-              else accumulate_rows<DH, 4, KV>(ar, Dv, corr, pr, TILE, vr, hh * vsh, cnt);
+              accumulate_group<DH, KV>(nr, acc + r0 * Dv, Dv, corr, sc + r0 * TILE, TILE, vr, hh * vsh, cnt);
               grouped = true;
             }
 #endif
