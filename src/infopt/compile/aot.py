@@ -183,7 +183,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
         ``(step, seconds, cached)``: the :class:`AotStep` calling the loaded package over the model's tensors, the
         export + compile time, and whether the package came from the cache.
     """
-    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from torch._inductor import aoti_compile_and_package
 
     t0 = time.perf_counter()
     padded = bool(key[3])
@@ -226,7 +226,7 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     else:
         with contextlib.suppress(OSError):
             os.utime(path)  # the newest use: pruning drops the packages used longest ago first
-    runner = aoti_load_package(str(path))
+    runner = _load_package(path)
     # the model's own tensors (the program's weights are lifted from it: the same objects), given to the package
     # without a copy
     constants = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
@@ -298,12 +298,26 @@ class AotStep:
                           for d, dev, shape, stride in self._sig]}
 
 
+def _load_package(path: Path):
+    """The package's runner. Its key (or a saved step's manifest, checked before this is called) already holds the
+    torch version and the CPU's ISA (:func:`fingerprint`), so the package is loaded with the runner's own loader, not
+    ``aoti_load_package``, whose first call in a process probes the compiler for every vector ISA to compare them
+    with the package's metadata for a warning (six child processes: 1.2 s of a 2-core machine's load time)."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (AttributeError, ImportError, TypeError):  # another torch's interface: its public loader
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path))
+    return AOTICompiledModel(loader)
+
+
 def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
     """An :class:`AotStep` from a package saved with a model and its :meth:`AotStep.saved_form`, reading ``model``'s
     tensors (raises where the package does not load or a constant is missing)."""
-    from torch._inductor import aoti_load_package
-
-    runner = aoti_load_package(str(path))
+    runner = _load_package(path)
     constants = {fqn: model.get_parameter(n) if _is_param(model, n) else model.get_buffer(n)
                  for fqn, n in form["constants"].items()}
     wanted = set(runner.get_constant_fqns())

@@ -72,3 +72,82 @@ def test_partial_block_rows_are_refused():
         decode_int4(torch.zeros(1, 34, dtype=torch.uint8), "Q8_0")
     with pytest.raises(ValueError, match="not an int8 block type"):
         decode_int8(torch.zeros(1, 18, dtype=torch.uint8), "Q4_0")
+
+
+# -- the C++ transcoder into the a8 layouts: the decoded path's layers, bit for bit ----------------------------------
+from infopt.quantize.community.gguf_blocks import a8_int4, a8_int8  # noqa: E402
+from infopt.quantize.formats import a8  # noqa: E402
+
+kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
+
+# scales a file may hold: ordinary, subnormal, negative, zero (one value per block), large
+_SPECIAL = np.array([0.0, -0.0, 6e-8, -3e-5, 1.5, 65504.0, -2.0], np.float16)
+
+
+def _file_blocks(kind: str, rows: int, per_row: int, seed: int, specials: bool) -> torch.Tensor:
+    raw = _blocks(kind, rows, per_row, seed, zero_scale=True)
+    if specials:
+        view = raw.reshape(rows, per_row, BLOCKS[kind][1])
+        rng = np.random.default_rng(seed + 1)
+        for off in _HALVES[kind]:
+            pick = rng.integers(0, len(_SPECIAL), (rows, per_row))
+            keep = rng.random((rows, per_row)) < 0.3
+            vals = np.where(keep, _SPECIAL[pick], view[..., off:off + 2].copy().view(np.float16)[..., 0])
+            view[..., off:off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, per_row, 2)
+    return torch.from_numpy(raw)
+
+
+def _perm(rows: int, seed: int, permute: bool) -> torch.Tensor | None:
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed)) if permute else None
+
+
+@kernel
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["Q4_0", "Q4_1"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4),
+       seed=st.integers(0, 2**16), specials=st.booleans(), permute=st.booleans())
+def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, specials, permute):
+    rows = 16 * blocks_of_rows
+    raw = _file_blocks(kind, rows, per_row, seed, specials)
+    perm = _perm(rows, seed, permute)
+    codes, scales, zeros = decode_int4(raw, kind)
+    if perm is not None:
+        codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
+    want = a8.pack_blocked_int4(codes, scales, zeros)
+    got = a8_int4(raw, kind, perm)
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))  # bits: -0.0 and +0.0 differ
+
+
+@kernel
+@settings(max_examples=25, deadline=None)
+@given(blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4), group=st.sampled_from([4, 8, 16, 32]),
+       seed=st.integers(0, 2**16), permute=st.booleans())
+def test_int8_transcoder_writes_the_decoded_layers_bits(blocks_of_rows, per_row, group, seed, permute):
+    rows = 16 * blocks_of_rows
+    raw = _file_blocks("Q8_0", rows, per_row, seed, specials=False)
+    perm = _perm(rows, seed, permute)
+    codes, _scales, _ = decode_int8(raw, "Q8_0")
+    if perm is not None:
+        codes = codes[perm]
+    want = a8.pack_blocked_int8(codes, group)
+    got = a8_int8(raw, group, perm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@kernel
+def test_transcoders_refuse_what_they_cannot_read():
+    ops = torch.ops.infopt
+    with pytest.raises(RuntimeError, match="rows divisible by 16"):
+        ops.int4_a8_from_ggml(torch.zeros(8, 18, dtype=torch.uint8), 0, None)
+    with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 1, None)
+    with pytest.raises(RuntimeError, match="kind must be 0"):
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 2, None)
+    with pytest.raises(RuntimeError, match="is not a row"):
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 0, torch.full((16,), 16))
+    with pytest.raises(RuntimeError, match="perm must be"):
+        ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), torch.arange(8), 16)
+    with pytest.raises(RuntimeError, match="must divide"):
+        ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), None, 24)
+    assert a8_int4(torch.zeros(16, 144, dtype=torch.uint8), "Q4_K") is None  # not a transcoded type

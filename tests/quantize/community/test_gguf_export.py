@@ -389,3 +389,44 @@ def test_the_shipped_default_model_file_exports_its_linears_byte_for_byte(tmp_pa
     shipped, again = _tensors(default_gguf_path()), _tensors(tmp_path / "m.gguf")
     linears = [k for k in shipped if k.startswith("blk.") and not k.endswith("norm.weight")]
     assert len(linears) == 210 and all(np.array_equal(shipped[k], again[k]) for k in linears)
+
+
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "Q4_0"), ("qwen2", "Q4_1"), ("llama", "Q8_0")])
+def test_transcoded_layers_are_the_decoded_layers(arch, kind, tmp_path, monkeypatch):
+    """Q4_0 / Q4_1 / Q8_0 blocks written by the C++ transcoder straight into cpu-fast's layouts (llama's q/k rows
+    permuted on the way) give the layers the decoding path builds: every buffer bit for bit, the same types and
+    settings."""
+    from infopt.quantize.community import gguf_ckpt
+    from infopt.quantize.formats import a8
+
+    if a8.resolve("auto", "cpu") != "int8":
+        pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
+    model = tiny_model(arch)
+    step = (Int8WeightOnly(include_lm_head=True, share_embedding=True, activations="int8") if kind == "Q8_0" else
+            Int4WeightOnly(group_size=32, symmetric=kind == "Q4_0", include_lm_head=True, share_embedding=True,
+                           activations="auto"))
+    infopt.optimize(model, [step])
+    infopt.export_gguf(model, tmp_path / "m.gguf", type=kind)
+    written = []
+    for name in ("a8_int4", "a8_int8"):
+        real = getattr(gguf_ckpt, name)
+        monkeypatch.setattr(gguf_ckpt, name, lambda *a, real=real: written.append(real(*a)) or written[-1])
+    fast, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, activations="auto")
+    linears = len(model.model.layers) * 7 + 1
+    assert len(written) == linears and None not in written  # every linear and the head were transcoded
+    calls = []
+    monkeypatch.setattr(gguf_ckpt, "_transcoded", lambda *a: calls.append(a) or None)
+    slow, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, activations="auto")
+    assert len(calls) == linears  # and here went the decoding way
+    got, want = dict(fast.named_buffers()), dict(slow.named_buffers())
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    for (name, m), m2 in zip(fast.named_modules(), slow.modules(), strict=True):
+        assert type(m) is type(m2), name
+        for attr in ("layout", "group_size", "act_group", "compute_dtype", "out_dtype", "_layout_auto"):
+            assert getattr(m, attr, None) == getattr(m2, attr, None), (name, attr)
+    assert isinstance(fast.model.layers[0].mlp.up_proj, Int8Linear if kind == "Q8_0" else Int4Linear)
+    assert fast.lm_head.layout == "a8"
+    with torch.no_grad():
+        assert torch.equal(fast(IDS).logits, slow(IDS).logits)

@@ -33,6 +33,7 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -43,6 +44,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -956,6 +959,140 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
   return y;
 }
 
+// ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
+// int4_a8_from_ggml(raw uint8 [N, K/32 * bytes], kind 0 (Q4_0, 18-byte blocks) | 1 (Q4_1, 20), perm int64 [N]?)
+//   -> (weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16])
+// int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (Q8_0), perm int64 [N]?, group) -> (weight int8 [N/16, K/4, 64],
+//   wsum int32 [N/16, K/group, 16])
+//   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
+//   numbers of infopt.quantize.community.gguf_blocks.decode_int4 / decode_int8 followed by
+//   infopt.quantize.formats.a8.pack_blocked_int4 / pack_blocked_int8, bit for bit (the tests compare them), in one
+//   pass over the file's bytes instead of a dozen over its decoded copies. A ggml block of 32 codes is 16 bytes whose
+//   low nibbles are codes 0..15 and high nibbles 16..31; the four 8-column chunks it fills are whole 32-bit words of
+//   those bytes, masked and shifted. Q4_0 is w = d * (q - 8): scale d, zero 8; Q4_1 is w = d * q + m: scale d, zero
+//   -m / d. A block whose d is 0 holds one value: codes 0, scale 1 (Q4_0, or m == 0) or |m| / 8, zero -m / scale.
+//   Scales round to bf16 (nearest, ties to even) and the minimum is bf16(-zero * scale16), computed in fp32.
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+const int64_t* checked_perm(const std::optional<at::Tensor>& perm, int64_t N, const char* op) {
+  if (!perm.has_value()) return nullptr;
+  const at::Tensor& p = *perm;
+  TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 1 && p.size(0) == N && p.is_contiguous() && p.device().is_cpu(),
+              op, ": perm must be contiguous int64 [", N, "] on the CPU, got ", p.scalar_type(), " ", p.sizes());
+  const int64_t* pp = p.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(pp[n] >= 0 && pp[n] < N, op, ": perm[", n, "] = ", pp[n], " is not a row of the ", N, " rows");
+  return pp;
+}
+
+void check_raw(const at::Tensor& raw, int64_t block_bytes, const char* op) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.device().is_cpu(), op,
+              ": raw must be contiguous uint8 [rows, bytes] on the CPU, got ", raw.scalar_type(), " ", raw.sizes());
+  TORCH_CHECK(raw.size(0) % kRows == 0, op, ": the a8 layout needs rows divisible by ", kRows, ", got ", raw.size(0));
+  TORCH_CHECK(raw.size(1) > 0 && raw.size(1) % block_bytes == 0, op, ": a row of ", raw.size(1),
+              " bytes is not a whole number of ", block_bytes, "-byte blocks");
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
+                                                     const std::optional<at::Tensor>& perm) {
+  const char* op = "int4_a8_from_ggml";
+  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q4_0) or 1 (Q4_1), got ", kind);
+  const int64_t B = kind == 0 ? 18 : 20, off = kind == 0 ? 2 : 4;
+  check_raw(raw, B, op);
+  const int64_t N = raw.size(0), G = raw.size(1) / B, K = G * 32, NB = N / kRows, row_bytes = raw.size(1);
+  const int64_t* pp = checked_perm(perm, N, op);
+  at::Tensor weight = at::empty({NB, K / 8, 64}, raw.options());
+  at::Tensor scale_min = at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* wp = weight.data_ptr<uint8_t>();
+  c10::BFloat16* sm = scale_min.data_ptr<c10::BFloat16>();
+  constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t n = b * kRows + r;
+        const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* blk = row + g * B;
+          const float d = half_at(blk);
+          float scale = d, zero;
+          bool dead = d == 0.f;
+          if (kind == 0) {
+            const float offset = -8.f * d;
+            zero = dead ? -0.f : -offset / scale;
+            if (dead) scale = 1.f;
+          } else {
+            const float m = half_at(blk + 2);
+            if (dead) {
+              scale = m == 0.f ? 1.f : std::fabs(m) / 8.f;
+              zero = -(m == 0.f ? 0.f : m) / scale;
+            } else {
+              zero = -m / scale;
+            }
+          }
+          const c10::BFloat16 s16(scale);
+          c10::BFloat16* smg = sm + ((b * G + g) * 2) * kRows + r;
+          smg[0] = s16;
+          smg[kRows] = c10::BFloat16(-zero * static_cast<float>(s16));
+          const uint8_t* qs = blk + off;
+          const uint32_t w0 = word_at(qs), w1 = word_at(qs + 4), w2 = word_at(qs + 8), w3 = word_at(qs + 12);
+          const uint32_t chunks[4] = {(w0 & kLow) | ((w1 & kLow) << 4), (w2 & kLow) | ((w3 & kLow) << 4),
+                                      ((w0 >> 4) & kLow) | (w1 & kHigh), ((w2 >> 4) & kLow) | (w3 & kHigh)};
+          uint8_t* dst = wp + (b * (K / 8) + 4 * g) * 64 + 4 * r;
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t c = dead ? 0u : chunks[i];
+            std::memcpy(dst + i * 64, &c, 4);
+          }
+        }
+      }
+  });
+  return {weight, scale_min};
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm,
+                                                     int64_t group) {
+  const char* op = "int8_a8_from_ggml";
+  check_raw(raw, 34, op);
+  const int64_t N = raw.size(0), K = raw.size(1) / 34 * 32, NB = N / kRows, row_bytes = raw.size(1);
+  TORCH_CHECK(group > 0 && K % group == 0, op, ": group ", group, " must divide in_features ", K);
+  const int64_t G = K / group;
+  const int64_t* pp = checked_perm(perm, N, op);
+  at::Tensor weight = at::empty({NB, K / 4, 64}, raw.options().dtype(at::kChar));
+  at::Tensor wsum = at::empty({NB, G, kRows}, raw.options().dtype(at::kInt));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* wp = reinterpret_cast<uint8_t*>(weight.data_ptr<int8_t>());
+  int32_t* ws = wsum.data_ptr<int32_t>();
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t n = b * kRows + r;
+        const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
+        for (int64_t k = 0; k < K; k += 4) {
+          const uint8_t* q = row + (k / 32) * 34 + 2 + k % 32;
+          std::memcpy(wp + (b * (K / 4) + k / 4) * 64 + 4 * r, q, 4);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t t = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k)
+            t += static_cast<int8_t>(row[(k / 32) * 34 + 2 + k % 32]);
+          ws[(b * G + g) * kRows + r] = t;
+        }
+      }
+  });
+  return {weight, wsum};
+}
+
 std::string quant_linear_isa() { return kIsa; }
 
 }  // namespace
@@ -974,6 +1111,8 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm) -> (Tensor, Tensor)");
+  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int group) -> (Tensor, Tensor)");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 
@@ -984,4 +1123,6 @@ TORCH_LIBRARY_IMPL(infopt, CPU, m) {
   m.impl("int4_a8_dense_t", &int4_a8_dense_t);
   m.impl("w8a8_linear", &w8a8_linear);
   m.impl("int8_f32_linear", &int8_f32_linear);
+  m.impl("int4_a8_from_ggml", &int4_a8_from_ggml);
+  m.impl("int8_a8_from_ggml", &int8_a8_from_ggml);
 }

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "decode_int4", "decode_int8", "dequantize_blocks"]
+from ..formats import a8
+
+__all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "A8_INT4", "decode_int4", "decode_int8", "dequantize_blocks",
+           "a8_int4", "a8_int8", "q8_0_scales"]
 
 # ggml type name -> (weights per block, bytes per block)
 BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -141,6 +144,47 @@ def decode_int8(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
         scale = (_half(b, 208).unsqueeze(-1) * sc).reshape(rows, -1)
         return codes, scale, 16
     raise ValueError(f"decode_int8: {kind} is not an int8 block type ({', '.join(Int8Blocks)})")
+
+
+A8_INT4 = {"Q4_0": 0, "Q4_1": 1}
+"""Types the C++ transcoder writes straight into the a8 int4 layout (:func:`a8_int4`), with its kind numbers."""
+
+
+def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_0 / Q4_1 bytes ``[R, in / 32 * bytes]`` straight into the a8 int4 layout, ``(weight, scale_min)`` of
+    :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row ``perm[i]``), in one pass of
+    the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
+    where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.
+
+    Example:
+        >>> import numpy as np
+        >>> from infopt.quantize.formats.a8 import pack_blocked_int4
+        >>> blk = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.arange(16, dtype=np.uint8) * 17])
+        >>> raw = torch.from_numpy(np.tile(blk, (16, 2)))  # 16 rows of two Q4_0 blocks
+        >>> got = a8_int4(raw, "Q4_0")
+        >>> got is None or all(torch.equal(a, b) for a, b in zip(got, pack_blocked_int4(*decode_int4(raw, "Q4_0"))))
+        True
+    """
+    if kind not in A8_INT4 or not a8.available():
+        return None
+    return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), A8_INT4[kind], perm)
+
+
+def a8_int8(raw: torch.Tensor, group: int, perm: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q8_0 bytes ``[R, in / 32 * 34]`` straight into the a8 int8 layout, ``(weight, wsum)`` of
+    :func:`infopt.quantize.formats.a8.pack_blocked_int8` for activation groups of ``group`` (row ``i`` from the file's
+    row ``perm[i]``): bit for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of the C++ kernel. None
+    where the C++ kernels are not built. The scales are the caller's (``decode_int8``'s are a strided read)."""
+    if not a8.available():
+        return None
+    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, group)
+
+
+def q8_0_scales(raw: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales ``[R, in / 32]`` of Q8_0 bytes, without reading their codes."""
+    return _half(_blocks(raw, "Q8_0"), 0)
 
 
 def dequantize_blocks(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:

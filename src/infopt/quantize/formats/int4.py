@@ -355,6 +355,27 @@ class Int4Linear(KeepsFormat):
         return new
 
     @classmethod
+    def from_packed(cls, layout: str, tensors: dict[str, torch.Tensor], *, in_features: int, out_features: int,
+                    group_size: int, dtype: torch.dtype = torch.float32) -> Int4Linear:
+        """Build from a kernel layout's own buffers computed elsewhere (a GGUF file's blocks transcoded into the
+        ``a8`` layout at load: :func:`infopt.quantize.community.gguf_blocks.a8_int4`), without a pass through the
+        portable codes. ``tensors`` must be exactly the layout's buffers, in its shapes and dtypes; no bias."""
+        new = cls(in_features, out_features, group_size, bias=False, dtype=dtype, device="meta", layout=layout)
+        if new.layout != layout:
+            raise ValueError(f"Int4Linear.from_packed: the {layout!r} layout does not take a {in_features} -> "
+                             f"{out_features} layer with group_size {group_size}")
+        want = LAYOUTS[layout].empty(out_features, in_features, group_size, "meta")
+        if set(tensors) != set(want):
+            raise ValueError(f"Int4Linear.from_packed: the {layout!r} layout's buffers are {sorted(want)}, got "
+                             f"{sorted(tensors)}")
+        for name, t in tensors.items():
+            if t.shape != want[name].shape or t.dtype != want[name].dtype:
+                raise ValueError(f"Int4Linear.from_packed: {name} must be {want[name].dtype} "
+                                 f"{tuple(want[name].shape)}, got {t.dtype} {tuple(t.shape)}")
+            setattr(new, name, t)
+        return new
+
+    @classmethod
     def from_float(cls, module: nn.Module, *, group_size: int = 128, symmetric: bool = False, conv1d: bool = False,
                    weight: torch.Tensor | None = None, zero_point: str = "float", layout: str | None = None
                    ) -> Int4Linear:

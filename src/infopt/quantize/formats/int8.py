@@ -287,6 +287,23 @@ class Int8Linear(KeepsFormat):
             new.bias.data.copy_(bias.detach())
         return new
 
+    @classmethod
+    def from_a8(cls, weight: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor, *,
+                dtype: torch.dtype = torch.float32) -> Int8Linear:
+        """Build an ``activations="int8"`` layer from its block-layout buffers computed elsewhere (a GGUF file's Q8_0
+        blocks transcoded at load: :func:`infopt.quantize.community.gguf_blocks.a8_int8`): ``weight`` int8
+        ``[out/16, in/4, 64]``, ``wsum`` int32 ``[out/16, in/act_group, 16]``, ``scales`` fp32 ``[out]``; no bias."""
+        out_f, in_f = weight.shape[0] * a8.ROWS, weight.shape[1] * 4
+        new = cls(in_f, out_f, bias=False, dtype=dtype, compute_dtype=_auto_compute_dtype(dtype, weight.device),
+                  device="meta", activations="int8")
+        want = {**LAYOUTS["a8"].empty(out_f, in_f, "meta"), "weight_scale": new.weight_scale}
+        for name, t in (("weight_a8", weight), ("wsum", wsum), ("weight_scale", scales)):
+            if t.shape != want[name].shape or t.dtype != want[name].dtype:
+                raise ValueError(f"Int8Linear.from_a8: {name} must be {want[name].dtype} {tuple(want[name].shape)}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+            setattr(new, name, t)
+        return new
+
     @property
     def activations(self) -> str:
         """``"float"`` or ``"int8"``: the activations the layer computes with (what its layout stands for)."""
