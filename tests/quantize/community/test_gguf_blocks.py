@@ -121,10 +121,10 @@ def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, pe
 
 @kernel
 @settings(max_examples=25, deadline=None)
-@given(blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4), group=st.sampled_from([4, 8, 16, 32]),
+@given(blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4), group=st.sampled_from([4, 8, 16, 32, 64, 96]),
        seed=st.integers(0, 2**16), permute=st.booleans())
 def test_int8_transcoder_writes_the_decoded_layers_bits(blocks_of_rows, per_row, group, seed, permute):
-    rows = 16 * blocks_of_rows
+    rows, per_row = 16 * blocks_of_rows, per_row * max(1, group // 32)
     raw = _file_blocks("Q8_0", rows, per_row, seed, specials=False)
     perm = _perm(rows, seed, permute)
     codes, _scales, _ = decode_int8(raw, "Q8_0")
@@ -149,5 +149,7 @@ def test_transcoders_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="perm must be"):
         ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), torch.arange(8), 16)
     with pytest.raises(RuntimeError, match="must divide"):
-        ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), None, 24)
+        ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), None, 64)
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        ops.int8_a8_from_ggml(torch.zeros(16, 3 * 34, dtype=torch.uint8), None, 12)
     assert a8_int4(torch.zeros(16, 144, dtype=torch.uint8), "Q4_K") is None  # not a transcoded type

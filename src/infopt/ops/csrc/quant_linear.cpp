@@ -463,7 +463,8 @@ void check_x(const at::Tensor& x, int64_t K, int64_t group, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " input features, the weight ", K);
-  TORCH_CHECK(group > 0 && K % group == 0, op, ": group ", group, " must divide in_features ", K);
+  TORCH_CHECK(group > 0 && K % group == 0 && (32 % group == 0 || group % 32 == 0) && group % 4 == 0, op, ": group ",
+              group, " must divide in_features ", K, " and be 4, 8, 16 or a multiple of 32");
 }
 
 const Activations& quantize(const at::Tensor& x, int64_t group) {
@@ -979,6 +980,21 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// c10::BFloat16's rounding (to nearest, ties to even; NaN to 0x7FC0) without its branch, so loops over it vectorize
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t(0x7FC0) : rounded;
+}
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t u = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 inline uint32_t word_at(const uint8_t* p) {
   uint32_t w;
   std::memcpy(&w, p, 4);
@@ -1018,46 +1034,67 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   uint8_t* wp = weight.data_ptr<uint8_t>();
   c10::BFloat16* sm = scale_min.data_ptr<c10::BFloat16>();
   constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
+  // one group of a block's 16 rows at a time: its four 64-byte chunks are written whole, and the scales' arithmetic
+  // runs over the 16 rows as one vector loop
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
+    const uint8_t* rows[kRows];
+    alignas(64) uint32_t chunks[4][kRows];
+    alignas(64) float d[kRows], m[kRows];
+    for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
-        const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
-        for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* blk = row + g * B;
-          const float d = half_at(blk);
-          float scale = d, zero;
-          bool dead = d == 0.f;
-          if (kind == 0) {
-            const float offset = -8.f * d;
-            zero = dead ? -0.f : -offset / scale;
-            if (dead) scale = 1.f;
-          } else {
-            const float m = half_at(blk + 2);
-            if (dead) {
-              scale = m == 0.f ? 1.f : std::fabs(m) / 8.f;
-              zero = -(m == 0.f ? 0.f : m) / scale;
-            } else {
-              zero = -m / scale;
-            }
-          }
-          const c10::BFloat16 s16(scale);
-          c10::BFloat16* smg = sm + ((b * G + g) * 2) * kRows + r;
-          smg[0] = s16;
-          smg[kRows] = c10::BFloat16(-zero * static_cast<float>(s16));
+        rows[r] = src + (pp ? pp[n] : n) * row_bytes;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint8_t* blk = rows[r] + g * B;
+          d[r] = half_at(blk);
+          m[r] = kind == 1 ? half_at(blk + 2) : 0.f;
           const uint8_t* qs = blk + off;
           const uint32_t w0 = word_at(qs), w1 = word_at(qs + 4), w2 = word_at(qs + 8), w3 = word_at(qs + 12);
-          const uint32_t chunks[4] = {(w0 & kLow) | ((w1 & kLow) << 4), (w2 & kLow) | ((w3 & kLow) << 4),
-                                      ((w0 >> 4) & kLow) | (w1 & kHigh), ((w2 >> 4) & kLow) | (w3 & kHigh)};
-          uint8_t* dst = wp + (b * (K / 8) + 4 * g) * 64 + 4 * r;
-          for (int i = 0; i < 4; ++i) {
-            const uint32_t c = dead ? 0u : chunks[i];
-            std::memcpy(dst + i * 64, &c, 4);
-          }
+          const bool dead = d[r] == 0.f;
+          chunks[0][r] = dead ? 0u : (w0 & kLow) | ((w1 & kLow) << 4);
+          chunks[1][r] = dead ? 0u : (w2 & kLow) | ((w3 & kLow) << 4);
+          chunks[2][r] = dead ? 0u : ((w0 >> 4) & kLow) | (w1 & kHigh);
+          chunks[3][r] = dead ? 0u : ((w2 >> 4) & kLow) | (w3 & kHigh);
         }
+        uint8_t* dst = wp + (b * (K / 8) + 4 * g) * 64;
+        std::memcpy(dst, chunks, sizeof(chunks));
+        // decode_int4's _affine, branch-free over the 16 rows: w = scale * code + offset (offset -8d for Q4_0, m for
+        // Q4_1); a dead group (d == 0) gets scale |offset| / 8 (1 where offset is 0) and offset 0 where it was 0
+        alignas(64) uint16_t s16[kRows], mn[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          const bool dead = d[r] == 0.f;
+          const float offset = kind == 0 ? -8.f * d[r] : m[r];
+          const float scale = dead ? (offset == 0.f ? 1.f : std::fabs(offset) / 8.f) : d[r];
+          const float zero = -(dead && offset == 0.f ? 0.f : offset) / scale;
+          s16[r] = bf16_round(scale);
+          mn[r] = bf16_round(-zero * bf16_value(s16[r]));
+        }
+        uint16_t* smg = reinterpret_cast<uint16_t*>(sm) + (b * G + g) * 2 * kRows;
+        std::memcpy(smg, s16, sizeof(s16));
+        std::memcpy(smg + kRows, mn, sizeof(mn));
       }
+    }
   });
   return {weight, scale_min};
+}
+
+// A Q8_0 row's sums of codes per group of S (S divides 32) or of `blocks` x 32 codes, into every kRows-th int of out.
+template <int64_t S>
+void block_sums(const uint8_t* row, int64_t K, int32_t* out, int64_t blocks = 1) {
+  int32_t t = 0;
+  for (int64_t blk = 0; blk < K / 32; ++blk) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row + blk * 34 + 2);
+    for (int64_t j0 = 0; j0 < 32; j0 += S) {
+      for (int64_t j = 0; j < S; ++j) t += q[j0 + j];
+      if (S < 32 || (blk + 1) % blocks == 0) {
+        *out = t;
+        out += kRows;
+        t = 0;
+      }
+    }
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm,
@@ -1065,7 +1102,8 @@ std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, cons
   const char* op = "int8_a8_from_ggml";
   check_raw(raw, 34, op);
   const int64_t N = raw.size(0), K = raw.size(1) / 34 * 32, NB = N / kRows, row_bytes = raw.size(1);
-  TORCH_CHECK(group > 0 && K % group == 0, op, ": group ", group, " must divide in_features ", K);
+  TORCH_CHECK(group > 0 && K % group == 0 && (32 % group == 0 || group % 32 == 0) && group % 4 == 0, op, ": group ",
+              group, " must divide in_features ", K, " and be 4, 8, 16 or a multiple of 32");
   const int64_t G = K / group;
   const int64_t* pp = checked_perm(perm, N, op);
   at::Tensor weight = at::empty({NB, K / 4, 64}, raw.options().dtype(at::kChar));
@@ -1078,15 +1116,17 @@ std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, cons
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
         const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
-        for (int64_t k = 0; k < K; k += 4) {
-          const uint8_t* q = row + (k / 32) * 34 + 2 + k % 32;
-          std::memcpy(wp + (b * (K / 4) + k / 4) * 64 + 4 * r, q, 4);
+        uint8_t* dst = wp + b * (K / 4) * 64 + 4 * r;
+        int32_t* sums = ws + b * G * kRows + r;
+        for (int64_t blk = 0; blk < K / 32; ++blk) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(row + blk * 34 + 2);
+          for (int64_t c = 0; c < 8; ++c) std::memcpy(dst + (blk * 8 + c) * 64, q + 4 * c, 4);
         }
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t t = 0;
-          for (int64_t k = g * group; k < (g + 1) * group; ++k)
-            t += static_cast<int8_t>(row[(k / 32) * 34 + 2 + k % 32]);
-          ws[(b * G + g) * kRows + r] = t;
+        switch (group) {
+          case 4: block_sums<4>(row, K, sums); break;
+          case 8: block_sums<8>(row, K, sums); break;
+          case 16: block_sums<16>(row, K, sums); break;
+          default: block_sums<32>(row, K, sums, group / 32); break;
         }
       }
   });

@@ -16,6 +16,11 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
 - a rotary scaling (``linear`` metadata, llama3's ``rope_freqs.weight``) becomes the config's, checked against the
   file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
+With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1 and Q8_0 blocks go through a C++ transcoder straight
+into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's header is
+read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 2.5 s of
+transformers' own imports), which it needs no part of.
+
 Any other quantized type in a linear raises :class:`~infopt.core.errors.CheckpointError` naming the tensor.
 """
 
@@ -25,6 +30,7 @@ import logging
 import mmap
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +111,12 @@ def _value(field) -> Any:
     return value[0] if len(value) == 1 else value
 
 
+def _tied(reader, arch: str) -> bool:
+    """Whether the head is the token embedding: the file has no output tensor (transformers' rule, which also ties
+    two architectures whatever the file holds)."""
+    return all(t.name != "output.weight" for t in reader.tensors) or arch in ("falcon", "bloom")
+
+
 def gguf_config(reader, source: str) -> dict[str, Any]:
     """The transformers config dict of a GGUF file, as ``AutoConfig.from_pretrained(dir, gguf_file=...)`` builds it
     for decoder-only models, parsing only the keys the config needs (not the vocabulary, which takes seconds).
@@ -127,8 +139,7 @@ def gguf_config(reader, source: str) -> dict[str, Any]:
     if arch not in mapping and updated not in mapping:
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} has no transformers GGUF mapping; supported: "
                               f"{', '.join(k for k in mapping if k not in ('general', 'tokenizer'))}")
-    cfg: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)
-                           or arch in ("falcon", "bloom")}
+    cfg: dict[str, Any] = {"tie_word_embeddings": _tied(reader, arch)}
     for k, v in (GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
         cfg.setdefault(k, v)
     for key, field in fields.items():
@@ -296,14 +307,65 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
     return None
 
 
+class _Ahead:
+    """The layers :func:`_transcoded` builds, computed on one background thread in file order while the loader's
+    thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q8_0
+    ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 where the head is tied
+    to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation only the tensor
+    processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
+    whose shape does not fit the model's layer, is only wasted work: the loader checks each before it takes it, and a
+    layer it does not take is dropped. Each tensor's file pages are released once transcoded (:func:`_release`), so
+    the resident set holds what a load in order holds; a tensor that finds no layer (None) keeps them, to be decoded.
+    """
+
+    KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+    def __init__(self, reader, opts: LoadOptions, tied: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infopt-gguf")
+        self._jobs: dict[str, Future] = {}
+        for t in reader.tensors:
+            if self._takes(t, tied):
+                self._jobs[t.name] = self._pool.submit(self._build, reader, t, opts)
+
+    @classmethod
+    def _takes(cls, t, tied: bool) -> bool:
+        kind, name = t.tensor_type.name, t.name
+        if kind not in cls.KINDS or len(t.shape) != 2:
+            return False
+        if name == "token_embd.weight":
+            return tied and kind == "Q8_0"
+        return name.startswith("blk.") and name.endswith(".weight") and ".attn_q." not in name and \
+            ".attn_k." not in name
+
+    @staticmethod
+    def _build(reader, t, opts: LoadOptions) -> nn.Module | None:
+        rows, in_f = (int(d) for d in reversed(t.shape.tolist()))
+        layer = _transcoded(_raw(t).view(rows, -1), t.tensor_type.name, rows, in_f, None, opts)
+        if layer is not None:
+            _release(reader, t)
+        return layer
+
+    def take(self, t) -> nn.Module | None:
+        """Tensor ``t``'s layer (waiting for it), or None where it was not taken or found no layer. Raises what
+        transcoding it raised."""
+        job = self._jobs.pop(t.name, None)
+        return None if job is None else job.result()
+
+    def close(self) -> None:
+        """Stop: what was not started is cancelled, what runs is waited for."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None, opts: LoadOptions,
-                      hf_name: str) -> nn.Module:
+                      hf_name: str, ahead: _Ahead | None = None) -> nn.Module:
     rows, in_f = module.out_features, module.in_features
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if shape != (rows, in_f):
         raise CheckpointError(f"{t.name} -> {hf_name}: GGUF shape {shape}, the model's layer is {(rows, in_f)}")
     raw = _raw(t).view(rows, -1)
-    layer = _transcoded(raw, kind, rows, in_f, perm, opts)
+    layer = ahead.take(t) if ahead is not None and perm is None else None
+    if layer is None:
+        layer = _transcoded(raw, kind, rows, in_f, perm, opts)
     if layer is None and kind in Int4Blocks:
         codes, scales, zeros = decode_int4(raw, kind)
         if perm is not None:
@@ -320,7 +382,8 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
     return layer
 
 
-def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions) -> SharedInt8Embedding | None:
+def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
+                 ahead: _Ahead | None = None) -> SharedInt8Embedding | None:
     """The int8 head built from a tied embedding's 8-bit blocks and the embedding that reads them, or None when the
     blocks are not 8-bit or the embedding cannot read a head's rows (it is then loaded dense, as usual)."""
     if kind not in ("Q8_0",):
@@ -331,7 +394,9 @@ def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions) -> SharedInt
     if shape != (rows, dim):
         raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
     raw = _raw(t).view(rows, -1)
-    head = _transcoded(raw, kind, rows, dim, None, opts)
+    head = ahead.take(t) if ahead is not None else None
+    if head is None:
+        head = _transcoded(raw, kind, rows, dim, None, opts)
     if head is None:
         codes, scales, _group = decode_int8(raw, kind)
         head = int8_layer(codes, scales, opts)
@@ -346,19 +411,34 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
         CheckpointError: an unsupported architecture or linear tensor type, or tensors that do not fit the config.
     """
     require("gguf", feature=f"reading {path.name}")
-    from transformers import AutoConfig
-
     source = str(path)
     try:
         reader = _reader(source, skip_arrays=1024)
     except (ValueError, OSError) as err:
         raise CheckpointError(f"{source}: not a readable GGUF file ({err})") from err
-    cfg = gguf_config(reader, source)
-    arch = _value(reader.fields["general.architecture"])
-    divisors = _rope_divisors(reader)
-    # the metadata's Python objects (a 152k-token vocabulary and its merges: ~160 MB of them) are done with once the
-    # config is read (the tokenizer reads the file on its own): freed before the weights are decoded
-    reader.fields.clear()
+    # started before the config is parsed (which imports transformers' GGUF tables): the architecture's name is read
+    # from its bytes here, for the tie only (a wrong guess transcodes the embedding for nothing)
+    field = reader.fields.get("general.architecture")
+    arch = "" if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    ahead = _Ahead(reader, opts, _tied(reader, arch)) if opts.activations == "int8" else None
+    try:
+        cfg = gguf_config(reader, source)
+        arch = _value(reader.fields["general.architecture"])
+        divisors = _rope_divisors(reader)
+        # the metadata's Python objects (a 152k-token vocabulary and its merges: ~160 MB of them) are done with once
+        # the config is read (the tokenizer reads the file on its own): freed before the weights are decoded
+        reader.fields.clear()
+        return _fill(path, reader, cfg, arch, divisors, opts, ahead, with_tokenizer)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _fill(path: Path, reader, cfg: dict[str, Any], arch: str, divisors, opts: LoadOptions, ahead: _Ahead | None,
+          with_tokenizer: bool):
+    from transformers import AutoConfig
+
+    source = str(path)
     processor = _processor(arch, cfg, source)
     config = AutoConfig.for_model(**cfg)
     config.name_or_path = str(path.parent)  # as from_pretrained(folder, gguf_file=...) sets it
@@ -390,11 +470,11 @@ def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
             perm = None
             if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 perm = _qk_perm(linears[owner].out_features, heads["q" if ".attn_q." in t.name else "k"])
-            model.set_submodule(owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name))
+            model.set_submodule(owner, _quantized_linear(t, kind, linears[owner], perm, opts, hf_name, ahead))
             _release(reader, t)
             continue
         if (shared_head and hf_name == embed_name and kind not in _FLOAT
-                and (shared := _shared_head(model, t, kind, opts)) is not None):
+                and (shared := _shared_head(model, t, kind, opts, ahead)) is not None):
             model.set_output_embeddings(shared.head)
             model.set_input_embeddings(shared)
             _release(reader, t)
