@@ -286,8 +286,7 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
                 opts: LoadOptions) -> nn.Module | None:
     """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q8_0 blocks, written by the C++ transcoder straight into the a8
     layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`): the layer :func:`int4_layer` /
-    :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes (at 3B, 0.5 s
-    instead of 4.5 s). None where it does not apply (other activations or types, shapes the layouts do not take, Q8_0
+    :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes. None where it does not apply (other activations or types, shapes the layouts do not take, Q8_0
     scales that differ within a row, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
@@ -324,8 +323,8 @@ class _Ahead:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infopt-gguf")
         self._jobs: dict[str, Future] = {}
         for t in reader.tensors:
-            if self._takes(t, tied):
-                self._jobs[t.name] = self._pool.submit(self._build, reader, t, opts)
+            if self._takes(t, tied):  # the views made here: _raw's warning filter is not for two threads at once
+                self._jobs[t.name] = self._pool.submit(self._build, reader, t, _raw(t), opts)
 
     @classmethod
     def _takes(cls, t, tied: bool) -> bool:
@@ -338,9 +337,9 @@ class _Ahead:
             ".attn_k." not in name
 
     @staticmethod
-    def _build(reader, t, opts: LoadOptions) -> nn.Module | None:
+    def _build(reader, t, raw: torch.Tensor, opts: LoadOptions) -> nn.Module | None:
         rows, in_f = (int(d) for d in reversed(t.shape.tolist()))
-        layer = _transcoded(_raw(t).view(rows, -1), t.tensor_type.name, rows, in_f, None, opts)
+        layer = _transcoded(raw.view(rows, -1), t.tensor_type.name, rows, in_f, None, opts)
         if layer is not None:
             _release(reader, t)
         return layer
