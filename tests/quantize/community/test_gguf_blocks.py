@@ -103,7 +103,7 @@ def _perm(rows: int, seed: int, permute: bool) -> torch.Tensor | None:
 
 @kernel
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(["Q4_0", "Q4_1"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4),
+@given(kind=st.sampled_from(["Q4_0", "Q4_1", "Q4_K"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4),
        seed=st.integers(0, 2**16), specials=st.booleans(), permute=st.booleans())
 def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, specials, permute):
     rows = 16 * blocks_of_rows
@@ -143,7 +143,7 @@ def test_transcoders_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 1, None)
     with pytest.raises(RuntimeError, match="kind must be 0"):
-        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 2, None)
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 3, None)
     with pytest.raises(RuntimeError, match="is not a row"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 0, torch.full((16,), 16))
     with pytest.raises(RuntimeError, match="perm must be"):
@@ -152,4 +152,4 @@ def test_transcoders_refuse_what_they_cannot_read():
         ops.int8_a8_from_ggml(torch.zeros(16, 34, dtype=torch.uint8), None, 64)
     with pytest.raises(RuntimeError, match="a multiple of 32"):
         ops.int8_a8_from_ggml(torch.zeros(16, 3 * 34, dtype=torch.uint8), None, 12)
-    assert a8_int4(torch.zeros(16, 144, dtype=torch.uint8), "Q4_K") is None  # not a transcoded type
+    assert a8_int4(torch.zeros(16, 210, dtype=torch.uint8), "Q6_K") is None  # not a transcoded type

@@ -173,3 +173,31 @@ def test_device_argument_packs_for_the_devices_kernel(tmp_path, device):
     assert model.model.layers[0].self_attn.v_proj.weight_int8.device.type == device
     out = _logits(model, IDS.to(device)).cpu()
     assert F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean") < 1e-3
+
+
+@pytest.mark.parametrize("case", ["q4_0-embd_q8_0", "q4_1-dead_groups", "q4_k_m-head_q6_k"])
+def test_cpu_fast_layers_transcoded_from_llama_cpp_files_are_the_decoded_ones(tmp_path, monkeypatch, case):
+    """Files as llama.cpp writes them (group scales, dead groups, Q4_K super-blocks, llama's permuted q/k rows):
+    ``activations="auto"`` builds the same layers through the C++ transcoder as through decoding, bit for bit."""
+    from infopt.quantize.community import gguf_ckpt
+    from infopt.quantize.formats import a8
+
+    if a8.resolve("auto", "cpu") != "int8":
+        pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
+    path = _write(tmp_path, CASES[case])
+    written, real = [], gguf_ckpt.a8_int4
+    monkeypatch.setattr(gguf_ckpt, "a8_int4", lambda *a: written.append(real(*a)) or written[-1])
+    fast, _ = load_quantized(path, tokenizer=False, activations="auto")
+    kind = CASES[case]["default"]
+    int4 = sum(kind == CASES[case].get(n, kind) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                          "ffn_up", "ffn_down"))
+    assert len(written) == int4 * SHAPES["num_layers"] and None not in written  # each int4 linear transcoded once
+    monkeypatch.setattr(gguf_ckpt, "a8_int4", lambda *a: None)
+    monkeypatch.setattr(gguf_ckpt, "a8_int8", lambda *a: None)
+    slow, _ = load_quantized(path, tokenizer=False, activations="auto")
+    assert fast.model.layers[0].self_attn.q_proj.layout == "a8"
+    got, want = dict(fast.named_buffers()), dict(slow.named_buffers())
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert torch.equal(_logits(fast, IDS), _logits(slow, IDS))

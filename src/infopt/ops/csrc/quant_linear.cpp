@@ -961,8 +961,8 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 }
 
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
-// int4_a8_from_ggml(raw uint8 [N, K/32 * bytes], kind 0 (Q4_0, 18-byte blocks) | 1 (Q4_1, 20), perm int64 [N]?)
-//   -> (weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16])
+// int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
+//   256), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (Q8_0), perm int64 [N]?, group) -> (weight int8 [N/16, K/4, 64],
 //   wsum int32 [N/16, K/group, 16])
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
@@ -971,7 +971,8 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 //   pass over the file's bytes instead of a dozen over its decoded copies. A ggml block of 32 codes is 16 bytes whose
 //   low nibbles are codes 0..15 and high nibbles 16..31; the four 8-column chunks it fills are whole 32-bit words of
 //   those bytes, masked and shifted. Q4_0 is w = d * (q - 8): scale d, zero 8; Q4_1 is w = d * q + m: scale d, zero
-//   -m / d. A block whose d is 0 holds one value: codes 0, scale 1 (Q4_0, or m == 0) or |m| / 8, zero -m / scale.
+//   -m / d; Q4_K's sub-block j is w = d * sc_j * q - dmin * m_j: scale d * sc_j, zero dmin * m_j / scale. A group whose
+//   scale is 0 holds one value: codes 0, scale 1 (where that value is 0) or |value| / 8, zero -value / scale.
 //   Scales round to bf16 (nearest, ties to even) and the minimum is bf16(-zero * scale16), computed in fp32.
 
 inline float half_at(const uint8_t* p) {
@@ -1020,13 +1021,26 @@ void check_raw(const at::Tensor& raw, int64_t block_bytes, const char* op) {
               " bytes is not a whole number of ", block_bytes, "-byte blocks");
 }
 
+// Q4_K's 6-bit scale and minimum of sub-block j (0..7) from the 12 bytes after d and dmin (ggml's
+// get_scale_min_k4): bytes 0..3 hold the low 6 bits of scales 0..3 (their top 2 bits: scales 4..7's high bits),
+// 4..7 the same for the minimums, 8..11 the low 4 bits of scales 4..7 (low nibble) and minimums 4..7 (high nibble)
+inline void k4_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 48);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 48);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
                                                      const std::optional<at::Tensor>& perm) {
   const char* op = "int4_a8_from_ggml";
-  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q4_0) or 1 (Q4_1), got ", kind);
-  const int64_t B = kind == 0 ? 18 : 20, off = kind == 0 ? 2 : 4;
+  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": kind must be 0 (Q4_0), 1 (Q4_1) or 2 (Q4_K), got ", kind);
+  const int64_t B = kind == 0 ? 18 : kind == 1 ? 20 : 144, per_block = kind == 2 ? 8 : 1;  // bytes, groups
   check_raw(raw, B, op);
-  const int64_t N = raw.size(0), G = raw.size(1) / B, K = G * 32, NB = N / kRows, row_bytes = raw.size(1);
+  const int64_t N = raw.size(0), G = raw.size(1) / B * per_block, K = G * 32, NB = N / kRows, row_bytes = raw.size(1);
   const int64_t* pp = checked_perm(perm, N, op);
   at::Tensor weight = at::empty({NB, K / 8, 64}, raw.options());
   at::Tensor scale_min = at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
@@ -1039,7 +1053,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
     const uint8_t* rows[kRows];
     alignas(64) uint32_t chunks[4][kRows];
-    alignas(64) float d[kRows], m[kRows];
+    alignas(64) float scale_raw[kRows], offset[kRows];
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
@@ -1047,33 +1061,52 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
       }
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < kRows; ++r) {
-          const uint8_t* blk = rows[r] + g * B;
-          d[r] = half_at(blk);
-          m[r] = kind == 1 ? half_at(blk + 2) : 0.f;
-          const uint8_t* qs = blk + off;
-          const uint32_t w0 = word_at(qs), w1 = word_at(qs + 4), w2 = word_at(qs + 8), w3 = word_at(qs + 12);
-          const bool dead = d[r] == 0.f;
-          chunks[0][r] = dead ? 0u : (w0 & kLow) | ((w1 & kLow) << 4);
-          chunks[1][r] = dead ? 0u : (w2 & kLow) | ((w3 & kLow) << 4);
-          chunks[2][r] = dead ? 0u : ((w0 >> 4) & kLow) | (w1 & kHigh);
-          chunks[3][r] = dead ? 0u : ((w2 >> 4) & kLow) | (w3 & kHigh);
+          const uint8_t* blk = rows[r] + (g / per_block) * B;
+          uint32_t c[4];
+          if (kind == 2) {
+            // w = d * sc_j * q - dmin * m_j; the 128 code bytes are 4 runs of 32: the low nibbles of run i are
+            // sub-block 2i, the high ones 2i + 1
+            const int64_t j = g % 8;
+            int sc, mn;
+            k4_scale_min(blk + 4, j, sc, mn);
+            scale_raw[r] = half_at(blk) * static_cast<float>(sc);
+            offset[r] = -(half_at(blk + 2) * static_cast<float>(mn));
+            const uint8_t* q = blk + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t lo = (word_at(q + 8 * i) >> shift) & kLow, hi = (word_at(q + 8 * i + 4) >> shift) & kLow;
+              c[i] = lo | (hi << 4);
+            }
+          } else {
+            // Q4_0: w = d * (q - 8); Q4_1: w = d * q + m. 16 code bytes: low nibbles are weights 0..15, high 16..31
+            const float d = half_at(blk);
+            scale_raw[r] = d;
+            offset[r] = kind == 0 ? -8.f * d : half_at(blk + 2);
+            const uint8_t* qs = blk + (kind == 0 ? 2 : 4);
+            const uint32_t w0 = word_at(qs), w1 = word_at(qs + 4), w2 = word_at(qs + 8), w3 = word_at(qs + 12);
+            c[0] = (w0 & kLow) | ((w1 & kLow) << 4);
+            c[1] = (w2 & kLow) | ((w3 & kLow) << 4);
+            c[2] = ((w0 >> 4) & kLow) | (w1 & kHigh);
+            c[3] = ((w2 >> 4) & kLow) | (w3 & kHigh);
+          }
+          const bool dead = scale_raw[r] == 0.f;  // one value whatever the codes: codes 0
+          for (int i = 0; i < 4; ++i) chunks[i][r] = dead ? 0u : c[i];
         }
         uint8_t* dst = wp + (b * (K / 8) + 4 * g) * 64;
         std::memcpy(dst, chunks, sizeof(chunks));
-        // decode_int4's _affine, branch-free over the 16 rows: w = scale * code + offset (offset -8d for Q4_0, m for
-        // Q4_1); a dead group (d == 0) gets scale |offset| / 8 (1 where offset is 0) and offset 0 where it was 0
-        alignas(64) uint16_t s16[kRows], mn[kRows];
+        // decode_int4's _affine, branch-free over the 16 rows: w = scale * code + offset; a dead group (scale 0) gets
+        // scale |offset| / 8 (1 where offset is 0) and offset 0 where it was 0
+        alignas(64) uint16_t s16[kRows], mn16[kRows];
         for (int64_t r = 0; r < kRows; ++r) {
-          const bool dead = d[r] == 0.f;
-          const float offset = kind == 0 ? -8.f * d[r] : m[r];
-          const float scale = dead ? (offset == 0.f ? 1.f : std::fabs(offset) / 8.f) : d[r];
-          const float zero = -(dead && offset == 0.f ? 0.f : offset) / scale;
+          const bool dead = scale_raw[r] == 0.f;
+          const float scale = dead ? (offset[r] == 0.f ? 1.f : std::fabs(offset[r]) / 8.f) : scale_raw[r];
+          const float zero = -(dead && offset[r] == 0.f ? 0.f : offset[r]) / scale;
           s16[r] = bf16_round(scale);
-          mn[r] = bf16_round(-zero * bf16_value(s16[r]));
+          mn16[r] = bf16_round(-zero * bf16_value(s16[r]));
         }
         uint16_t* smg = reinterpret_cast<uint16_t*>(sm) + (b * G + g) * 2 * kRows;
         std::memcpy(smg, s16, sizeof(s16));
-        std::memcpy(smg + kRows, mn, sizeof(mn));
+        std::memcpy(smg + kRows, mn16, sizeof(mn16));
       }
     }
   });

@@ -146,13 +146,13 @@ def decode_int8(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
     raise ValueError(f"decode_int8: {kind} is not an int8 block type ({', '.join(Int8Blocks)})")
 
 
-A8_INT4 = {"Q4_0": 0, "Q4_1": 1}
+A8_INT4 = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 """Types the C++ transcoder writes straight into the a8 int4 layout (:func:`a8_int4`), with its kind numbers."""
 
 
 def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q4_0 / Q4_1 bytes ``[R, in / 32 * bytes]`` straight into the a8 int4 layout, ``(weight, scale_min)`` of
+    """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout, ``(weight, scale_min)`` of
     :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row ``perm[i]``), in one pass of
     the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
     where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.

@@ -16,8 +16,8 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
 - a rotary scaling (``linear`` metadata, llama3's ``rope_freqs.weight``) becomes the config's, checked against the
   file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
-With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1 and Q8_0 blocks go through a C++ transcoder straight
-into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's header is
+With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K and Q8_0 blocks go through a C++ transcoder
+straight into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's header is
 read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 2.5 s of
 transformers' own imports), which it needs no part of.
 
@@ -46,7 +46,17 @@ from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..formats.int8_layouts import act_group
 from .common import LoadOptions, empty_model, gemma3_attention_scalar, int4_layer, int8_layer, set_dense
-from .gguf_blocks import BLOCKS, Int4Blocks, a8_int4, a8_int8, decode_int4, decode_int8, dequantize_blocks, q8_0_scales
+from .gguf_blocks import (
+    A8_INT4,
+    BLOCKS,
+    Int4Blocks,
+    a8_int4,
+    a8_int8,
+    decode_int4,
+    decode_int8,
+    dequantize_blocks,
+    q8_0_scales,
+)
 from .gguf_rope import FREQS_TENSOR, check_rope, rope_from_gguf
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "SUPPORTED_LINEAR_TYPES"]
@@ -284,13 +294,13 @@ def _name_map(model: nn.Module, arch: str, num_layers: int, processor, source: s
 
 def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.Tensor | None,
                 opts: LoadOptions) -> nn.Module | None:
-    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q8_0 blocks, written by the C++ transcoder straight into the a8
+    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 blocks, written by the C++ transcoder straight into the a8
     layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`): the layer :func:`int4_layer` /
     :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes. None where it does not apply (other activations or types, shapes the layouts do not take, Q8_0
     scales that differ within a row, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
-    if kind in ("Q4_0", "Q4_1") and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
+    if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
         packed = a8_int4(raw, kind, perm)
         return None if packed is None else Int4Linear.from_packed(
             "a8", {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
@@ -308,7 +318,8 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
 
 class _Ahead:
     """The layers :func:`_transcoded` builds, computed on one background thread in file order while the loader's
-    thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q8_0
+    thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
+    Q8_0
     ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 where the head is tied
     to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation only the tensor
     processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
@@ -317,7 +328,7 @@ class _Ahead:
     the resident set holds what a load in order holds; a tensor that finds no layer (None) keeps them, to be decoded.
     """
 
-    KINDS = ("Q4_0", "Q4_1", "Q8_0")
+    KINDS = (*A8_INT4, "Q8_0")
 
     def __init__(self, reader, opts: LoadOptions, tied: bool):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infopt-gguf")
