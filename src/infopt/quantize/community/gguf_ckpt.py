@@ -17,8 +17,8 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
   file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
 With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K and Q8_0 blocks go through a C++ transcoder
-straight into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's header is
-read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 2.5 s of
+straight into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's
+header is read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 3 s of
 transformers' own imports), which it needs no part of.
 
 Any other quantized type in a linear raises :class:`~infopt.core.errors.CheckpointError` naming the tensor.
