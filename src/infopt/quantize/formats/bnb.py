@@ -11,8 +11,11 @@ Notes measured with bitsandbytes 0.50.2 on CPU (torch 2.13):
 - ``Linear4bit`` on a CPU with AVX512-BF16 repacks its weight on the first eval-mode call and then
   computes in bfloat16 whatever ``compute_dtype`` says (bitsandbytes' fused CPU kernel), undoing the
   double quantization of the scales in the process. That kernel needs ``out_features % 32 == 0`` and
-  ``in_features % blocksize == 0``; layers that miss either are kept on bitsandbytes' generic
-  dequantize-then-matmul path instead (listed in the report).
+  ``in_features % blocksize == 0``; layers that miss either are kept on a generic dequantize-then-matmul
+  path instead (listed in the report). That path is infopt's (:func:`nf4_dequantize`), not bitsandbytes':
+  bitsandbytes 0.50.2's CPU ``dequantize_4bit`` and ``matmul_4bit`` read a weight whose blocks straddle rows
+  wrongly on an AVX-512 CPU (a Gaussian weight came back at 8-15 dB SQNR instead of NF4's ~20 dB, though its
+  quantized codes and scales are right).
 - Both modules cast their bias to the compute dtype on the first call; it is cast when the layer is
   built so the saved state does not depend on whether a forward ran.
 - Saved and reloaded through :func:`infopt.save_optimized` with identical outputs: int8 through
@@ -128,8 +131,9 @@ class BnbNF4(StepConfig):
                if t.weight.shape[0] % 32 or t.weight.shape[1] % self.blocksize]
         if not odd:
             return []
-        return [f"{len(odd)} layer(s) ({odd[0]}, ...) run bitsandbytes' generic NF4 dequantize-then-matmul path: its "
-                f"fused CPU kernel needs out_features % 32 == 0 and in_features % blocksize ({self.blocksize}) == 0"]
+        return [f"{len(odd)} layer(s) ({odd[0]}, ...) run infopt's generic NF4 dequantize-then-matmul path: "
+                f"bitsandbytes' fused CPU kernel needs out_features % 32 == 0 and in_features % blocksize "
+                f"({self.blocksize}) == 0"]
 
 
 def _weight_and_bias(module: nn.Module, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,6 +163,23 @@ def make_bnb_int8(module: nn.Module, config: BnbInt8, conv1d: bool = False) -> n
     return new.train(module.training)
 
 
+def nf4_dequantize(data: torch.Tensor, state) -> torch.Tensor:
+    """bitsandbytes' NF4 weight (``Params4bit`` data, packed uint8, two codes per byte with the first in the high
+    nibble, one absmax per ``state.blocksize`` codes in row-major order, possibly double-quantized) as a dense
+    ``[out, in]`` tensor in the state's dtype, with torch operations: ``code[q] * absmax`` per block, for blocks
+    that straddle rows too."""
+    import bitsandbytes.functional as bnb_functional
+
+    n = state.shape[0] * state.shape[1]
+    b = data.reshape(-1).view(torch.uint8)
+    codes = torch.stack([b >> 4, b & 15], -1).reshape(-1)[:n].long()
+    absmax = state.absmax
+    if state.nested:
+        absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    w = state.code.to(data.device)[codes].view(-1, state.blocksize) * absmax.float().view(-1, 1)
+    return w.view(state.shape).to(state.dtype)
+
+
 @functools.cache
 def nf4_linear_class() -> type[nn.Module]:
     """``NF4Linear``: bitsandbytes' ``Linear4bit`` whose state dict is taken without changing the layer.
@@ -183,6 +204,15 @@ def nf4_linear_class() -> type[nn.Module]:
     unpack_for_cpu = getattr(bnb_functional, "_convert_weight_packed_for_cpu_inverse", None)
 
     class NF4Linear(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if getattr(self, "infopt_fallback", None) is None or x.device.type != "cpu":
+                return super().forward(x)
+            # the generic path (module docstring): the weight dequantized here, then one matmul in the compute dtype
+            state = self.weight.quant_state
+            cd = self.compute_dtype or x.dtype
+            bias = None if self.bias is None else self.bias.to(cd)
+            return nn.functional.linear(x.to(cd), nf4_dequantize(self.weight.data, state).to(cd), bias).to(x.dtype)
+
         def _save_to_state_dict(self, destination, prefix, keep_vars):
             qs = getattr(self.weight, "quant_state", None)
             if qs is None or not getattr(qs, "packing_format_for_cpu", False):
@@ -246,5 +276,5 @@ def make_bnb_nf4(module: nn.Module, config: BnbNF4, conv1d: bool = False) -> nn.
     if device.type == "cpu" and (out_f % 32 or in_f % config.blocksize):
         # bitsandbytes' AVX512-BF16 kernel repacks [out, in] in blocks of 32 rows and whole scale blocks per row
         new.support_avx512bf16_for_cpu = False
-        new.infopt_fallback = "generic bitsandbytes path (fused CPU kernel needs out % 32 == 0, in % blocksize == 0)"
+        new.infopt_fallback = "generic NF4 path (fused CPU kernel needs out % 32 == 0, in % blocksize == 0)"
     return new.train(module.training)  # the fused CPU kernel runs in eval mode only
