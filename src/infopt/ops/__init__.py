@@ -9,8 +9,10 @@ operator                           declared in                      kernel
 ``paged_attention``                :mod:`infopt.ops.cpp`            C++ (``csrc/paged_attention.cpp``, CPU)
 ``int4_a8_linear``, ``_n``,        :mod:`infopt.ops.cpp`            C++ (``csrc/quant_linear.cpp``, CPU): int4 and
 ``int8_a8_linear``,                                                 int8 weights x int8 or fp32 activations,
-``int4_a8_dense_t``,                                                W8A8, int4 dequantized for prompts
-``int8_f32_linear``, ``w8a8_linear``
+``int4_a8_dense_t``,                                                W8A8, int4 dequantized for prompts,
+``int8_f32_linear``, ``w8a8_linear``,                               GGUF blocks transcoded into the a8 layouts
+``int4_a8_from_ggml``,
+``int8_a8_from_ggml``
 ``int8_weight_mm``                 :mod:`infopt.ops.triton_int8`    Triton ``tl.dot`` (CUDA; interpreter on CPU)
 ``w8_gemv``, ``w4_gemv``           :mod:`infopt.ops.triton_gemv`    Triton GEMV, 8-bit and 4-bit weights (CUDA)
 ``quantized_experts``,             :mod:`infopt.ops.experts`        a live module's method (MoE dispatch)
@@ -38,6 +40,8 @@ OPERATORS: dict[str, str] = {
     "int4_a8_dense_t": "infopt.ops.cpp",
     "int8_f32_linear": "infopt.ops.cpp",
     "w8a8_linear": "infopt.ops.cpp",
+    "int4_a8_from_ggml": "infopt.ops.cpp",
+    "int8_a8_from_ggml": "infopt.ops.cpp",
     "int8_weight_mm": "infopt.ops.triton_int8",
     "w8_gemv": "infopt.ops.triton_gemv",
     "w4_gemv": "infopt.ops.triton_gemv",

@@ -196,8 +196,19 @@ _FAKES: dict[str, dict] = {
             weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
+        "int4_a8_from_ggml": lambda raw, kind, perm: _int4_from_ggml_fake(raw, kind),
+        "int8_a8_from_ggml": lambda raw, perm, group: (
+            raw.new_empty(raw.shape[0] // ROWS, raw.shape[1] // 34 * 8, 64, dtype=torch.int8),
+            raw.new_empty(raw.shape[0] // ROWS, raw.shape[1] // 34 * 32 // group, ROWS, dtype=torch.int32)),
     },
 }
+
+
+def _int4_from_ggml_fake(raw: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block_bytes, groups = ((18, 1), (20, 1), (144, 8))[kind]  # Q4_0, Q4_1, Q4_K: bytes and groups of 32 per block
+    g = raw.shape[1] // block_bytes * groups
+    return (raw.new_empty(raw.shape[0] // ROWS, g * 4, 64),
+            raw.new_empty(raw.shape[0] // ROWS, g, 2, ROWS, dtype=torch.bfloat16))
 
 
 def _register_fakes(name: str) -> None:

@@ -153,3 +153,17 @@ def test_transcoders_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="a multiple of 32"):
         ops.int8_a8_from_ggml(torch.zeros(16, 3 * 34, dtype=torch.uint8), None, 12)
     assert a8_int4(torch.zeros(16, 210, dtype=torch.uint8), "Q6_K") is None  # not a transcoded type
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_transcoders_fakes_give_their_outputs_shapes(kind):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    raw = torch.from_numpy(_file_blocks(kind, 32, 3, 0, specials=False).numpy())
+    run = (lambda r: torch.ops.infopt.int8_a8_from_ggml(r, None, 16)) if kind == "Q8_0" else (
+        lambda r: torch.ops.infopt.int4_a8_from_ggml(r, {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}[kind], None))
+    real = run(raw)
+    with FakeTensorMode() as mode:
+        fake = run(mode.from_tensor(raw))
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
