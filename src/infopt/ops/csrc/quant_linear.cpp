@@ -981,13 +981,8 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// c10::BFloat16's rounding (to nearest, ties to even; NaN to 0x7FC0) without its branch, so loops over it vectorize
-inline uint16_t bf16_round(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return f != f ? uint16_t(0x7FC0) : rounded;
-}
+// c10::BFloat16's rounding: bf16_bits, and NaN to 0x7FC0, without a branch, so loops over it vectorize
+inline uint16_t bf16_round(float f) { return f != f ? uint16_t(0x7FC0) : bf16_bits(f); }
 
 inline float bf16_value(uint16_t bits) {
   const uint32_t u = uint32_t(bits) << 16;

@@ -152,9 +152,9 @@ A8_INT4 = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 
 def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout, ``(weight, scale_min)`` of
-    :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row ``perm[i]``), in one pass of
-    the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
+    """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout,
+    ``(weight, scale_min)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row
+    ``perm[i]``), in one pass of the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
     where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.
 
     Example:

@@ -355,11 +355,12 @@ class _Ahead:
             _release(reader, t)
         return layer
 
-    def take(self, t) -> nn.Module | None:
-        """Tensor ``t``'s layer (waiting for it), or None where it was not taken or found no layer. Raises what
-        transcoding it raised."""
+    def take(self, t) -> tuple[bool, nn.Module | None]:
+        """``(taken, layer)``: whether tensor ``t`` was taken, and its layer (waiting for it; None where
+        :func:`_transcoded` found none, so the caller decodes without asking it again). Raises what transcoding it
+        raised."""
         job = self._jobs.pop(t.name, None)
-        return None if job is None else job.result()
+        return (False, None) if job is None else (True, job.result())
 
     def close(self) -> None:
         """Stop: what was not started is cancelled, what runs is waited for."""
@@ -373,8 +374,8 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
     if shape != (rows, in_f):
         raise CheckpointError(f"{t.name} -> {hf_name}: GGUF shape {shape}, the model's layer is {(rows, in_f)}")
     raw = _raw(t).view(rows, -1)
-    layer = ahead.take(t) if ahead is not None and perm is None else None
-    if layer is None:
+    taken, layer = ahead.take(t) if ahead is not None and perm is None else (False, None)
+    if not taken:
         layer = _transcoded(raw, kind, rows, in_f, perm, opts)
     if layer is None and kind in Int4Blocks:
         codes, scales, zeros = decode_int4(raw, kind)
@@ -404,8 +405,8 @@ def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
     if shape != (rows, dim):
         raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
     raw = _raw(t).view(rows, -1)
-    head = ahead.take(t) if ahead is not None else None
-    if head is None:
+    taken, head = ahead.take(t) if ahead is not None else (False, None)
+    if not taken:
         head = _transcoded(raw, kind, rows, dim, None, opts)
     if head is None:
         codes, scales, _group = decode_int8(raw, kind)
