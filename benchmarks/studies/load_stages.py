@@ -1,0 +1,50 @@
+"""Where a process's time to its first token goes when it loads a GGUF file into ``cpu-fast``'s layers: the time
+since the process started at the end of each stage (imports, ``load_quantized``, the rest of ``cpu-fast`` from the
+compile cache, a first and a second 4-token ``generate``), one line each.
+
+Usage: python benchmarks/studies/load_stages.py SIZE [--workdir /tmp/infopt-scaling] [--max-length 4608]
+
+SIZE names a file ``benchmarks/cpu_scaling.py prepare`` wrote (``SIZE.gguf`` and ``SIZE.prompts.json`` in the work
+folder). Run it twice: the first run may build the compile step's package. Run on a quiet machine.
+"""
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def stage(name: str) -> None:
+    print(f"{time.perf_counter() - T0:7.2f} s  {name}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("size")
+    p.add_argument("--workdir", default="/tmp/infopt-scaling")
+    p.add_argument("--max-length", type=int, default=4608)
+    args = p.parse_args()
+    import torch
+    stage("import torch")
+    import transformers  # noqa: F401
+    stage("import transformers")
+    import infopt
+    stage("import infopt")
+    work = Path(args.workdir)
+    model, _ = infopt.load_quantized(work / f"{args.size}.gguf", activations="auto", tokenizer=False)
+    stage("load_quantized")
+    torch.set_num_threads(2)
+    infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": args.max_length, "dtype": "float16"}},
+                            {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": [1]}}])
+    stage("optimize (static cache, compile step)")
+    ids = torch.tensor([json.loads((work / f"{args.size}.prompts.json").read_text())["tg"]])
+    for name in ("generate, 4 tokens (the first token)", "generate, 4 tokens again"):
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        stage(name)
+
+
+if __name__ == "__main__":
+    main()
