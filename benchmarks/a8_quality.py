@@ -2,6 +2,10 @@
 same weights with float activations: perplexity, KL and top-1 over 2,048 tokens of the default text.
 
     python benchmarks/a8_quality.py --json benchmarks/results/a8_quality.json
+    python benchmarks/a8_quality.py --only g32 --json benchmarks/results/a8_quality_groups.json
+
+The ``int8 g32`` rows are int8 weights with a scale per 32 inputs (as a GGUF file's Q8_0 blocks load): the same
+codes with float activations and with int8 ones, whose kernel applies the group scales.
 """
 
 import argparse
@@ -20,6 +24,7 @@ from infopt.quantize.formats import a8
 p = argparse.ArgumentParser()
 p.add_argument("--max-tokens", type=int, default=2048)
 p.add_argument("--json", default=None)
+p.add_argument("--only", default=None, help="run the methods whose label contains this text")
 args = p.parse_args()
 
 base, tok = load_default()
@@ -32,7 +37,11 @@ methods = {
     "int8": Int8WeightOnly(),
     "int8, int8 activations": Int8WeightOnly(activations="int8"),
     "int8 + head, int8 activations": Int8WeightOnly(include_lm_head=True, activations="int8"),
+    "int8 g32 + head": Int8WeightOnly(group_size=32, include_lm_head=True, compute_dtype="float32"),
+    "int8 g32 + head, int8 activations": Int8WeightOnly(group_size=32, include_lm_head=True, activations="int8"),
 }
+if args.only:
+    methods = {k: v for k, v in methods.items() if args.only in k}
 rows = []
 print(f"{ref.tokens} tokens; kernel ISA {a8.isa()}")
 print(f"{'method':<52} {'ppl':>8} {'KL':>9} {'top-1':>7}")

@@ -11,6 +11,9 @@ its own) runs the exported file, each in its own process, rounds alternating, 2 
 - ``tg``: decode tokens/s after a 32-token prompt (128 new tokens, greedy; llama-bench's tg128);
 - ``pp``: prompt tokens/s of a 512-token prompt (time to the first token; llama-bench's pp512);
 - ``ctx``: decode tokens/s after a long prompt (``--contexts``, default 4096), 32 new tokens;
+- ``--file-type Q4_K_M``: both sides run the file llama.cpp's own quantizer makes from the exported Q4_0 one (Q4_K
+  blocks, Q6_K for half the ``ffn_down`` and ``attn_v`` layers and the head, as the GGUF files people download are):
+  no longer infopt's own codes, but the same file on both sides;
 - peak RSS of the process, the seconds from process start to the model being ready and to its first generated token
   (``--infopt-source gguf``, the default: infopt loads the exported file llama.cpp runs with
   ``load_quantized(activations="auto")`` into cpu-fast's layers and applies the rest of cpu-fast with a warm compile
@@ -97,6 +100,12 @@ def build(size: str):
     return model, load_default_tokenizer()
 
 
+def _gguf(args) -> Path:
+    """The file both sides run: the exported Q4_0 one, or llama.cpp's requantization of it (``--file-type``)."""
+    suffix = "" if args.file_type == "Q4_0" else f".{args.file_type}"
+    return Path(args.workdir) / f"{args.size}{suffix}.gguf"
+
+
 def prepare(args) -> None:
     import infopt
 
@@ -135,7 +144,7 @@ def run_infopt(args) -> dict:
     prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
     longest = max(len(v) for v in prompts.values())
     if args.infopt_source == "gguf":  # the file llama.cpp runs, into cpu-fast's layers: equal terms for RSS and load
-        model, _ = infopt.load_quantized(Path(args.workdir) / f"{args.size}.gguf", activations="auto", tokenizer=False)
+        model, _ = infopt.load_quantized(_gguf(args), activations="auto", tokenizer=False)
         torch.set_num_threads(2)
     else:
         model, _ = build(args.size)
@@ -187,7 +196,7 @@ def run_llama(args) -> dict:
 
     prompts = json.loads((Path(args.workdir) / f"{args.size}.prompts.json").read_text())
     longest = max(len(v) for v in prompts.values())
-    llm = llama_cpp.Llama(str(Path(args.workdir) / f"{args.size}.gguf"), n_ctx=longest + NEW_TOKENS + 8,
+    llm = llama_cpp.Llama(str(_gguf(args)), n_ctx=longest + NEW_TOKENS + 8,
                           n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
     ready = time.perf_counter() - T0
 
@@ -212,7 +221,7 @@ def run_llama(args) -> dict:
     gen(prompts["tg"], 4)
     first_token = time.perf_counter() - T0  # (an upper bound: the 4 tokens' end)
     tokens, ttft, tg = gen(prompts["tg"], NEW_TOKENS)
-    out = {"side": "llama.cpp Q4_0", "size": args.size, "ready_s": ready, "first_token_s": first_token,
+    out = {"side": f"llama.cpp {args.file_type}", "size": args.size, "ready_s": ready, "first_token_s": first_token,
            "tg_tokens_per_s": tg, "tg_ttft_ms": 1e3 * ttft, "tokens": tokens, "llama_cpp_python": llama_cpp.__version__}
     _, ttft, _ = gen(prompts["pp"], 1)
     out["pp_tokens_per_s"] = len(prompts["pp"]) / ttft
@@ -223,10 +232,27 @@ def run_llama(args) -> dict:
     return out
 
 
+def requantize(args) -> dict:
+    """(llama venv) llama.cpp's quantizer turns the exported Q4_0 file into ``--file-type`` (it dequantizes each
+    tensor and quantizes it again with its own choice of block types per tensor)."""
+    import llama_cpp
+
+    src = Path(args.workdir) / f"{args.size}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.file_type}")
+    params.allow_requantize = True
+    params.nthread = 2
+    t0 = time.perf_counter()
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(_gguf(args)).encode(), params):
+        raise SystemExit(f"llama_model_quantize failed for {src} -> {args.file_type}")
+    return {"file_type": args.file_type, "bytes": _gguf(args).stat().st_size, "seconds": time.perf_counter() - t0}
+
+
 # -- the orchestration (project venv) ----------------------------------------------------------------------------------
 def _child(python: str, mode: str, args) -> dict:
     cmd = [python, str(HERE), mode, "--size", args.size_now, "--workdir", args.workdir,
-           "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source, "--kv-dtype", args.kv_dtype]
+           "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source, "--kv-dtype", args.kv_dtype,
+           "--file-type", args.file_type]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if res.returncode:
@@ -272,7 +298,7 @@ def chart(result: dict, path: Path) -> Path:
         x = [r["billions"] for r in rows]
         for side, mark in (("infopt", "o-"), ("llama", "s--")):
             ax.plot(x, [r[f"{side}_{name}"] for r in rows], mark, label="infopt" if side == "infopt" else
-                    "llama.cpp Q4_0")
+                    f"llama.cpp {result.get('file_type', 'Q4_0')}")
         ax.set_xscale("log")
         ax.set_ylim(bottom=0)
         ax.set_xlabel("parameters (billions)")
@@ -287,11 +313,20 @@ def chart(result: dict, path: Path) -> Path:
 def orchestrate(args) -> None:
     sizes = {}
     for size in args.sizes:
-        args.size_now = size
-        prep = subprocess.run([sys.executable, str(HERE), "prepare", "--size", size, "--workdir", args.workdir,
-                               "--contexts", *map(str, args.contexts)], capture_output=True, text=True, check=False)
-        if prep.returncode:
-            raise SystemExit(f"prepare {size} failed:\n{prep.stderr[-4000:]}")
+        args.size_now = args.size = size
+        prompts = Path(args.workdir) / f"{size}.prompts.json"
+        if args.reuse and _gguf(args).exists() and prompts.exists() and \
+                set(json.loads(prompts.read_text())) >= {f"ctx{n}" for n in args.contexts}:
+            prepared = {"size": size, "reused": str(_gguf(args)), "gguf_bytes": _gguf(args).stat().st_size}
+        else:
+            prep = subprocess.run([sys.executable, str(HERE), "prepare", "--size", size, "--workdir", args.workdir,
+                                   "--contexts", *map(str, args.contexts)], capture_output=True, text=True,
+                                  check=False)
+            if prep.returncode:
+                raise SystemExit(f"prepare {size} failed:\n{prep.stderr[-4000:]}")
+            prepared = json.loads(prep.stdout.strip().splitlines()[-1])
+            if args.file_type != "Q4_0":
+                prepared["requantized"] = _child(args.llama_python, "requantize", args)
         warm = _child(sys.executable, "warm", args)  # so no timed round compiles (a source change drops the cache)
         print(f"{size} warm-up (compile cache): {warm['ready_s']:.1f} s", flush=True)
         rounds = []
@@ -313,7 +348,7 @@ def orchestrate(args) -> None:
         parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         from infopt.models import REAL_SIZES
 
-        sizes[size] = {"billions": REAL_SIZES[size][1], "prepare": json.loads(prep.stdout.strip().splitlines()[-1]),
+        sizes[size] = {"billions": REAL_SIZES[size][1], "prepare": prepared,
                        "median": med,
                        "ratio_infopt_over_llama": ratio, "greedy_parted_at": parted, "rounds": rounds}
         print(json.dumps({size: {"median": med, "ratio": ratio, "greedy_parted_at": parted}}, indent=1), flush=True)
@@ -321,8 +356,11 @@ def orchestrate(args) -> None:
 
     import torch
 
-    result = {"what": "infopt (cpu-fast's steps, symmetric int4 codes) against llama.cpp Q4_0 on the same weights, "
-                      "random weights in real checkpoints' shapes, 2 threads each, alternating processes",
+    what = ("infopt (cpu-fast's steps, symmetric int4 codes) against llama.cpp Q4_0 on the same weights"
+            if args.file_type == "Q4_0" else f"infopt (cpu-fast's steps on the file's blocks) against llama.cpp, both "
+            f"on llama.cpp's {args.file_type} requantization of the exported Q4_0 file")
+    result = {"what": what + ", random weights in real checkpoints' shapes, 2 threads each, alternating processes",
+              "file_type": args.file_type,
               "infopt_source": args.infopt_source, "infopt_kv_dtype": args.kv_dtype,
               "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                           "date": time.strftime("%Y-%m-%d")},
@@ -336,7 +374,7 @@ def orchestrate(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["run", "prepare", "warm", "infopt", "llama", "summarize"])
+    p.add_argument("mode", choices=["run", "prepare", "warm", "infopt", "llama", "requantize", "summarize"])
     p.add_argument("--size", help="(prepare, infopt, llama) one of infopt.models.REAL_SIZES")
     p.add_argument("--sizes", nargs="+", default=["qwen2.5-0.5b"], help="(run) the sizes, in order")
     p.add_argument("--contexts", nargs="*", type=int, default=[4096], help="long prompts to decode after")
@@ -344,6 +382,10 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/infopt-scaling")
     p.add_argument("--llama-python", default="/tmp/llama-venv/bin/python")
     p.add_argument("--json")
+    p.add_argument("--reuse", action="store_true",
+                   help="(run) keep the files a previous run prepared in --workdir (the same weights for a second run)")
+    p.add_argument("--file-type", choices=["Q4_0", "Q4_K_M"], default="Q4_0",
+                   help="Q4_0: the exported file (infopt's own codes); Q4_K_M: llama.cpp's requantization of it")
     p.add_argument("--infopt-source", choices=["gguf", "build"], default="gguf",
                    help="gguf: infopt loads the exported file llama.cpp runs (load_quantized(activations='auto')), "
                         "so peak RSS and the time to the first token compare on equal terms; build: the random model "
@@ -360,6 +402,8 @@ def main() -> None:
         print(f"wrote {chart(json.loads(path.read_text()), path.with_suffix('.png'))}")
     elif args.mode == "prepare":
         prepare(args)
+    elif args.mode == "requantize":
+        print(json.dumps(requantize(args)))
     else:
         print(json.dumps(run_infopt(args) if args.mode in ("infopt", "warm") else run_llama(args)))
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import infopt
-from infopt.core.errors import RecipeError
+from infopt.core.errors import IncompatibleModelError, RecipeError
 from infopt.models import tiny_model
 from infopt.ops import cpp
 from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
@@ -99,15 +99,20 @@ def test_int4_kernel_matches_the_reference(blocks, group, groups, rows, bf16, se
 
 
 @kernel
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(blocks=st.integers(1, 5), k=st.sampled_from([32, 64, 96, 576]), rows=st.integers(1, 9),
-       seed=st.integers(0, 2**16))
-def test_int8_kernel_matches_the_reference(blocks, k, rows, seed):
+       group=st.sampled_from([16, 32]), per_scale=st.sampled_from([0, 1, 2, 3]), seed=st.integers(0, 2**16))
+def test_int8_kernel_matches_the_reference(blocks, k, rows, group, per_scale, seed):
+    """Per-row scales (``per_scale`` 0) or one per row and group of ``per_scale`` activation groups (a GGUF file's
+    Q8_0 / Q6_K blocks), every row count the kernel passes over (1-4 at a time)."""
     n = 16 * blocks
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.02
-    group = 32
+    groups = k // group
+    if per_scale and groups % per_scale:
+        per_scale = 1
+    scale = torch.rand(n, generator=g) * 0.02 if not per_scale else \
+        torch.rand(n, groups // per_scale, generator=g) * 0.02
     weight, wsum = a8.pack_blocked_int8(codes, group)
     x = torch.randn(rows, k, generator=g) * 3
     got = torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, group)
@@ -170,6 +175,11 @@ def test_kernels_refuse_bad_inputs_with_the_reason():
     with pytest.raises(RuntimeError, match="weight must be contiguous int8"):
         torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), weight, torch.zeros(2, 2, 16, dtype=torch.int32),
                                         torch.ones(32), 32)
+    w8, ws = a8.pack_blocked_int8(torch.zeros(32, 64, dtype=torch.int8), 16)
+    with pytest.raises(RuntimeError, match="scale's 3 groups per row must each span a whole number of the 4 "):
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(32, 3), 16)
+    with pytest.raises(RuntimeError, match=r"scale must be contiguous float32 \[32\] or \[32, groups\]"):
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(16, 4), 16)
 
 
 _PORTABLE_CHECK = textwrap.dedent("""
@@ -181,6 +191,7 @@ _PORTABLE_CHECK = textwrap.dedent("""
     w, sm = a8.pack_blocked_int4(*quantize_int4_grouped(torch.randn(48, 128), 32, zero_point="float"))
     codes = torch.randint(-128, 128, (48, 128), dtype=torch.int8)
     w8, ws = a8.pack_blocked_int8(codes, 32)
+    w8g = a8.pack_blocked_int8(codes, 16)
     scale = torch.rand(48)
     for rows in (1, 5):
         x = torch.randn(rows, 128)
@@ -188,6 +199,12 @@ _PORTABLE_CHECK = textwrap.dedent("""
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
         y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
+        gs = torch.rand(48, 4) + 0.1  # group scales over whole activation groups (16 and 32 columns)
+        for group, wg in ((16, w8g), (32, w8)):
+            y = torch.ops.infopt.int8_a8_linear(x, wg[0] if group == 16 else w8, wg[1] if group == 16 else ws, gs,
+                                                group)
+            r = a8.int8_a8_reference(x, wg[0] if group == 16 else w8, gs, group)
+            assert (y - r).abs().max() <= 2e-6 * r.abs().max(), f"int8 group scales, activation group {group}"
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(torch.ops.infopt.int4_a8_dense_t(w, sm, 32, dtype),
                            a8.int4_dense_t_reference(w, sm, 32, dtype)), "dense"
@@ -299,7 +316,32 @@ def test_bad_fields_are_refused():
     with pytest.raises(RecipeError, match="activations"):
         Int4WeightOnly(activations="int4")
     with pytest.raises(RecipeError, match="group_size"):
-        Int8WeightOnly(activations="int8", group_size=32)
+        Int8WeightOnly(activations="int8", group_size=0)
+
+
+@kernel
+def test_int8_activations_with_group_scales():
+    """``Int8WeightOnly(activations="int8", group_size=32)``: a8 layers keeping their group scales, run by the
+    integer kernel, within activation quantization's loss of the same codes with float activations; a group size
+    that is not a whole number of activation groups is refused, naming the layer, with the model untouched."""
+    ref = tiny_model()
+    m = quantize_(copy.deepcopy(ref), Int8WeightOnly(activations="int8", group_size=32))
+    up = m.model.layers[0].mlp.up_proj
+    assert (up.layout, up.group_size, tuple(up.weight_scale.shape)) == ("a8", 32, (up.out_features, up.in_features // 32))
+    flt = quantize_(copy.deepcopy(ref), Int8WeightOnly(group_size=32, compute_dtype="float32"))
+    x = torch.randn(3, up.in_features)
+    before = a8.kernel_calls()["int8_a8_linear"]
+    got = up(x)
+    assert a8.kernel_calls()["int8_a8_linear"] == before + 1
+    assert _sqnr_db(got, flt.model.layers[0].mlp.up_proj(x)) > 38
+    ids = torch.randint(0, ref.config.vocab_size, (1, 10))
+    assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False)[:, :10], ids)
+    bad = tiny_model()
+    before_sd = {k: v.clone() for k, v in bad.state_dict().items()}
+    with pytest.raises(IncompatibleModelError,
+                       match=r"model\.layers\.0\..*multiple of the activation group, 16 .*got 8"):
+        infopt.optimize(bad, [Int8WeightOnly(activations="int8", group_size=8)])
+    assert all(torch.equal(v, before_sd[k]) for k, v in bad.state_dict().items())
 
 
 def test_a8_layers_save_in_the_portable_layout_and_load_back_identically():

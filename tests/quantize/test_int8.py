@@ -167,8 +167,9 @@ def test_unknown_or_unfitting_layout_is_refused():
         Int8Linear(64, 32, bias=False, dtype=torch.float32, compute_dtype=None, activations="int4")
     with pytest.raises(ValueError, match="out_features divisible by 16.*64 -> 24"):
         Int8Linear(64, 24, bias=False, dtype=torch.float32, compute_dtype=None, activations="int8")
-    with pytest.raises(ValueError, match="one scale per channel.*group_size=32"):
-        Int8Linear.from_float(nn.Linear(64, 32), group_size=32, activations="int8")
+    with pytest.raises(ValueError, match="multiple of the activation group, 16 for 64 input channels; got 8"):
+        Int8Linear.from_float(nn.Linear(64, 32), group_size=8, activations="int8")
+    assert LAYOUTS["a8"].fits(32, 64, 32) is None and LAYOUTS["a8"].fits(32, 36, 12) is None  # 4 | 12
     assert LAYOUTS["plain"].fits(24, 64, 32) is None
 
 

@@ -197,9 +197,7 @@ _FAKES: dict[str, dict] = {
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
         "int4_a8_from_ggml": lambda raw, kind, perm: _int4_from_ggml_fake(raw, kind),
-        "int8_a8_from_ggml": lambda raw, perm, group: (
-            raw.new_empty(raw.shape[0] // ROWS, raw.shape[1] // 34 * 8, 64, dtype=torch.int8),
-            raw.new_empty(raw.shape[0] // ROWS, raw.shape[1] // 34 * 32 // group, ROWS, dtype=torch.int32)),
+        "int8_a8_from_ggml": lambda raw, perm, group, kind=0: _int8_from_ggml_fake(raw, group, kind),
     },
 }
 
@@ -209,6 +207,13 @@ def _int4_from_ggml_fake(raw: torch.Tensor, kind: int) -> tuple[torch.Tensor, to
     g = raw.shape[1] // block_bytes * groups
     return (raw.new_empty(raw.shape[0] // ROWS, g * 4, 64),
             raw.new_empty(raw.shape[0] // ROWS, g, 2, ROWS, dtype=torch.bfloat16))
+
+
+def _int8_from_ggml_fake(raw: torch.Tensor, group: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block_bytes, weights = ((34, 32), (210, 256))[kind]  # Q8_0, Q6_K: bytes and weights per block
+    k = raw.shape[1] // block_bytes * weights
+    return (raw.new_empty(raw.shape[0] // ROWS, k // 4, 64, dtype=torch.int8),
+            raw.new_empty(raw.shape[0] // ROWS, k // group, ROWS, dtype=torch.int32))
 
 
 def _register_fakes(name: str) -> None:

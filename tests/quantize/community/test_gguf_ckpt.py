@@ -25,6 +25,7 @@ CASES = {
     "q4_k_m-head_q6_k": {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K",
                          "output": "Q6_K"},
     "q8_0-head_q8_0": {"default": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"},
+    "q4_k_m-tied_q6_k": {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"},
     "f16-dense": {"default": "F16", "token_embd": "F16"},
 }
 EXPECT = {"Q4_0": Int4Linear, "Q4_1": Int4Linear, "Q4_K": Int4Linear, "Q8_0": Int8Linear, "Q6_K": Int8Linear,
@@ -175,7 +176,7 @@ def test_device_argument_packs_for_the_devices_kernel(tmp_path, device):
     assert F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean") < 1e-3
 
 
-@pytest.mark.parametrize("case", ["q4_0-embd_q8_0", "q4_1-dead_groups", "q4_k_m-head_q6_k"])
+@pytest.mark.parametrize("case", ["q4_0-embd_q8_0", "q4_1-dead_groups", "q4_k_m-head_q6_k", "q4_k_m-tied_q6_k"])
 def test_cpu_fast_layers_transcoded_from_llama_cpp_files_are_the_decoded_ones(tmp_path, monkeypatch, case):
     """Files as llama.cpp writes them (group scales, dead groups, Q4_K super-blocks, llama's permuted q/k rows):
     ``activations="auto"`` builds the same layers through the C++ transcoder as through decoding, bit for bit."""
@@ -201,3 +202,38 @@ def test_cpu_fast_layers_transcoded_from_llama_cpp_files_are_the_decoded_ones(tm
     for name, t in want.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
     assert torch.equal(_logits(fast, IDS), _logits(slow, IDS))
+
+
+@pytest.mark.parametrize("case", ["q4_k_m-tied_q6_k", "q4_0-embd_q8_0", "q8_0-head_q8_0"])
+def test_cpu_fast_takes_llama_cpp_group_scales_on_int8_activations(tmp_path, case):
+    """A Q4_K_M file as llama.cpp writes a tied model (Q6_K ``attn_v``, ``ffn_down`` and token embedding) or Q8_0
+    blocks with a scale per 32: ``activations="auto"`` gives every 8-bit linear int8 activations with the file's group
+    scales as they are, and a tied 8-bit embedding becomes the int8 head whose codes the embedding reads, looking up
+    exactly the file's rows; the logits stay within activation quantization's loss of the file's own."""
+    from infopt.quantize.community.gguf_ckpt import Int8Blocks
+    from infopt.quantize.formats import a8
+    from infopt.quantize.formats.int8 import SharedInt8Embedding
+
+    if a8.resolve("auto", "cpu") != "int8":
+        pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
+    types = CASES[case]
+    path = _write(tmp_path, types)
+    reference, _ = load_quantized(path, reference=True, tokenizer=False)
+    fast, _ = load_quantized(path, tokenizer=False, activations="auto")
+    group = {"Q6_K": 16, "Q8_0": 32}
+    int8 = [(n, m) for n, m in fast.named_modules() if isinstance(m, Int8Linear)]
+    assert int8 and all(m.layout == "a8" for _, m in int8), [(n, m.layout) for n, m in int8]
+    v = fast.model.layers[0].self_attn.v_proj
+    if types.get("attn_v", types["default"]) in Int8Blocks:
+        assert v.group_size == group[types.get("attn_v", types["default"])]
+    head, emb = fast.get_output_embeddings(), fast.get_input_embeddings()
+    if "output" not in types:  # tied: one int8 copy, the embedding reads its rows
+        assert isinstance(emb, SharedInt8Embedding) and emb.head is head
+        assert head.group_size == group[types["token_embd"]]
+        ids = torch.arange(VOCAB)
+        assert torch.equal(emb(ids), reference.get_input_embeddings()(ids))
+    before = a8.kernel_calls()["int8_a8_linear"]
+    out, ref = _logits(fast, IDS), _logits(reference, IDS)
+    assert a8.kernel_calls()["int8_a8_linear"] - before >= len(int8)
+    kl = F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
+    assert kl < 1e-2, kl

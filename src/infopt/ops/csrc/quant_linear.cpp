@@ -12,11 +12,14 @@
 //   16 rows (the sharing of activation loads across output rows that integer dot products need).
 //   y[m, r] = sum_g sx[m,g] * (scale[r,g] * sum_k code[r,k] q[m,k] + min[r,g] * sum_k q[m,k]).
 //
-// int8_a8_linear(x [M, K], weight int8 [N/16, K/4, 64], wsum int32 [N/16, G, 16], scale fp32 [N], group)
-//   Weights w = code * scale[r] (symmetric per row), codes -128..127; chunk c holds row r's columns 4c..4c+3 at
-//   bytes 4r..4r+3. vpdpbusd multiplies unsigned by signed bytes, so activations enter as q + 128 and each
-//   group's 128 * sum_k w[r,k] (wsum, precomputed) is subtracted.
-//   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k code[r,k] (q[m,k] + 128) - 128 * wsum[r,g]).
+// int8_a8_linear(x [M, K], weight int8 [N/16, K/4, 64], wsum int32 [N/16, G, 16], scale fp32 [N] | [N, Gw], group)
+//   Weights w = code * scale[r] (symmetric per row), or code * scale[r, gw] per group of K / Gw input channels (a
+//   whole number of activation groups: a GGUF file's Q8_0 and Q6_K blocks), codes -128..127; chunk c holds row r's
+//   columns 4c..4c+3 at bytes 4r..4r+3. vpdpbusd multiplies unsigned by signed bytes, so activations enter as
+//   q + 128 and each group's 128 * sum_k w[r,k] (wsum, precomputed) is subtracted.
+//   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k code[r,k] (q[m,k] + 128) - 128 * wsum[r,g]), or with group scales
+//   sum_g (sx[m,g] * scale[r, g / (Ga / Gw)]) * (...): the 16 rows' scales of a group are one gather from the
+//   row-major [N, Gw] scales (rows Gw floats apart), so the layer's own scales serve and nothing is re-laid out.
 //
 // int4_a8_dense_t(weight, scale_min, group, dtype) -> bf16 | fp32 [K, N]
 //   The same weights dequantized, transposed, for prompts: many rows run faster as one bf16 GEMM (AMX, AVX512-BF16)
@@ -284,14 +287,18 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
 
 // ---- int8 weights ------------------------------------------------------------------------------------------------
 
+// gs: with group scales, row 0 of the block's [16, Gw] scales (row-major, Gw apart), and per_scale activation
+// groups per scale group; nullptr: per-row scales, applied by the caller.
 template <int MR>
 void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int64_t m0, int64_t K, int64_t group,
-                float* acc) {
+                float* acc, const float* gs = nullptr, int64_t Gw = 0, int64_t per_scale = 1) {
   const int64_t G = K / group;
   const int64_t chunks = group / 4;
   const int8_t* xq = a.q.data() + m0 * K;
   const float* sx = a.sx.data() + m0 * G;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int32_t>(Gw)));
   const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // + 128 per byte (xor of the sign bit)
   __m512 out[MR];
   for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
@@ -317,6 +324,14 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
         ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xg + m * K + 4 * c)), bias), v0);
     }
     const __m512i ws = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kRows), 7);
+    if (gs != nullptr) {
+      const __m512 sw = _mm512_i32gather_ps(rows_at, gs + g / per_scale, 4);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
+        out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_set1_ps(sx[m * G + g]), sw), out[m]);
+      }
+      continue;
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
       out[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(sx[m * G + g]), out[m]);
@@ -351,9 +366,19 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
       }
       w += 64;
     }
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      if (gs != nullptr) {
+        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                              _mm256_set1_epi32(static_cast<int32_t>(Gw)));
+        const __m256 sw = _mm256_i32gather_ps(gs + 8 * h * Gw + g / per_scale, at, 4);
+        for (int m = 0; m < MR; ++m)
+          out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_mul_ps(_mm256_set1_ps(sx[m * G + g]), sw),
+                                      out[m][h]);
+        continue;
+      }
       for (int m = 0; m < MR; ++m)
         out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_set1_ps(sx[m * G + g]), out[m][h]);
+    }
   }
   (void)wsum;
   store_halves<MR>(out, acc);
@@ -369,7 +394,9 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
       w += 64;
     }
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < kRows; ++r) out[m][r] = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g], out[m][r]);
+      for (int r = 0; r < kRows; ++r)
+        out[m][r] = std::fma(static_cast<float>(iacc[m][r]),
+                             gs != nullptr ? sx[m * G + g] * gs[r * Gw + g / per_scale] : sx[m * G + g], out[m][r]);
   }
   (void)wsum;
   for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));
@@ -572,21 +599,29 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
   const int64_t G = K / group;
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.sizes() == at::IntArrayRef({NB, G, kRows}),
               op, ": wsum must be contiguous int32 [", NB, ", ", G, ", 16], got ", wsum.scalar_type(), " ", wsum.sizes());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N, op,
-              ": scale must be contiguous float32 [", N, "], got ", scale.scalar_type(), " ", scale.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
+                  (scale.dim() == 1 || scale.dim() == 2),
+              op, ": scale must be contiguous float32 [", N, "] or [", N, ", groups], got ", scale.scalar_type(), " ",
+              scale.sizes());
+  const int64_t Gw = scale.dim() == 2 ? scale.size(1) : 0;  // 0: one scale per row
+  TORCH_CHECK(Gw == 0 || (Gw > 0 && G % Gw == 0), op, ": scale's ", Gw, " groups per row must each span a whole "
+              "number of the ", G, " activation groups of ", group, " input channels");
   TORCH_CHECK(weight.device().is_cpu() && wsum.device().is_cpu() && scale.device().is_cpu(), op,
               ": weights must be on the CPU");
   const Activations& a = quantize(x, group);
   const int8_t* w = weight.data_ptr<int8_t>();
   const int32_t* ws = wsum.data_ptr<int32_t>();
-  return run_blocks(x, {N}, {scale.data_ptr<float>()}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
+  const float* sp = scale.data_ptr<float>();
+  const int64_t per_scale = Gw ? G / Gw : 1;
+  return run_blocks(x, {N}, {Gw ? nullptr : sp}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
     const int8_t* wb = w + nb * (K / 4) * 64;
     const int32_t* sb = ws + nb * G * kRows;
+    const float* gs = Gw ? sp + nb * kRows * Gw : nullptr;
     switch (mr) {
-      case 1: int8_block<1>(wb, sb, a, m0, K, group, acc); break;
-      case 2: int8_block<2>(wb, sb, a, m0, K, group, acc); break;
-      case 3: int8_block<3>(wb, sb, a, m0, K, group, acc); break;
-      default: int8_block<4>(wb, sb, a, m0, K, group, acc); break;
+      case 1: int8_block<1>(wb, sb, a, m0, K, group, acc, gs, Gw, per_scale); break;
+      case 2: int8_block<2>(wb, sb, a, m0, K, group, acc, gs, Gw, per_scale); break;
+      case 3: int8_block<3>(wb, sb, a, m0, K, group, acc, gs, Gw, per_scale); break;
+      default: int8_block<4>(wb, sb, a, m0, K, group, acc, gs, Gw, per_scale); break;
     }
   })[0];
 }
@@ -963,8 +998,8 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
 // int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
 //   256), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16])
-// int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (Q8_0), perm int64 [N]?, group) -> (weight int8 [N/16, K/4, 64],
-//   wsum int32 [N/16, K/group, 16])
+// int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
+//   group, kind) -> (weight int8 [N/16, K/4, 64], wsum int32 [N/16, K/group, 16])
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
 //   numbers of infopt.quantize.community.gguf_blocks.decode_int4 / decode_int8 followed by
 //   infopt.quantize.formats.a8.pack_blocked_int4 / pack_blocked_int8, bit for bit (the tests compare them), in one
@@ -973,7 +1008,8 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 //   those bytes, masked and shifted. Q4_0 is w = d * (q - 8): scale d, zero 8; Q4_1 is w = d * q + m: scale d, zero
 //   -m / d; Q4_K's sub-block j is w = d * sc_j * q - dmin * m_j: scale d * sc_j, zero dmin * m_j / scale. A group whose
 //   scale is 0 holds one value: codes 0, scale 1 (where that value is 0) or |value| / 8, zero -value / scale.
-//   Scales round to bf16 (nearest, ties to even) and the minimum is bf16(-zero * scale16), computed in fp32.
+//   Scales round to bf16 (nearest, ties to even) and the minimum is bf16(-zero * scale16), computed in fp32. Q6_K's
+//   codes are q - 32 (its scales d * sc_j, per 16, are the caller's: a strided read of the blocks' tails).
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -1125,11 +1161,32 @@ void block_sums(const uint8_t* row, int64_t K, int32_t* out, int64_t blocks = 1)
   }
 }
 
+// One Q6_K row's codes (q - 32) into out [K]: per block of 256, half h of 128 weights reads ql bytes 64h..64h+63
+// (low nibbles: weights 0..63 of the half, high: 64..127) and qh bytes 32h..32h+31 (bit pairs 0, 2, 4, 6: the high
+// two bits of weights 0..31, 32..63, 64..95, 96..127)
+void q6_k_codes(const uint8_t* row, int64_t K, int8_t* out) {
+  for (int64_t blk = 0; blk < K / 256; ++blk) {
+    const uint8_t* b = row + blk * 210;
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      int8_t* o = out + blk * 256 + 128 * h;
+      for (int64_t i = 0; i < 4; ++i)
+        for (int64_t l = 0; l < 32; ++l) {
+          const int q = ((ql[(i % 2) * 32 + l] >> (4 * (i / 2))) & 0x0F) | (((qh[l] >> (2 * i)) & 3) << 4);
+          o[32 * i + l] = static_cast<int8_t>(q - 32);
+        }
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm,
-                                                     int64_t group) {
+                                                     int64_t group, int64_t kind) {
   const char* op = "int8_a8_from_ggml";
-  check_raw(raw, 34, op);
-  const int64_t N = raw.size(0), K = raw.size(1) / 34 * 32, NB = N / kRows, row_bytes = raw.size(1);
+  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q8_0) or 1 (Q6_K), got ", kind);
+  const int64_t B = kind == 0 ? 34 : 210, per_block = kind == 0 ? 32 : 256;  // bytes and weights per block
+  check_raw(raw, B, op);
+  const int64_t N = raw.size(0), K = raw.size(1) / B * per_block, NB = N / kRows, row_bytes = raw.size(1);
   TORCH_CHECK(group > 0 && K % group == 0 && (32 % group == 0 || group % 32 == 0) && group % 4 == 0, op, ": group ",
               group, " must divide in_features ", K, " and be 4, 8, 16 or a multiple of 32");
   const int64_t G = K / group;
@@ -1140,12 +1197,23 @@ std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, cons
   uint8_t* wp = reinterpret_cast<uint8_t*>(weight.data_ptr<int8_t>());
   int32_t* ws = wsum.data_ptr<int32_t>();
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> codes(kind == 1 ? K : 0);
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
         const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
         uint8_t* dst = wp + b * (K / 4) * 64 + 4 * r;
         int32_t* sums = ws + b * G * kRows + r;
+        if (kind == 1) {
+          q6_k_codes(row, K, codes.data());
+          for (int64_t c = 0; c < K / 4; ++c) std::memcpy(dst + c * 64, codes.data() + 4 * c, 4);
+          for (int64_t g = 0; g < G; ++g) {
+            int32_t t = 0;
+            for (int64_t k = g * group; k < (g + 1) * group; ++k) t += codes[k];
+            sums[g * kRows] = t;
+          }
+          continue;
+        }
         for (int64_t blk = 0; blk < K / 32; ++blk) {
           const int8_t* q = reinterpret_cast<const int8_t*>(row + blk * 34 + 2);
           for (int64_t c = 0; c < 8; ++c) std::memcpy(dst + (blk * 8 + c) * 64, q + 4 * c, 4);
@@ -1180,7 +1248,7 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm) -> (Tensor, Tensor)");
-  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int group) -> (Tensor, Tensor)");
+  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int group, int kind=0) -> (Tensor, Tensor)");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 

@@ -87,14 +87,16 @@ def int8_layer(codes: torch.Tensor, scales: torch.Tensor, opts: LoadOptions, *,
                bias: torch.Tensor | None = None) -> Int8Linear:
     """An :class:`Int8Linear` from int8 codes ``[out, in]`` and scales ``[out]`` (per channel) or ``[out, G]``.
 
-    With ``opts.activations == "int8"``, group scales that are one value per row (a per-channel layer written in
-    groups, as ``export_gguf`` writes ``cpu-fast``'s head as Q8_0) become per-channel scales, exactly, so the layer
-    takes int8 activations where the ``a8`` layout fits it."""
+    With ``opts.activations == "int8"`` the layer takes int8 activations where the ``a8`` layout fits it: group
+    scales that are one value per row (a per-channel layer written in groups, as ``export_gguf`` writes
+    ``cpu-fast``'s head as Q8_0) become per-channel scales, exactly; others (llama.cpp's Q8_0 and Q6_K blocks) stay
+    per group, which the a8 kernel applies group by group."""
     activations = "float"
     if opts.activations == "int8":
         if scales.dim() == 2 and bool((scales == scales[:, :1]).all()):
             scales = scales[:, 0].contiguous()
-        if scales.dim() == 1 and INT8_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], None) is None:
+        group = None if scales.dim() == 1 else codes.shape[1] // scales.shape[1]
+        if INT8_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], group) is None:
             activations = "int8"
     return Int8Linear.from_codes(codes, scales, bias=bias, dtype=opts.dtype,
                                  compute_dtype="float32" if opts.reference else "auto", activations=activations)

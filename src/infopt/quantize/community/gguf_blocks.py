@@ -30,7 +30,7 @@ import torch
 from ..formats import a8
 
 __all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "A8_INT4", "decode_int4", "decode_int8", "dequantize_blocks",
-           "a8_int4", "a8_int8", "q8_0_scales"]
+           "a8_int4", "a8_int8", "A8_INT8", "q8_0_scales", "q6_k_scales"]
 
 # ggml type name -> (weights per block, bytes per block)
 BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -140,9 +140,7 @@ def decode_int8(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
         qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 0x03  # [R, B, half, 4, 32]
         q = ql.reshape(rows, -1, 2, 4, 32) | (qh << 4)
         codes = (q.to(torch.int16) - 32).to(torch.int8).reshape(rows, -1)
-        sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [R, B, 16]
-        scale = (_half(b, 208).unsqueeze(-1) * sc).reshape(rows, -1)
-        return codes, scale, 16
+        return codes, q6_k_scales(raw), 16
     raise ValueError(f"decode_int8: {kind} is not an int8 block type ({', '.join(Int8Blocks)})")
 
 
@@ -171,20 +169,31 @@ def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
     return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), A8_INT4[kind], perm)
 
 
-def a8_int8(raw: torch.Tensor, group: int, perm: torch.Tensor | None = None
+A8_INT8 = {"Q8_0": 0, "Q6_K": 1}
+"""Types the C++ transcoder writes straight into the a8 int8 layout (:func:`a8_int8`), with its kind numbers."""
+
+
+def a8_int8(raw: torch.Tensor, group: int, perm: torch.Tensor | None = None, kind: str = "Q8_0"
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q8_0 bytes ``[R, in / 32 * 34]`` straight into the a8 int8 layout, ``(weight, wsum)`` of
-    :func:`infopt.quantize.formats.a8.pack_blocked_int8` for activation groups of ``group`` (row ``i`` from the file's
-    row ``perm[i]``): bit for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of the C++ kernel. None
-    where the C++ kernels are not built. The scales are the caller's (``decode_int8``'s are a strided read)."""
+    """Q8_0 bytes ``[R, in / 32 * 34]`` (or Q6_K, ``[R, in / 256 * 210]``) straight into the a8 int8 layout,
+    ``(weight, wsum)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int8` for activation groups of ``group`` (row
+    ``i`` from the file's row ``perm[i]``): bit for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of
+    the C++ kernel. None where the C++ kernels are not built. The scales are the caller's (:func:`q8_0_scales`,
+    :func:`q6_k_scales`: ``decode_int8``'s, without reading the codes)."""
     if not a8.available():
         return None
-    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, group)
+    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, group, A8_INT8[kind])
 
 
 def q8_0_scales(raw: torch.Tensor) -> torch.Tensor:
     """The fp32 scales ``[R, in / 32]`` of Q8_0 bytes, without reading their codes."""
     return _half(_blocks(raw, "Q8_0"), 0)
+
+
+def q6_k_scales(raw: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales ``[R, in / 16]`` of Q6_K bytes (``d * sc_j``, exact in fp32), without reading their codes."""
+    b = _blocks(raw, "Q6_K")
+    return (_half(b, 208).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(b.shape[0], -1)
 
 
 def dequantize_blocks(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:

@@ -7,16 +7,19 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
 
 - a linear weight in Q4_0, Q4_1 or Q4_K -> :class:`~infopt.quantize.Int4Linear`, group 32; in Q8_0 ->
   :class:`~infopt.quantize.Int8Linear`, group 32; in Q6_K -> ``Int8Linear``, group 16 (see
-  :mod:`~infopt.quantize.community.gguf_blocks` for the exact formulas);
+  :mod:`~infopt.quantize.community.gguf_blocks` for the exact formulas); with ``activations="int8"`` every one of
+  them takes int8 activations where its shape fits the a8 kernels, which apply the group scales as they are;
 - F32, F16 and BF16 tensors, and every non-linear tensor (embeddings, norms) -> dense, in the model's dtype
-  (a quantized embedding is dequantized: a lookup reads one row, and a tied head reads it dense);
+  (a quantized embedding is dequantized: a lookup reads one row, and a tied head reads it dense), except that with
+  ``activations="int8"`` a Q8_0 or Q6_K embedding the head is tied to becomes the int8 head, whose codes the
+  embedding's lookups read (``share_embedding``'s layers);
 - llama.cpp stores Llama's q/k rows permuted for its rotary layout and transformers' loader permutes them back
   (``LlamaTensorProcessor``); a quantized matrix's rows carry their own scales, so the same row permutation
   applies to codes, scales and zero points;
 - a rotary scaling (``linear`` metadata, llama3's ``rope_freqs.weight``) becomes the config's, checked against the
   file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
-With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K and Q8_0 blocks go through a C++ transcoder
+With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks go through a C++ transcoder
 straight into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's
 header is read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 3 s of
 transformers' own imports), which it needs no part of.
@@ -48,13 +51,16 @@ from ..formats.int8_layouts import act_group
 from .common import LoadOptions, empty_model, gemma3_attention_scalar, int4_layer, int8_layer, set_dense
 from .gguf_blocks import (
     A8_INT4,
+    A8_INT8,
     BLOCKS,
     Int4Blocks,
+    Int8Blocks,
     a8_int4,
     a8_int8,
     decode_int4,
     decode_int8,
     dequantize_blocks,
+    q6_k_scales,
     q8_0_scales,
 )
 from .gguf_rope import FREQS_TENSOR, check_rope, rope_from_gguf
@@ -294,10 +300,11 @@ def _name_map(model: nn.Module, arch: str, num_layers: int, processor, source: s
 
 def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.Tensor | None,
                 opts: LoadOptions) -> nn.Module | None:
-    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 blocks, written by the C++ transcoder straight into the a8
+    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K blocks, written by the C++ transcoder straight into the a8
     layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`): the layer :func:`int4_layer` /
-    :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes. None where it does not apply (other activations or types, shapes the layouts do not take, Q8_0
-    scales that differ within a row, no C++ kernels): the caller decodes as usual."""
+    :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes (Q8_0 and Q6_K
+    scales that differ within a row stay per group of 32 and 16). None where it does not apply (other activations or types, shapes
+    the layouts do not take, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
     if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
@@ -305,30 +312,29 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
         return None if packed is None else Int4Linear.from_packed(
             "a8", {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
             group_size=32, dtype=opts.dtype)
-    if kind == "Q8_0" and INT8_LAYOUTS["a8"].fits(rows, in_f, None) is None:
-        scales = q8_0_scales(raw)
+    if kind in A8_INT8 and INT8_LAYOUTS["a8"].fits(rows, in_f, 32 if kind == "Q8_0" else 16) is None:
+        scales = q8_0_scales(raw) if kind == "Q8_0" else q6_k_scales(raw)
         if perm is not None:
             scales = scales[perm]
-        if not bool((scales == scales[:, :1]).all()):  # group scales: int8_layer keeps float activations
-            return None
-        packed = a8_int8(raw, act_group(in_f), perm)
-        return None if packed is None else Int8Linear.from_a8(*packed, scales[:, 0].contiguous(), dtype=opts.dtype)
+        if bool((scales == scales[:, :1]).all()):  # one scale per row (export_gguf's head): per channel, as int8_layer
+            scales = scales[:, 0].contiguous()
+        packed = a8_int8(raw, act_group(in_f), perm, kind)
+        return None if packed is None else Int8Linear.from_a8(*packed, scales, dtype=opts.dtype)
     return None
 
 
 class _Ahead:
     """The layers :func:`_transcoded` builds, computed on one background thread in file order while the loader's
     thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
-    Q8_0
-    ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 where the head is tied
-    to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation only the tensor
+    Q8_0 / Q6_K ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 or Q6_K
+    where the head is tied to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation only the tensor
     processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
     whose shape does not fit the model's layer, is only wasted work: the loader checks each before it takes it, and a
     layer it does not take is dropped. Each tensor's file pages are released once transcoded (:func:`_release`), so
     the resident set holds what a load in order holds; a tensor that finds no layer (None) keeps them, to be decoded.
     """
 
-    KINDS = (*A8_INT4, "Q8_0")
+    KINDS = (*A8_INT4, *A8_INT8)
 
     def __init__(self, reader, opts: LoadOptions, tied: bool):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infopt-gguf")
@@ -343,7 +349,7 @@ class _Ahead:
         if kind not in cls.KINDS or len(t.shape) != 2:
             return False
         if name == "token_embd.weight":
-            return tied and kind == "Q8_0"
+            return tied and kind in A8_INT8
         return name.startswith("blk.") and name.endswith(".weight") and ".attn_q." not in name and \
             ".attn_k." not in name
 
@@ -395,9 +401,9 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
 
 def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
                  ahead: _Ahead | None = None) -> SharedInt8Embedding | None:
-    """The int8 head built from a tied embedding's 8-bit blocks and the embedding that reads them, or None when the
-    blocks are not 8-bit or the embedding cannot read a head's rows (it is then loaded dense, as usual)."""
-    if kind not in ("Q8_0",):
+    """The int8 head built from a tied embedding's Q8_0 or Q6_K blocks and the embedding that reads them, or None
+    for other blocks or an embedding that cannot read a head's rows (it is then loaded dense, as usual)."""
+    if kind not in Int8Blocks:
         return None
     emb = model.get_input_embeddings()
     rows, dim = emb.num_embeddings, emb.embedding_dim

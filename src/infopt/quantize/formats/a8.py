@@ -17,7 +17,9 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
   ``r`` of the block, the codes of columns ``8c..8c+3`` (low nibbles) and ``8c+4..8c+7`` (high nibbles).
   ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``.
 - int8: ``weight`` int8 ``[N/16, K/4, 64]``; chunk ``c`` holds columns ``4c..4c+3`` of row ``r`` at bytes
-  ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``.
+  ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``, or
+  ``[N, Gw]`` for one scale per row and group of ``K // Gw`` inputs, a multiple of ``group`` (a GGUF file's Q8_0 and
+  Q6_K blocks): each activation group's integer dot product is then scaled by its row's scale for that group.
 """
 
 from __future__ import annotations
@@ -191,6 +193,9 @@ def int8_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     """:func:`int8_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
     dots = _group_dots(q, unpack_blocked_int8(weight), group)  # [M, N, G]
+    if scale.dim() == 2:  # one scale per row and weight group, over whole activation groups
+        sw = scale.float().repeat_interleave(dots.shape[-1] // scale.shape[1], dim=1)  # [N, G]
+        return (dots * (sx[:, None, :] * sw)).sum(-1).to(x.dtype)
     return ((dots * sx[:, None, :]).sum(-1) * scale.float()).to(x.dtype)
 
 
@@ -231,7 +236,17 @@ def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: l
 
 def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
                    group: int) -> torch.Tensor:
-    """``x [..., K]`` times an int8 block-layout weight (per-row ``scale``) with int8 dynamic activations."""
+    """``x [..., K]`` times an int8 block-layout weight (``scale`` per row ``[N]``, or per row and group of whole
+    activation groups ``[N, Gw]``) with int8 dynamic activations.
+
+    Example:
+        >>> codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+        >>> weight, wsum = pack_blocked_int8(codes, 16)
+        >>> scale, x = torch.rand(32, 2) / 100, torch.randn(3, 64)
+        >>> y = int8_a8_linear(x, weight, wsum, scale, 16)
+        >>> bool(torch.allclose(y, int8_a8_reference(x, weight, scale, 16), atol=1e-5))
+        True
+    """
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
         _count("int8_a8_linear")

@@ -81,7 +81,8 @@ class Int8WeightOnly(StepConfig, HoldsBound):
         activations: ``"float"`` (default) or ``"int8"``: each call quantizes its activations to int8
             per row and group of 16 channels and multiplies them with the int8 codes in integers
             (:mod:`infopt.quantize.formats.a8`; AVX512-VNNI or AVX2 on CPUs that have them). Lossy beyond the weights;
-            per-channel scales only (``group_size`` None), ``out_features`` a multiple of 16.
+            ``out_features`` a multiple of 16, and ``group_size`` None or a multiple of 16 (of the activation group:
+            8 or 4 where ``in_features`` is not a multiple of 16).
             ``"auto"``: ``"int8"`` where the C++ kernel runs with AVX512-VNNI or AVX2 and the layer fits it, else
             ``"float"`` (:func:`infopt.quantize.formats.a8.resolve`).
         share_embedding: with ``include_lm_head`` and a head tied to the input embedding, the embedding
@@ -144,8 +145,6 @@ class Int8WeightOnly(StepConfig, HoldsBound):
                               "input embedding, so it needs include_lm_head=True")
         if self.activations not in a8.ACTIVATIONS:
             raise bad_field(self, "activations", self.activations, ", ".join(a8.ACTIVATIONS))
-        if self.activations == "int8" and self.group_size is not None:
-            raise bad_field(self, "group_size", self.group_size, "null with activations: int8 (one scale per channel)")
 
     def check(self, model, info, steps):
         check_experts_shapes(model, self, self.group_size, out_multiple=16 if self.activations == "int8" else 1)
@@ -154,11 +153,10 @@ class Int8WeightOnly(StepConfig, HoldsBound):
         if self.activations == "int8":
             for t in quantize_targets(model, self):
                 out_f, in_f = t.weight.shape
-                if out_f % 16 or in_f % 4:
+                reason = LAYOUTS["a8"].fits(out_f, in_f, self.group_size)
+                if reason is not None:
                     raise IncompatibleModelError(
-                        f"Int8WeightOnly(activations='int8'): {t.fqn} is {in_f} -> {out_f}; the int8-activation "
-                        "kernel needs out_features divisible by 16 and in_features by 4. Exclude it with exclude=[...] "
-                        "or use activations: float"
+                        f"Int8WeightOnly: {t.fqn}: {reason}. Exclude it with exclude=[...] or use activations: float"
                     )
         return []
 
@@ -292,10 +290,12 @@ class Int8Linear(KeepsFormat):
                 dtype: torch.dtype = torch.float32) -> Int8Linear:
         """Build an ``activations="int8"`` layer from its block-layout buffers computed elsewhere (a GGUF file's Q8_0
         blocks transcoded at load: :func:`infopt.quantize.community.gguf_blocks.a8_int8`): ``weight`` int8
-        ``[out/16, in/4, 64]``, ``wsum`` int32 ``[out/16, in/act_group, 16]``, ``scales`` fp32 ``[out]``; no bias."""
+        ``[out/16, in/4, 64]``, ``wsum`` int32 ``[out/16, in/act_group, 16]``, ``scales`` fp32 ``[out]`` or ``[out, G]``
+        (per group of ``in // G`` inputs); no bias."""
         out_f, in_f = weight.shape[0] * a8.ROWS, weight.shape[1] * 4
+        group = None if scales.dim() != 2 or not scales.shape[1] or in_f % scales.shape[1] else in_f // scales.shape[1]
         new = cls(in_f, out_f, bias=False, dtype=dtype, compute_dtype=_auto_compute_dtype(dtype, weight.device),
-                  device="meta", activations="int8")
+                  device="meta", activations="int8", group_size=group)
         want = {**LAYOUTS["a8"].empty(out_f, in_f, "meta"), "weight_scale": new.weight_scale}
         for name, t in (("weight_a8", weight), ("wsum", wsum), ("weight_scale", scales)):
             if t.shape != want[name].shape or t.dtype != want[name].dtype:

@@ -207,14 +207,18 @@ class A8(Int8Layout):
     """Int8 dynamic activations times the codes in integers (:func:`infopt.quantize.formats.a8.int8_a8_linear`): the
     codes in :mod:`~infopt.quantize.formats.a8`'s blocks of 16 rows, ``weight_a8`` int8 ``[out/16, in/4, 64]``, with
     their sums per activation group (:func:`act_group`), ``wsum`` int32 ``[out/16, in/group, 16]``; both are rebuilt
-    from ``weight_int8`` when loaded, not saved."""
+    from ``weight_int8`` when loaded, not saved. The layer's ``weight_scale`` serves as it is: per channel, or per
+    group of a whole number of activation groups (the kernel applies each group's scale to its dot products)."""
 
     name, activations, buffers, saves_buffers, concatenates = "a8", "int8", ("weight_a8", "wsum"), False, False
 
     def fits(self, out_features, in_features, group_size):
-        if group_size is not None or out_features % a8.ROWS or in_features % 4:
-            return (f"activations='int8' needs one scale per channel, out_features divisible by {a8.ROWS} and "
-                    f"in_features by 4; got group_size={group_size}, {in_features} -> {out_features}")
+        if out_features % a8.ROWS or in_features % 4:
+            return (f"activations='int8' needs out_features divisible by {a8.ROWS} and in_features by 4; got "
+                    f"{in_features} -> {out_features}")
+        if group_size is not None and group_size % act_group(in_features):
+            return (f"activations='int8' needs group_size null (one scale per channel) or a multiple of the "
+                    f"activation group, {act_group(in_features)} for {in_features} input channels; got {group_size}")
         return None
 
     def empty(self, out_features, in_features, device):
