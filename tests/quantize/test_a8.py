@@ -327,7 +327,8 @@ def test_int8_activations_with_group_scales():
     ref = tiny_model()
     m = quantize_(copy.deepcopy(ref), Int8WeightOnly(activations="int8", group_size=32))
     up = m.model.layers[0].mlp.up_proj
-    assert (up.layout, up.group_size, tuple(up.weight_scale.shape)) == ("a8", 32, (up.out_features, up.in_features // 32))
+    want = ("a8", 32, (up.out_features, up.in_features // 32))
+    assert (up.layout, up.group_size, tuple(up.weight_scale.shape)) == want
     flt = quantize_(copy.deepcopy(ref), Int8WeightOnly(group_size=32, compute_dtype="float32"))
     x = torch.randn(3, up.in_features)
     before = a8.kernel_calls()["int8_a8_linear"]

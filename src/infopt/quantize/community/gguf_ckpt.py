@@ -300,11 +300,11 @@ def _name_map(model: nn.Module, arch: str, num_layers: int, processor, source: s
 
 def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.Tensor | None,
                 opts: LoadOptions) -> nn.Module | None:
-    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K blocks, written by the C++ transcoder straight into the a8
-    layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`): the layer :func:`int4_layer` /
-    :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes (Q8_0 and Q6_K
-    scales that differ within a row stay per group of 32 and 16). None where it does not apply (other activations or types, shapes
-    the layouts do not take, no C++ kernels): the caller decodes as usual."""
+    """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K blocks, written by the C++ transcoder straight into
+    the a8 layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`, ``a8_int8``): the layer :func:`int4_layer`
+    / :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes (Q8_0 and Q6_K
+    scales that differ within a row stay per group of 32 and 16). None where it does not apply (other activations or
+    types, shapes the layouts do not take, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
     if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
@@ -327,8 +327,8 @@ class _Ahead:
     """The layers :func:`_transcoded` builds, computed on one background thread in file order while the loader's
     thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
     Q8_0 / Q6_K ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 or Q6_K
-    where the head is tied to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation only the tensor
-    processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
+    where the head is tied to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation
+    only the tensor processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
     whose shape does not fit the model's layer, is only wasted work: the loader checks each before it takes it, and a
     layer it does not take is dropped. Each tensor's file pages are released once transcoded (:func:`_release`), so
     the resident set holds what a load in order holds; a tensor that finds no layer (None) keeps them, to be decoded.
