@@ -112,7 +112,7 @@ def test_int8_kernel_matches_the_reference(blocks, k, rows, group, per_scale, se
     if per_scale and groups % per_scale:
         per_scale = 1
     scale = torch.rand(n, generator=g) * 0.02 if not per_scale else \
-        torch.rand(n, groups // per_scale, generator=g) * 0.02
+        a8.block_scales(torch.rand(n, groups // per_scale, generator=g) * 0.02)
     weight, wsum = a8.pack_blocked_int8(codes, group)
     x = torch.randn(rows, k, generator=g) * 3
     got = torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, group)
@@ -177,9 +177,9 @@ def test_kernels_refuse_bad_inputs_with_the_reason():
                                         torch.ones(32), 32)
     w8, ws = a8.pack_blocked_int8(torch.zeros(32, 64, dtype=torch.int8), 16)
     with pytest.raises(RuntimeError, match="scale's 3 groups per row must each span a whole number of the 4 "):
-        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(32, 3), 16)
-    with pytest.raises(RuntimeError, match=r"scale must be contiguous float32 \[32\] or \[32, groups\]"):
-        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(16, 4), 16)
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(2, 3, 16), 16)
+    with pytest.raises(RuntimeError, match=r"scale must be contiguous float32 \[32\] or blocked \[2, groups, 16\]"):
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(32, 4), 16)
 
 
 _PORTABLE_CHECK = textwrap.dedent("""
@@ -199,7 +199,7 @@ _PORTABLE_CHECK = textwrap.dedent("""
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
         y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
-        gs = torch.rand(48, 4) + 0.1  # group scales over whole activation groups (16 and 32 columns)
+        gs = a8.block_scales(torch.rand(48, 4) + 0.1)  # group scales over whole activation groups (16, 32 columns)
         for group, wg in ((16, w8g), (32, w8)):
             y = torch.ops.infopt.int8_a8_linear(x, wg[0] if group == 16 else w8, wg[1] if group == 16 else ws, gs,
                                                 group)
@@ -329,6 +329,11 @@ def test_int8_activations_with_group_scales():
     up = m.model.layers[0].mlp.up_proj
     want = ("a8", 32, (up.out_features, up.in_features // 32))
     assert (up.layout, up.group_size, tuple(up.weight_scale.shape)) == want
+    assert torch.equal(up.wscale, a8.block_scales(up.weight_scale))  # the kernel's blocked copy, kept in step
+    assert "wscale" not in m.state_dict() and "model.layers.0.mlp.up_proj.wscale" not in m.state_dict()
+    again = quantize_(tiny_model(), Int8WeightOnly(activations="int8", group_size=32))
+    again.load_state_dict(m.state_dict())  # a load refreshes the copy from the loaded scales
+    assert torch.equal(again.model.layers[0].mlp.up_proj.wscale, up.wscale)
     flt = quantize_(copy.deepcopy(ref), Int8WeightOnly(group_size=32, compute_dtype="float32"))
     x = torch.randn(3, up.in_features)
     before = a8.kernel_calls()["int8_a8_linear"]

@@ -18,8 +18,9 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
   ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``.
 - int8: ``weight`` int8 ``[N/16, K/4, 64]``; chunk ``c`` holds columns ``4c..4c+3`` of row ``r`` at bytes
   ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``, or
-  ``[N, Gw]`` for one scale per row and group of ``K // Gw`` inputs, a multiple of ``group`` (a GGUF file's Q8_0 and
-  Q6_K blocks): each activation group's integer dot product is then scaled by its row's scale for that group.
+  blocked ``[N/16, Gw, 16]`` (:func:`block_scales`) for one scale per row and group of ``K // Gw`` inputs, a multiple
+  of ``group`` (a GGUF file's Q8_0 and Q6_K blocks): each activation group's integer dot product is then scaled by
+  its row's scale for that group, the block's 16 rows' scales one vector load.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
+           "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
 
@@ -165,6 +167,25 @@ def pack_blocked_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     return weight.contiguous(), wsum
 
 
+def block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales ``[N, Gw]`` in the int8 layout's blocks, ``[N/16, Gw, 16]``: a block's 16 rows side by side per
+    group, as the kernel reads them.
+
+    Example:
+        >>> s = torch.arange(64.).view(32, 2)
+        >>> block_scales(s)[1, 0, :3].tolist(), torch.equal(unblock_scales(block_scales(s)), s)
+        ([32.0, 34.0, 36.0], True)
+    """
+    n, g = scale.shape
+    _check_rows(n)
+    return scale.reshape(n // ROWS, ROWS, g).transpose(1, 2).contiguous()
+
+
+def unblock_scales(scale: torch.Tensor) -> torch.Tensor:
+    """:func:`block_scales` undone: ``[N/16, Gw, 16]`` -> ``[N, Gw]``."""
+    return scale.transpose(1, 2).reshape(-1, scale.shape[1])
+
+
 def unpack_blocked_int8(weight: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` of an int8 block-layout weight."""
     nb, chunks, _ = weight.shape
@@ -193,7 +214,8 @@ def int8_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     """:func:`int8_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
     dots = _group_dots(q, unpack_blocked_int8(weight), group)  # [M, N, G]
-    if scale.dim() == 2:  # one scale per row and weight group, over whole activation groups
+    if scale.dim() == 3:  # blocked: one scale per row and weight group, over whole activation groups
+        scale = unblock_scales(scale)
         sw = scale.float().repeat_interleave(dots.shape[-1] // scale.shape[1], dim=1)  # [N, G]
         return (dots * (sx[:, None, :] * sw)).sum(-1).to(x.dtype)
     return ((dots * sx[:, None, :]).sum(-1) * scale.float()).to(x.dtype)
@@ -237,12 +259,12 @@ def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: l
 def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
                    group: int) -> torch.Tensor:
     """``x [..., K]`` times an int8 block-layout weight (``scale`` per row ``[N]``, or per row and group of whole
-    activation groups ``[N, Gw]``) with int8 dynamic activations.
+    activation groups, blocked by :func:`block_scales`) with int8 dynamic activations.
 
     Example:
         >>> codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
         >>> weight, wsum = pack_blocked_int8(codes, 16)
-        >>> scale, x = torch.rand(32, 2) / 100, torch.randn(3, 64)
+        >>> scale, x = block_scales(torch.rand(32, 2) / 100), torch.randn(3, 64)
         >>> y = int8_a8_linear(x, weight, wsum, scale, 16)
         >>> bool(torch.allclose(y, int8_a8_reference(x, weight, scale, 16), atol=1e-5))
         True

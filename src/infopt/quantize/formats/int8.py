@@ -237,7 +237,7 @@ class Int8Linear(KeepsFormat):
         self.layout = layout.name
         self.act_group = act_group(in_features)  # of the int8 activations (the a8 layout's)
         # a layout that does not save its buffers saves and loads weight_int8 (see _save_to_state_dict)
-        for name, t in layout.empty(out_features, in_features, device).items():
+        for name, t in layout.empty(out_features, in_features, device, group_size).items():
             self.register_buffer(name, t, persistent=layout.saves_buffers)
         scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
@@ -281,6 +281,7 @@ class Int8Linear(KeepsFormat):
                       group_size=group, activations=activations)
         new._set_codes(codes.to(torch.int8))
         new.weight_scale.copy_(scales.float())
+        LAYOUTS[new.layout].scales_set(new)
         if bias is not None:
             new.bias.data.copy_(bias.detach())
         return new
@@ -302,6 +303,7 @@ class Int8Linear(KeepsFormat):
                 raise ValueError(f"Int8Linear.from_a8: {name} must be {want[name].dtype} {tuple(want[name].shape)}, "
                                  f"got {t.dtype} {tuple(t.shape)}")
             setattr(new, name, t)
+        LAYOUTS["a8"].scales_set(new)
         return new
 
     @property
@@ -365,6 +367,8 @@ class Int8Linear(KeepsFormat):
         else:
             with torch.no_grad():
                 self._set_codes(state_dict[key].to(torch.int8))
+        with torch.no_grad():
+            LAYOUTS[self.layout].scales_set(self)
         if strict:
             names = {"weight_int8", "weight_scale"} | ({"bias"} if self.bias is not None else set())
             for k in state_dict:

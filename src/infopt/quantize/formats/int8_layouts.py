@@ -121,9 +121,13 @@ class Int8Layout:
         """Why a layer of this shape cannot take this layout, or None when it can."""
         return None
 
-    def empty(self, out_features: int, in_features: int, device) -> dict[str, torch.Tensor]:
+    def empty(self, out_features: int, in_features: int, device, group_size: int | None = None
+              ) -> dict[str, torch.Tensor]:
         """The layout's buffers, zero (uninitialised within :func:`filled_next`), for a layer of this shape."""
         raise NotImplementedError
+
+    def scales_set(self, layer) -> None:
+        """The layer's ``weight_scale`` was set: refresh what the layout derives from it (nothing, by default)."""
 
     def set_codes(self, layer, codes: torch.Tensor) -> None:
         """Store the int8 codes ``[out, in]`` in the layer's buffers."""
@@ -150,7 +154,7 @@ class Plain(Int8Layout):
 
     name, activations, buffers, saves_buffers, concatenates = "plain", "float", ("weight_int8",), True, True
 
-    def empty(self, out_features, in_features, device):
+    def empty(self, out_features, in_features, device, group_size=None):
         return {"weight_int8": _alloc(out_features, in_features, dtype=torch.int8, device=device)}
 
     def set_codes(self, layer, codes):
@@ -207,8 +211,11 @@ class A8(Int8Layout):
     """Int8 dynamic activations times the codes in integers (:func:`infopt.quantize.formats.a8.int8_a8_linear`): the
     codes in :mod:`~infopt.quantize.formats.a8`'s blocks of 16 rows, ``weight_a8`` int8 ``[out/16, in/4, 64]``, with
     their sums per activation group (:func:`act_group`), ``wsum`` int32 ``[out/16, in/group, 16]``; both are rebuilt
-    from ``weight_int8`` when loaded, not saved. The layer's ``weight_scale`` serves as it is: per channel, or per
-    group of a whole number of activation groups (the kernel applies each group's scale to its dot products)."""
+    from ``weight_int8`` when loaded, not saved. Per-channel scales serve as they are; group scales (per a whole
+    number of activation groups, applied to each group's dot products) are read from a blocked copy of
+    ``weight_scale``, ``wscale`` fp32 ``[out/16, in/group_size, 16]`` (:func:`~infopt.quantize.formats.a8.block_scales`:
+    one vector load per group, where a gather from the row-major scales was the kernel's bottleneck), kept in step by
+    :meth:`scales_set` and not saved."""
 
     name, activations, buffers, saves_buffers, concatenates = "a8", "int8", ("weight_a8", "wsum"), False, False
 
@@ -221,11 +228,18 @@ class A8(Int8Layout):
                     f"activation group, {act_group(in_features)} for {in_features} input channels; got {group_size}")
         return None
 
-    def empty(self, out_features, in_features, device):
+    def empty(self, out_features, in_features, device, group_size=None):
         blocks = out_features // a8.ROWS
-        return {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.int8, device=device),
-                "wsum": _alloc(blocks, in_features // act_group(in_features), a8.ROWS, dtype=torch.int32,
-                               device=device)}
+        out = {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.int8, device=device),
+               "wsum": _alloc(blocks, in_features // act_group(in_features), a8.ROWS, dtype=torch.int32,
+                              device=device)}
+        if group_size is not None:
+            out["wscale"] = _alloc(blocks, in_features // group_size, a8.ROWS, dtype=torch.float32, device=device)
+        return out
+
+    def scales_set(self, layer):
+        if layer.group_size is not None:
+            layer.wscale = a8.block_scales(layer.weight_scale)
 
     def set_codes(self, layer, codes):
         layer.weight_a8, layer.wsum = a8.pack_blocked_int8(codes.to(layer.weight_a8.device), layer.act_group)
@@ -239,7 +253,8 @@ class A8(Int8Layout):
         return blocks[index // a8.ROWS, :, index % a8.ROWS].reshape(*index.shape, layer.in_features)
 
     def matmul(self, layer, x):
-        return "int8_a8_linear", a8.int8_a8_linear(x, layer.weight_a8, layer.wsum, layer.weight_scale, layer.act_group)
+        scale = layer.weight_scale if layer.group_size is None else layer.wscale
+        return "int8_a8_linear", a8.int8_a8_linear(x, layer.weight_a8, layer.wsum, scale, layer.act_group)
 
 
 LAYOUTS: dict[str, Int8Layout] = {layout.name: layout for layout in (Plain(), A8())}
