@@ -37,9 +37,8 @@ def cases(n: int, k: int):
         yield f"int8 a8, scale per {group}", lambda x, s=scale: torch.ops.infopt.int8_a8_linear(x, w16, s16, s, 16), \
             w16.nbytes + s16.nbytes + scale.nbytes
     scale = torch.rand(n, k // 16, generator=g) / 100
-    yield "int8 x fp32, scale per 16", lambda x: torch.ops.infopt.int8_f32_linear(x, codes, scale), \
+    yield "int8 x fp32, scale per 16", lambda x, c=codes: torch.ops.infopt.int8_f32_linear(x, c, scale), \
         codes.nbytes + scale.nbytes
-    del codes
     w4, sm = a8.pack_blocked_int4(*quantize_int4_grouped(torch.randn(n, k, generator=g), 32, zero_point="float"))
     yield "int4 a8, group 32", lambda x: torch.ops.infopt.int4_a8_linear(x, w4, sm, 32), w4.nbytes + sm.nbytes
 
@@ -56,7 +55,7 @@ def main() -> None:
         for label, fn, nbytes in cases(n, k):
             for m in (1, 4):
                 x = torch.randn(m, k)
-                t = median_time(lambda: fn(x), runs=7, warmup=3, min_s=0.2)
+                t = median_time(lambda fn=fn, x=x: fn(x), runs=7, warmup=3, min_s=0.2)
                 row = {"shape": name, "kernel": label, "rows": m, "us": t * 1e6, "gb_per_s": nbytes / t / 1e9}
                 out.append(row)
                 print(f"{name:<20} {label:<28} M={m}: {row['us']:9.0f} us  {row['gb_per_s']:6.1f} GB/s", flush=True)
