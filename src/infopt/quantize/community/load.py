@@ -139,8 +139,9 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         reference: build the layers on their reference paths (int4 ``plain`` layout, int8 fp32 compute): the
             checkpoint's own arithmetic in fp32, for checking; slow.
         activations: ``"float"`` (default): the layers multiply floating-point activations; ``"int8"``: the layers
-            that fit it take int8 activations (the ``a8`` layouts), and a GGUF file whose Q8_0 embedding the head is
-            tied to gets an int8 head over those codes that the embedding reads its rows from: the layers
+            that fit it take int8 activations (the ``a8`` layouts, group scales included), and a GGUF file whose
+            Q8_0 or Q6_K embedding the head is tied to gets an int8 head over those codes that the embedding reads its
+            rows from: the layers
             ``cpu-fast`` builds, from the file's weights, with no float copy of the embedding; ``"auto"``: ``"int8"``
             where the CPU has the kernel (:func:`infopt.quantize.formats.a8.resolve`). A lossy step beyond the
             file's weights (activations rounded to 8 bits, as llama.cpp does).
