@@ -324,17 +324,11 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
         ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xg + m * K + 4 * c)), bias), v0);
     }
     const __m512i ws = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kRows), 7);
-    if (gs != nullptr) {
-      const __m512 sw = _mm512_loadu_ps(gs + (g / per_scale) * kRows);
-      for (int m = 0; m < MR; ++m) {
-        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
-        out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_set1_ps(sx[m * G + g]), sw), out[m]);
-      }
-      continue;
-    }
+    // per-row scales: 1 here (sx * 1 is sx, bit for bit), applied by the caller
+    const __m512 sw = gs != nullptr ? _mm512_loadu_ps(gs + (g / per_scale) * kRows) : _mm512_set1_ps(1.f);
     for (int m = 0; m < MR; ++m) {
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
-      out[m] = _mm512_fmadd_ps(d, _mm512_set1_ps(sx[m * G + g]), out[m]);
+      out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_set1_ps(sx[m * G + g]), sw), out[m]);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc + m * kRows, out[m]);
@@ -367,15 +361,10 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
       w += 64;
     }
     for (int h = 0; h < 2; ++h) {
-      if (gs != nullptr) {
-        const __m256 sw = _mm256_loadu_ps(gs + (g / per_scale) * kRows + 8 * h);
-        for (int m = 0; m < MR; ++m)
-          out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_mul_ps(_mm256_set1_ps(sx[m * G + g]), sw),
-                                      out[m][h]);
-        continue;
-      }
+      const __m256 sw = gs != nullptr ? _mm256_loadu_ps(gs + (g / per_scale) * kRows + 8 * h) : _mm256_set1_ps(1.f);
       for (int m = 0; m < MR; ++m)
-        out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_set1_ps(sx[m * G + g]), out[m][h]);
+        out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_mul_ps(_mm256_set1_ps(sx[m * G + g]), sw),
+                                    out[m][h]);
     }
   }
   (void)wsum;
@@ -394,7 +383,7 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < kRows; ++r)
         out[m][r] = std::fma(static_cast<float>(iacc[m][r]),
-                             gs != nullptr ? sx[m * G + g] * gs[(g / per_scale) * kRows + r] : sx[m * G + g], out[m][r]);
+                             sx[m * G + g] * (gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f), out[m][r]);
   }
   (void)wsum;
   for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));

@@ -20,7 +20,7 @@ from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..serialization.export import unpack_words
 
 __all__ = ["LoadOptions", "empty_model", "set_dense", "finish_model", "int4_layer", "int8_layer",
-           "unpack_words", "read_json", "kernel_group", "check_shape", "gemma3_attention_scalar"]
+           "per_channel_if_uniform", "unpack_words", "read_json", "kernel_group", "check_shape", "gemma3_attention_scalar"]
 
 
 class LoadOptions:
@@ -83,18 +83,32 @@ def int4_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
                                  layout=layout)
 
 
+def per_channel_if_uniform(scales: torch.Tensor) -> torch.Tensor:
+    """Group scales ``[out, G]`` that are one value per row (a per-channel layer written in groups, as
+    ``export_gguf`` writes ``cpu-fast``'s head as Q8_0) as that one scale per row ``[out]``, exactly; other scales as
+    they are.
+
+    Example:
+        >>> per_channel_if_uniform(torch.tensor([[2.0, 2.0], [3.0, 3.0]])).tolist()
+        [2.0, 3.0]
+        >>> tuple(per_channel_if_uniform(torch.tensor([[2.0, 1.0], [3.0, 3.0]])).shape)
+        (2, 2)
+    """
+    if scales.dim() == 2 and bool((scales == scales[:, :1]).all()):
+        return scales[:, 0].contiguous()
+    return scales
+
+
 def int8_layer(codes: torch.Tensor, scales: torch.Tensor, opts: LoadOptions, *,
                bias: torch.Tensor | None = None) -> Int8Linear:
     """An :class:`Int8Linear` from int8 codes ``[out, in]`` and scales ``[out]`` (per channel) or ``[out, G]``.
 
     With ``opts.activations == "int8"`` the layer takes int8 activations where the ``a8`` layout fits it: group
-    scales that are one value per row (a per-channel layer written in groups, as ``export_gguf`` writes
-    ``cpu-fast``'s head as Q8_0) become per-channel scales, exactly; others (llama.cpp's Q8_0 and Q6_K blocks) stay
-    per group, which the a8 kernel applies group by group."""
+    scales that are one value per row become per-channel scales (:func:`per_channel_if_uniform`); others (llama.cpp's
+    Q8_0 and Q6_K blocks) stay per group, which the a8 kernel applies group by group."""
     activations = "float"
     if opts.activations == "int8":
-        if scales.dim() == 2 and bool((scales == scales[:, :1]).all()):
-            scales = scales[:, 0].contiguous()
+        scales = per_channel_if_uniform(scales)
         group = None if scales.dim() == 1 else codes.shape[1] // scales.shape[1]
         if INT8_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], group) is None:
             activations = "int8"

@@ -48,7 +48,15 @@ from ..formats.int4_layouts import LAYOUTS as INT4_LAYOUTS
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..formats.int8_layouts import act_group
-from .common import LoadOptions, empty_model, gemma3_attention_scalar, int4_layer, int8_layer, set_dense
+from .common import (
+    LoadOptions,
+    empty_model,
+    gemma3_attention_scalar,
+    int4_layer,
+    int8_layer,
+    per_channel_if_uniform,
+    set_dense,
+)
 from .gguf_blocks import (
     A8_INT4,
     A8_INT8,
@@ -316,8 +324,7 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
         scales = q8_0_scales(raw) if kind == "Q8_0" else q6_k_scales(raw)
         if perm is not None:
             scales = scales[perm]
-        if bool((scales == scales[:, :1]).all()):  # one scale per row (export_gguf's head): per channel, as int8_layer
-            scales = scales[:, 0].contiguous()
+        scales = per_channel_if_uniform(scales)  # as int8_layer does
         packed = a8_int8(raw, act_group(in_f), perm, kind)
         return None if packed is None else Int8Linear.from_a8(*packed, scales, dtype=opts.dtype)
     return None

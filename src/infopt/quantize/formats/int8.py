@@ -237,10 +237,11 @@ class Int8Linear(KeepsFormat):
         self.layout = layout.name
         self.act_group = act_group(in_features)  # of the int8 activations (the a8 layout's)
         # a layout that does not save its buffers saves and loads weight_int8 (see _save_to_state_dict)
-        for name, t in layout.empty(out_features, in_features, device, group_size).items():
+        for name, t in layout.empty(out_features, in_features, device).items():
             self.register_buffer(name, t, persistent=layout.saves_buffers)
         scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        layout.scales_set(self)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
         self.cuda_kernel = "tl_dot"  # or "gemv": see Int8WeightOnly.cuda_kernel

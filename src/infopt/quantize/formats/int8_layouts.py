@@ -121,13 +121,13 @@ class Int8Layout:
         """Why a layer of this shape cannot take this layout, or None when it can."""
         return None
 
-    def empty(self, out_features: int, in_features: int, device, group_size: int | None = None
-              ) -> dict[str, torch.Tensor]:
+    def empty(self, out_features: int, in_features: int, device) -> dict[str, torch.Tensor]:
         """The layout's buffers, zero (uninitialised within :func:`filled_next`), for a layer of this shape."""
         raise NotImplementedError
 
     def scales_set(self, layer) -> None:
-        """The layer's ``weight_scale`` was set: refresh what the layout derives from it (nothing, by default)."""
+        """The layer's ``weight_scale`` was set (constructed, built, loaded): refresh what the layout derives from it
+        (nothing, by default)."""
 
     def set_codes(self, layer, codes: torch.Tensor) -> None:
         """Store the int8 codes ``[out, in]`` in the layer's buffers."""
@@ -154,7 +154,7 @@ class Plain(Int8Layout):
 
     name, activations, buffers, saves_buffers, concatenates = "plain", "float", ("weight_int8",), True, True
 
-    def empty(self, out_features, in_features, device, group_size=None):
+    def empty(self, out_features, in_features, device):
         return {"weight_int8": _alloc(out_features, in_features, dtype=torch.int8, device=device)}
 
     def set_codes(self, layer, codes):
@@ -228,18 +228,15 @@ class A8(Int8Layout):
                     f"activation group, {act_group(in_features)} for {in_features} input channels; got {group_size}")
         return None
 
-    def empty(self, out_features, in_features, device, group_size=None):
+    def empty(self, out_features, in_features, device):
         blocks = out_features // a8.ROWS
-        out = {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.int8, device=device),
-               "wsum": _alloc(blocks, in_features // act_group(in_features), a8.ROWS, dtype=torch.int32,
-                              device=device)}
-        if group_size is not None:
-            out["wscale"] = _alloc(blocks, in_features // group_size, a8.ROWS, dtype=torch.float32, device=device)
-        return out
+        return {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.int8, device=device),
+                "wsum": _alloc(blocks, in_features // act_group(in_features), a8.ROWS, dtype=torch.int32,
+                               device=device)}
 
     def scales_set(self, layer):
         if layer.group_size is not None:
-            layer.wscale = a8.block_scales(layer.weight_scale)
+            layer.register_buffer("wscale", a8.block_scales(layer.weight_scale), persistent=False)
 
     def set_codes(self, layer, codes):
         layer.weight_a8, layer.wsum = a8.pack_blocked_int8(codes.to(layer.weight_a8.device), layer.act_group)
