@@ -154,9 +154,9 @@ def main() -> None:
             level["graphs_vs_hf"] = level["engine, CUDA graphs"]["output_tok_s"] / level["transformers CB"]["output_tok_s"]
         doc["levels"].append(level)
         print(json.dumps(level, default=float), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=float)
+        if args.json:  # after every level, so a run stopped by a time limit keeps the levels it finished
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1, default=float)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@
 # pytest arguments for the gpu and suite stages, e.g. "--timeout 120"). Tests run verbose (one line per test), so a
 # stage stopped by its time limit still shows which tests ran and failed. GPU_LANE_DECODE_ARGS: more arguments
 # for benchmarks/gpu_decode.py (e.g. "--profile": where each token's time goes, host against GPU); GPU_LANE_GEMV_ARGS:
-# for benchmarks/gpu_gemv.py (e.g. "--sweep --rows 1": the GEMV kernels' tiles).
+# for benchmarks/gpu_gemv.py (e.g. "--sweep --rows 1": the GEMV kernels' tiles); GPU_LANE_ENGINE_ARGS: for
+# benchmarks/gpu_engine.py (e.g. "--concurrency 16,64": a later --concurrency replaces the stage's own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -157,9 +158,9 @@ bench() {
                       --recipe benchmarks/recipes/throughput-nographs.yaml --device cuda --dtype bfloat16 \
                       --baselines hf_continuous --repeats 1 --quiet --json "$RESULTS/batch-throughput-nographs.json" ;;
     engine-default) run_stage bench-engine-default "$PY" benchmarks/gpu_engine.py --model default \
-                      --json "$RESULTS/engine-default.json" ;;
+                      --json "$RESULTS/engine-default.json" "${engine_extra[@]}" ;;
     engine-8b) run_stage bench-engine-8b "$PY" benchmarks/gpu_engine.py --model llama3.1-8b --concurrency 16,64 \
-                 --no-hf --json "$RESULTS/engine-8b.json" ;;
+                 --no-hf --json "$RESULTS/engine-8b.json" "${engine_extra[@]}" ;;
     identity) run_stage bench-identity "$PY" benchmarks/gpu_identity.py --json "$RESULTS/identity.json" ;;
     *) echo "gpu_lane: unknown benchmark $1" >&2; failed+=("bench $1 (unknown)") ;;
   esac
@@ -167,6 +168,7 @@ bench() {
 read -r -a pytest_extra <<<"${GPU_LANE_PYTEST_ARGS:-}"
 read -r -a decode_extra <<<"${GPU_LANE_DECODE_ARGS:-}"
 read -r -a gemv_extra <<<"${GPU_LANE_GEMV_ARGS:-}"
+read -r -a engine_extra <<<"${GPU_LANE_ENGINE_ARGS:-}"
 xdist=(); [ "${GPU_LANE_WORKERS:-8}" != 0 ] && xdist=(-n "${GPU_LANE_WORKERS:-8}" --dist loadfile)
 
 setup
