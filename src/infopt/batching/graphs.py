@@ -91,6 +91,7 @@ class GraphStats:
         captured: the buckets captured so far, as ``"BxW"``.
         capture_s: seconds spent capturing (warm-up calls included).
         replays: steps served by a graph.
+        served: those steps per bucket (``"BxW"`` -> count), in the order the buckets were first used.
         padded_rows: padding rows those steps computed.
         recaptures: times every graph was dropped because the weights or pools moved.
         disabled: why graphs were turned off for good (a failed capture), or None.
@@ -101,12 +102,14 @@ class GraphStats:
     captured: list[str] = field(default_factory=list)
     capture_s: float = 0.0
     replays: int = 0
+    served: dict[str, int] = field(default_factory=dict)
     padded_rows: int = 0
     recaptures: int = 0
     disabled: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                for k, v in self.__dict__.items()}
 
 
 class DecodeGraphs:
@@ -178,6 +181,8 @@ class DecodeGraphs:
         graph, out = self._graphs[key]
         b = key[0]
         self.stats.replays += 1
+        name = f"{b}x{key[1]}"
+        self.stats.served[name] = self.stats.served.get(name, 0) + 1
         if self.backend == "replay":
             return self._body(*key)
         graph.replay()
