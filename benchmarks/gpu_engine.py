@@ -7,7 +7,8 @@ replayed as CUDA graphs, the engine without them, and transformers' ``generate_b
 it). Reported per side: output tokens/s, TTFT and TPOT percentiles, steps/s, peak GPU memory; for the engine, the
 share of wall time the GPU is busy over 20 decode steps (kernel time in a profiler window / the window's wall time)
 and the decode step against the roofline: the time to read the weights and the KV cache once at the measured copy
-bandwidth. Greedy tokens of the two engine sides are compared (they may part only at near-ties).
+bandwidth; the serving wall per step kind (decode-only steps, steps holding prompt tokens, scheduling). Greedy tokens
+of the two engine sides are compared (they may part only at near-ties).
 
     python benchmarks/gpu_engine.py [--model default|llama3.1-8b|...] [--concurrency 16,64,256] [--context 512]
         [--new 128] [--dtype bfloat16] [--device cuda] [--compile] [--no-hf] [--json out.json]
@@ -100,6 +101,12 @@ def _engine_side(model, prompts, new, *, graphs, compile_, device, kv_blocks) ->
            "tpot_p90_ms": 1e3 * _pct(tpot, 0.9), "steps_per_s": m["steps"] / wall,
            "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None,
            "cuda_graphs": m.get("cuda_graphs"), "tokens": [o.token_ids for o in outs]}
+    # where the serving wall went, per step kind (host clock; each step reads its tokens back, so it holds the GPU
+    # time too): decode-only steps, the steps holding prompt tokens, and the scheduling + layout before each forward
+    other = m["steps"] - m["decode_steps"]
+    row.update(decode_steps=m["decode_steps"], decode_step_ms=1e3 * m["decode_busy_s"] / max(1, m["decode_steps"]),
+               prompt_steps=other, prompt_step_ms=1e3 * (m["busy_s"] - m["decode_busy_s"]) / max(1, other),
+               schedule_ms=1e3 * m["schedule_s"] / max(1, m["steps"]))
     row.update(_busy_share(engine, prompts, new))
     engine.stop(cancel=True)
     return row

@@ -371,10 +371,13 @@ def _real_size_config(name: str):
     }[name]()
 
 
-def _build_by_layer(config, dtype: torch.dtype, seed: int, each_layer: Callable | None):
-    """The model with every parameter first on the meta device, then each module given memory and its family's own
-    initialisation (``_init_weights``) in ``dtype``, one decoder layer at a time, ``each_layer(layer)`` called after
-    each (e.g. to quantize it, so the float layers never all exist at once); embeddings tied last."""
+def _build_by_layer(config, dtype: torch.dtype, seed: int, each_layer: Callable | None,
+                    device: torch.device = torch.device("cpu")):
+    """The model with every parameter first on the meta device, then each module given memory on ``device`` and its
+    family's own initialisation (``_init_weights``) in ``dtype`` there, one decoder layer at a time,
+    ``each_layer(layer)`` called after each (e.g. to quantize it, so the float layers never all exist at once);
+    embeddings tied last. On a GPU the random draws run there (an 8B model in seconds; on the host of a GPU machine
+    they took minutes)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -386,10 +389,11 @@ def _build_by_layer(config, dtype: torch.dtype, seed: int, each_layer: Callable 
     def fill(module: torch.nn.Module) -> None:
         for m in module.modules():
             if any(p.is_meta for p in m.parameters(recurse=False)):
-                m.to_empty(device="cpu", recurse=False)
+                m.to_empty(device=device, recurse=False)
                 model._init_weights(m)
 
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    gpus = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), torch.no_grad():
         torch.manual_seed(seed)
         for layer in layers or ():
             fill(layer)
@@ -432,7 +436,8 @@ def random_model(family: str, *, dtype: torch.dtype = torch.float32, device: str
         family: a key of :data:`RANDOM_FAMILIES` or :data:`REAL_SIZES`.
         dtype: parameter dtype (an 8B model takes 16 GB in bf16, 32 GB in fp32).
         device: where to put the model.
-        seed: initialisation seed (the same seed gives the same weights).
+        seed: initialisation seed (the same seed gives the same weights on the same kind of device; the full sizes
+            are initialised where they will live, so a CUDA model's weights differ from a CPU one's).
         with_tokenizer: also return the default model's tokenizer (its 49,152 ids fit every family's vocabulary).
         each_layer: (full sizes) called on each decoder layer once its weights exist, before the next is made:
             quantize it there and the float model never exists whole.
@@ -454,7 +459,7 @@ def random_model(family: str, *, dtype: torch.dtype = torch.float32, device: str
     if family in REAL_SIZES:
         config = _real_size_config(family)
         config._attn_implementation = "sdpa"
-        model = _build_by_layer(config, dtype, seed, each_layer)
+        model = _build_by_layer(config, dtype, seed, each_layer, torch.device(device))
     else:
         if each_layer is not None:
             raise ValueError(f"random_model each_layer: {family!r} is built whole; each_layer is for the full sizes "

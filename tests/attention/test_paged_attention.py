@@ -116,19 +116,19 @@ def test_kernel_calls_name_the_kernel_each_layer_ran():
     before = kernel_calls()
     out = m.generate(prompt, max_new_tokens=16, do_sample=False)
     # 16 forwards x 2 layers, on CPU: the C++ kernel where it could be built, else the torch reference
-    assert _ran(before) == {"cpu": 32 if cpu else 0, "flash_attn": 0, "triton": 0, "reference": 0 if cpu else 32,
+    assert _ran(before) == {"cpu": 32 if cpu else 0, "flash_attn": 0, "triton": 0, "triton_prefill": 0, "reference": 0 if cpu else 32,
                               "sdpa": 0}
     previous = set_cpu_kernel(False)
     try:
         before = kernel_calls()
         assert torch.equal(m.generate(prompt, max_new_tokens=16, do_sample=False), out)
-        assert _ran(before) == {"cpu": 0, "flash_attn": 0, "triton": 0, "reference": 32, "sdpa": 0}
+        assert _ran(before) == {"cpu": 0, "flash_attn": 0, "triton": 0, "triton_prefill": 0, "reference": 32, "sdpa": 0}
     finally:
         set_cpu_kernel(previous)
     before = kernel_calls()
     with torch.no_grad():
         m(torch.tensor([[1, 2, 3]]))  # no paged cache: SDPA
-    assert _ran(before) == {"cpu": 0, "flash_attn": 0, "triton": 0, "reference": 0, "sdpa": 2}
+    assert _ran(before) == {"cpu": 0, "flash_attn": 0, "triton": 0, "triton_prefill": 0, "reference": 0, "sdpa": 2}
 
 
 @pytest.mark.parametrize("block_size", [256, 16], ids=["bs256", "bs16"])
@@ -145,7 +145,7 @@ def test_paged_generate_bf16(block_size, device):
     calls = 16 * m.config.num_hidden_layers  # one per layer per forward
     # the device's kernel where it applies (flash-attn's paged kernel reads pages of a multiple of 256 tokens only;
     # the C++ CPU kernel never runs on CUDA tensors), else the torch reference; never SDPA
-    want = dict.fromkeys(("cpu", "flash_attn", "triton", "reference", "sdpa"), 0)
+    want = dict.fromkeys(("cpu", "flash_attn", "triton", "triton_prefill", "reference", "sdpa"), 0)
     want[DEVICES[device].paged_kernel_for(block_size)] = calls
     assert _ran(before) == want
     # bf16: the paged kernels and SDPA round differently; identical up to a near-tie (see the helper)

@@ -1,6 +1,7 @@
-"""infopt's Triton decode kernel for paged attention (``infopt.ops.triton_paged``) against the reference
-(``decode_sdpa``), and the engine's decode steps on it: on CUDA natively, on CPU in Triton's interpreter
-(``TRITON_INTERPRET=1``, set before Triton is imported, hence a subprocess)."""
+"""infopt's Triton kernels for paged attention (``infopt.ops.triton_paged``) against the reference (``decode_sdpa``
+for decode-only steps, ``packed_sdpa`` for packed steps holding prompt chunks), and the engine's steps on them: on
+CUDA natively, on CPU in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported, hence a
+subprocess)."""
 
 import json
 import os
@@ -45,6 +46,47 @@ for h, h_kv, d, bs, lens, window, splits, dt in cases:
 print(json.dumps({"rows": rows, "calls": kernel_calls()}))
 """
 
+PREFILL_SCRIPT = r"""
+import json, sys, torch
+from infopt.ops.paged_attention import packed_sdpa, split_packed
+from infopt.ops.triton_paged import paged_prefill, prefill_tiles, kernel_calls
+dev = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+rows = []
+cases = [  # heads, kv heads, head dim, block size, (new, kv) per sequence, window, dtype
+    (4, 2, 16, 16, [(5, 5), (1, 17), (20, 40)], None, "float32"),
+    (4, 2, 16, 16, [(5, 5), (1, 17), (20, 40)], 5, "float32"),
+    (9, 3, 24, 8, [(33, 33), (1, 2), (17, 64), (1, 9)], None, "float32"),
+    (8, 8, 32, 4, [(13, 13)], 6, "float32"),
+    (6, 1, 64, 16, [(40, 100), (7, 7)], None, "bfloat16"),
+    (4, 2, 16, 16, [(3, 48), (16, 16)], 1, "bfloat16"),
+]
+for h, h_kv, d, bs, seqs, window, dt in cases:
+    dtype = getattr(torch, dt)
+    news = [a for a, _ in seqs]; lens = [b for _, b in seqs]
+    nbs = [-(-n // bs) for n in lens]
+    nb = sum(nbs) + 2
+    k = torch.randn(nb, bs, h_kv, d, generator=g).to(dtype).to(dev)
+    v = torch.randn(nb, bs, h_kv, d, generator=g).to(dtype).to(dev)
+    perm = torch.randperm(nb, generator=g)
+    table = torch.full((len(lens), max(nbs) + 1), nb - 1, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(nbs):
+        table[i, :n] = perm[used:used + n]; used += n
+    n_tok = sum(news)
+    q = torch.randn(n_tok, h, d, generator=g).to(dtype).to(dev)
+    starts = [sum(news[:i]) for i in range(len(news))]
+    table = table.to(dev)
+    kl = torch.tensor(lens, device=dev)
+    split = split_packed(news, lens, starts, bs, dev)
+    ref = packed_sdpa(q.float(), k.float(), v.float(), table, kl, *split, d ** -0.5, window)
+    tiles = torch.tensor(prefill_tiles(news), dtype=torch.int32, device=dev)
+    out = paged_prefill(q, k, v, table, kl, torch.tensor(news, device=dev), torch.tensor(starts, device=dev), tiles,
+                        d ** -0.5, window)
+    rows.append([dt, str(out.dtype), list(out.shape), list(ref.shape), float((out.float() - ref).abs().max())])
+print(json.dumps({"rows": rows, "calls": kernel_calls()}))
+"""
+
 ENGINE_SCRIPT = r"""
 import json, sys, torch, infopt
 from infopt.attention.paged import kernel_calls, set_cpu_kernel
@@ -82,16 +124,28 @@ def test_decode_kernel_matches_the_reference(device):
     """GQA groups of 1-9 heads, blocks of 4-16 slots, rows of a single key, sliding windows of 1-6 keys, one to four
     parts per row (split-K), tables wider than the rows need; fp32 to rounding, bf16 to its own rounding."""
     doc = _run(NUMERICS_SCRIPT, device)
-    assert doc["calls"] == {"triton": 6}
+    assert doc["calls"] == {"triton": 6, "triton_prefill": 0}
+    for dt, out_dtype, shape, ref_shape, err in doc["rows"]:
+        assert out_dtype == f"torch.{dt}" and shape == ref_shape, (dt, out_dtype, shape)
+        assert err < (1e-5 if dt == "float32" else 2e-2), (dt, shape, err)
+
+
+def test_packed_kernel_matches_the_reference(device):
+    """Packed steps of fresh prompts, later prompt chunks (queries at the end of longer contexts), decode tokens and
+    chunks longer than one program's 16 tokens, side by side; GQA groups of 1-9 heads, blocks of 4-16 slots, sliding
+    windows of 1-6 keys; fp32 to rounding, bf16 to its own rounding."""
+    doc = _run(PREFILL_SCRIPT, device)
+    assert doc["calls"] == {"triton": 0, "triton_prefill": 6}
     for dt, out_dtype, shape, ref_shape, err in doc["rows"]:
         assert out_dtype == f"torch.{dt}" and shape == ref_shape, (dt, out_dtype, shape)
         assert err < (1e-5 if dt == "float32" else 2e-2), (dt, shape, err)
 
 
 @pytest.mark.parametrize("graphs", ["replay", "False"])
-def test_engine_decode_steps_run_the_kernel_same_tokens(device, graphs):
-    """The engine's decode-only steps go to the Triton kernel (prefill and mixed steps to the reference), over the
-    graphs' fixed buffers or the step's own tensors; the greedy tokens are plain generate's."""
+def test_engine_steps_run_the_kernels_same_tokens(device, graphs):
+    """The engine's decode-only steps go to the Triton decode kernel and its packed steps holding prompt chunks to
+    the Triton packed kernel (a lone sequence's step to the reference), over the graphs' fixed buffers or the step's
+    own tensors; the greedy tokens are plain generate's."""
     doc = _run(ENGINE_SCRIPT, device, graphs)
     assert doc["same"], doc
-    assert doc["ran"]["triton"] > 0 and doc["ran"]["reference"] > 0 and doc["ran"]["cpu"] == 0, doc["ran"]
+    assert doc["ran"]["triton"] > 0 and doc["ran"]["triton_prefill"] > 0 and doc["ran"]["cpu"] == 0, doc["ran"]

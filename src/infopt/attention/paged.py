@@ -18,8 +18,13 @@ Kernels:
 - ``flash_attn``: on CUDA with fp16/bf16 and ``flash-attn`` installed, flash-attn's variable-length kernel
   reading the block table directly (its paged mode needs a block size that is a multiple of 256).
 - ``triton``: on CUDA, for decode-only steps (one new token per sequence), infopt's Triton kernel
-  (:mod:`infopt.ops.triton_paged`): the block tables and lengths read on the device, split-K over long contexts;
-  :func:`set_triton_decode` turns it off.
+  (:mod:`infopt.ops.triton_paged`): the block tables and lengths read on the device, split-K over long contexts.
+- ``triton_prefill``: on CUDA, for the other packed steps of several sequences (prompt chunks beside decode
+  tokens), infopt's Triton kernel for them: every token of the step in one launch per layer, blocks of 16 tokens of
+  a sequence per program, its programs made from the host's lengths (the reference splits the step by sequence and
+  attends to each prompt chunk alone: launches per layer grow with the sequences in the step).
+  :func:`set_triton_decode` turns both Triton kernels off. Eager steps only: a compiled forward calls the
+  reference operator.
 - ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
   where neither kernel applies (or the C++ kernel cannot be built: no compiler). A compiled forward (the engine's
   ``compile=True``) calls it as one operator, ``infopt::paged_attention_sdpa``.
@@ -50,22 +55,22 @@ PAGED_IMPL = "infopt_paged"
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn 2 reads a paged KV cache only in pages of a multiple of 256 tokens
 
-KERNELS = ("cpu", "flash_attn", "triton", "reference", "sdpa")
+KERNELS = ("cpu", "flash_attn", "triton", "triton_prefill", "reference", "sdpa")
 _CALLS = dict.fromkeys(KERNELS, 0)  # layer calls per kernel since import (a diagnostic: unlocked, += under the GIL)
 
 
 def kernel_calls() -> dict[str, int]:
     """Layer calls of the ``paged`` backend per kernel since import: ``cpu`` (infopt's C++ kernel),
-    ``flash_attn`` (flash-attn's paged varlen kernel), ``triton`` (infopt's Triton decode kernel,
-    :mod:`infopt.ops.triton_paged`), ``reference`` (the torch gather + SDPA kernel) and ``sdpa`` (calls no paged
-    cache served).
+    ``flash_attn`` (flash-attn's paged varlen kernel), ``triton`` and ``triton_prefill`` (infopt's Triton kernels,
+    :mod:`infopt.ops.triton_paged`: decode-only steps, and the packed steps holding prompt tokens), ``reference``
+    (the torch gather + SDPA kernel) and ``sdpa`` (calls no paged cache served).
 
     Take the difference of two snapshots to see which kernel a piece of work ran.
 
     Example:
         >>> before = kernel_calls()
         >>> sorted(before)
-        ['cpu', 'flash_attn', 'reference', 'sdpa', 'triton']
+        ['cpu', 'flash_attn', 'reference', 'sdpa', 'triton', 'triton_prefill']
     """
     return dict(_CALLS)
 
@@ -115,8 +120,8 @@ def set_cpu_kernel(enabled: bool) -> bool:
 
 
 def set_triton_decode(enabled: bool) -> bool:
-    """Use infopt's Triton kernel for decode-only steps on CUDA where it applies (the default) or the torch reference
-    kernel; returns the previous setting (a tool for comparisons).
+    """Use infopt's Triton kernels (decode-only steps and the other packed steps) on CUDA where they apply (the
+    default) or the torch reference kernel; returns the previous setting (a tool for comparisons).
 
     Example:
         >>> previous = set_triton_decode(False)
@@ -158,6 +163,9 @@ class PagedAttentionMetadata:
         max_new, max_kv: the largest ``new_lens`` and ``kv_lens``, known on the host when the layout was built
             (flash-attn takes them as ints; reading them from device tensors would wait on the device); None
             where the builder did not say.
+        host_lens: for packed steps, ``(new_lens, kv_lens, first token of each sequence)`` as the host's ints, from
+            the builder: the per-step split and the Triton kernel's programs are made from them without reading
+            the device tensors back; None where the builder did not give them.
     """
 
     block_size: int
@@ -173,7 +181,9 @@ class PagedAttentionMetadata:
     decode: bool = False
     max_new: int | None = None
     max_kv: int | None = None
+    host_lens: tuple[list[int], list[int], list[int]] | None = None
     _flash: tuple | None = None
+    _tiles: torch.Tensor | None = None
     _split: tuple | None = None
     _starts: torch.Tensor | None = None
 
@@ -191,9 +201,19 @@ class PagedAttentionMetadata:
         query is padded to the longest chunk of the step.
         """
         if self._split is None:  # gather[:, 0]: the offset of each sequence's first new token
-            self._split = split_packed(self.new_lens.tolist(), self.kv_lens.tolist(), self.gather[:, 0].tolist(),
-                                       self.block_size, self.kv_lens.device)
+            news, lens, firsts = self.host_lens or (self.new_lens.tolist(), self.kv_lens.tolist(),
+                                                    self.gather[:, 0].tolist())
+            self._split = split_packed(news, lens, firsts, self.block_size, self.kv_lens.device)
         return self._split
+
+    def prefill_tiles(self) -> torch.Tensor:
+        """``[T, 2]`` int32 on the step's device: the programs of :func:`infopt.ops.triton_paged.paged_prefill`, built
+        once per step from the host's lengths (``host_lens``; read back from the device where not given)."""
+        if self._tiles is None:
+            news = self.host_lens[0] if self.host_lens is not None else self.new_lens.tolist()
+            self._tiles = torch.tensor(triton_paged.prefill_tiles(news), dtype=torch.int32).reshape(-1, 2).to(
+                self.kv_lens.device)
+        return self._tiles
 
     def flash_args(self):
         """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)`` for flash-attn, built once."""
@@ -327,6 +347,12 @@ def _triton_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
             and query.shape[0] == 1 and triton_paged.available(query))
 
 
+def _triton_packed_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    # packed steps of several sequences holding prompt tokens, eager, on CUDA or the interpreter
+    return (not torch.compiler.is_compiling() and _USE_TRITON[0] and meta.gather is not None and meta.single is None
+            and meta.token_index is None and query.shape[0] == 1 and triton_paged.available(query))
+
+
 def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and meta.block_size % FLASH_PAGE_MULTIPLE == 0 and is_available("flash_attn"))
@@ -418,6 +444,12 @@ def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return triton_paged.paged_decode(query[0].transpose(0, 1), key_pool, value_pool, meta.block_table,
                                          meta.kv_lens, scale, window)[None]  # [1, S, H, Dv]
+    if _triton_packed_ok(query, meta):
+        _count("triton_prefill")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return triton_paged.paged_prefill(query[0].transpose(0, 1), key_pool, value_pool, meta.block_table,
+                                          meta.kv_lens, meta.new_lens, meta.gather[:, 0], meta.prefill_tiles(),
+                                          scale, window)[None]  # [1, N, H, Dv]
     _count("reference")
     if torch.compiler.is_compiling():
         return _reference_op(query, key_pool, value_pool, meta, scaling, window)

@@ -123,7 +123,7 @@ class EngineCore:
         """Start the aggregate figures of :meth:`metrics` afresh (the scheduler's preemption count included)."""
         self.stats.clear()
         self.stats.update(steps=0, prefill_tokens=0, decode_tokens=0, finished=0, cancelled=0, errors=0, busy_s=0.0,
-                          kv_util_sum=0.0, kv_util_max=0.0)
+                          decode_steps=0, decode_busy_s=0.0, schedule_s=0.0, kv_util_sum=0.0, kv_util_max=0.0)
         self.scheduler.preemptions = 0
 
     # -- requests ------------------------------------------------------------------------------------
@@ -169,10 +169,12 @@ class EngineCore:
     def step(self) -> list[CoreEvent]:
         """Schedule, execute (at most one forward), update; returns what happened to each request."""
         events: list[CoreEvent] = []
+        t_schedule = time.perf_counter()
         scheduled = self._schedule(events)
         if scheduled is not None:
             plan, batch, key = scheduled
             t0 = time.perf_counter()
+            self.stats["schedule_s"] += t0 - t_schedule
             executed = self._execute(plan, batch, events, key)
             if executed is not None:
                 self._update(plan, *executed, t0, events)
@@ -232,10 +234,13 @@ class EngineCore:
     def _update(self, plan: list[tuple[SeqState, int]], due_rows: list[int], logits: torch.Tensor, t0: float,
                 events: list[CoreEvent]) -> None:
         """Record the finished forward: progress and metrics, the next token of each due sequence, stats."""
+        decode_only = True
         for seq, n in plan:
             if seq.metrics.first_scheduled is None:
                 seq.metrics.first_scheduled = t0
-            self.stats["prefill_tokens" if n > 1 or seq.computed < len(seq.prompt) else "decode_tokens"] += n
+            prefill = n > 1 or seq.computed < len(seq.prompt)
+            decode_only = decode_only and not prefill
+            self.stats["prefill_tokens" if prefill else "decode_tokens"] += n
         self.cache.end_step()
         due = self.scheduler.complete(plan)
         if due:
@@ -260,7 +265,11 @@ class EngineCore:
         alloc = self.cache.allocator
         util = alloc.num_used / max(1, alloc.num_blocks)
         self.stats["steps"] += 1
-        self.stats["busy_s"] += time.perf_counter() - t0
+        busy = time.perf_counter() - t0
+        self.stats["busy_s"] += busy
+        if decode_only:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_busy_s"] += busy
         self.stats["kv_util_sum"] += util
         self.stats["kv_util_max"] = max(self.stats["kv_util_max"], util)
 
@@ -271,8 +280,10 @@ class EngineCore:
     # -- metrics -------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Aggregate figures: steps, tokens (prefill / decode), requests finished / cancelled / failed,
-        preemptions, busy seconds and tokens per busy second, KV block utilization (mean and max
-        fraction of the pool in use per step) and the pool's block counts."""
+        preemptions, busy seconds (the forward and the token choice; ``decode_steps`` / ``decode_busy_s``: the
+        steps of one new token per sequence, the rest hold prompt tokens; ``schedule_s``: scheduling and laying
+        out the steps, host work before each forward) and tokens per busy second, KV block utilization (mean and
+        max fraction of the pool in use per step) and the pool's block counts."""
         s = dict(self.stats)
         steps = max(1, s["steps"])
         s["kv_util_mean"] = s.pop("kv_util_sum") / steps

@@ -386,6 +386,7 @@ class PagedCache(Cache):
             single=(int(new_lens[0]), int(kv_lens[0])) if len(new_lens) == 1 and token_index is None else None,
             decode=gather is not None and token_index is None and bool((new_lens == 1).all()),
             max_new=int(new_lens.max()), max_kv=int(kv_lens.max()),
+            host_lens=None if gather is None else (new_lens.tolist(), kv_lens.tolist(), gather[:, 0].tolist()),
         )
         self._slots = to(slots)
         self._layers_done = set()

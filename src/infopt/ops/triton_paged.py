@@ -20,18 +20,20 @@ import torch
 
 from .triton_int8 import _interpreting, triton_available
 
-__all__ = ["paged_decode", "available", "decode_splits", "kernel_calls"]
+__all__ = ["paged_decode", "paged_prefill", "prefill_tiles", "available", "decode_splits", "kernel_calls",
+           "PREFILL_BQ"]
 
 triton = tl = None  # bound by _kernel(), on the first launch
-_CALLS = {"triton": 0}
+_CALLS = {"triton": 0, "triton_prefill": 0}
+PREFILL_BQ = 16  # query tokens of one sequence per program of :func:`paged_prefill`
 
 
 def kernel_calls() -> dict[str, int]:
-    """Launches of :func:`paged_decode` since import.
+    """Launches of :func:`paged_decode` (``triton``) and :func:`paged_prefill` (``triton_prefill``) since import.
 
     Example:
         >>> sorted(kernel_calls())
-        ['triton']
+        ['triton', 'triton_prefill']
     """
     return dict(_CALLS)
 
@@ -166,3 +168,120 @@ def paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.
     total = (den * w).sum(-1, keepdim=True)  # [S, H, 1]
     out = (acc * w[..., None]).sum(-2) / total
     return out.to(query.dtype)
+
+
+def prefill_tiles(new_lens, bq: int = PREFILL_BQ) -> list[tuple[int, int]]:
+    """The programs of :func:`paged_prefill` for a step whose sequences bring ``new_lens`` tokens each (host ints,
+    known when the step was laid out): ``(sequence, first of its new tokens)`` for every ``bq`` of them.
+
+    Example:
+        >>> prefill_tiles([1, 20, 0, 16], bq=16)
+        [(0, 0), (1, 0), (1, 16), (3, 0)]
+    """
+    return [(s, t) for s, n in enumerate(new_lens) for t in range(0, int(n), bq)]
+
+
+@functools.cache
+def _prefill_kernel():
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, news_ptr, starts_ptr, tiles_ptr,
+                             scale, window, stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_kt,
+                             stride_kh, stride_vb, stride_vt, stride_vh, stride_ts, G: tl.constexpr,
+                             GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
+                             D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.load(tiles_ptr + 2 * tile)
+        t0 = tl.load(tiles_ptr + 2 * tile + 1)
+        kv_len = tl.load(lens_ptr + s)
+        n_new = tl.load(news_ptr + s)
+        start = tl.load(starts_ptr + s)
+        r = tl.arange(0, BQ * GP)  # rows: BQ query tokens x the GP heads of KV head kvh's group
+        tok = t0 + r // GP
+        g = r % GP
+        r_ok = (tok < n_new) & (g < G)
+        heads = kvh * G + g
+        qpos = kv_len - n_new + tok  # each query's position: it sees keys up to itself
+        lo = tl.where(window > 0, tl.maximum(qpos - window + 1, 0), 0)
+        offs_t = tl.arange(0, BSP)
+        offs_d = tl.arange(0, DP)
+        offs_v = tl.arange(0, DVP)
+        q = tl.load(q_ptr + (start + tok)[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=r_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [R, DP]
+        m = tl.full([BQ * GP], float("-inf"), tl.float32)
+        den = tl.zeros([BQ * GP], tl.float32)
+        acc = tl.zeros([BQ * GP, DVP], tl.float32)
+        first_q = kv_len - n_new + t0
+        last = tl.minimum(first_q + BQ, kv_len) - 1  # the tile's last query position
+        b0 = tl.where(window > 0, tl.maximum(first_q - window + 1, 0), 0) // BS
+        for j in range(b0, last // BS + 1):
+            blk = tl.load(table_ptr + s * stride_ts + j).to(tl.int64)
+            pos = j * BS + offs_t
+            t_ok = (offs_t < BS) & (pos <= last)
+            k = tl.load(k_ptr + blk * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                        mask=t_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [BSP, DP]
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, BSP]
+            ok = r_ok[:, None] & t_ok[None, :] & (pos[None, :] <= qpos[:, None]) & (pos[None, :] >= lo[:, None])
+            qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp(qk - m_use[:, None])
+            alpha = tl.exp(m - m_use)
+            v = tl.load(v_ptr + blk * stride_vb + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
+                        mask=t_ok[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)  # [BSP, DVP]
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            den = den * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(o_ptr + (start + tok)[:, None] * stride_on + heads[:, None] * stride_oh + offs_v[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=r_ok[:, None] & (offs_v[None, :] < DV))
+
+    return paged_prefill_kernel
+
+
+def paged_prefill(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
+                  kv_lens: torch.Tensor, new_lens: torch.Tensor, starts: torch.Tensor, tiles: torch.Tensor,
+                  scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention of a packed step's tokens through the block tables, prompt chunks and decode tokens alike, in one
+    launch: ``query [N, H, D]`` holds sequence ``s``'s ``new_lens[s]`` tokens from row ``starts[s]`` on, at positions
+    ``kv_lens[s] - new_lens[s]`` onward (their keys already written to the pools); each token sees its sequence's
+    keys up to itself (the last ``window`` of them with a sliding window). ``tiles [T, 2]`` int32 on the device:
+    :func:`prefill_tiles` of the host's ``new_lens``, so nothing is read back. Each program takes
+    :data:`PREFILL_BQ` tokens of one sequence and one KV head's group (the rows of an MMA), walks the blocks up to
+    its last token with an online softmax in fp32, and writes its rows of the ``[N, H, Dv]`` output (rows no tile
+    covers are left unwritten). fp32 inputs multiply in full precision; fp16 and bf16 ones as tf32, exact for their
+    products (their mantissas fit), the probabilities rounded to tf32 for the values' sum.
+
+    Raises:
+        ValueError: heads that are not a multiple of the KV heads, or a query that is not ``[N, H, D]``.
+    """
+    if query.dim() != 3 or key_pool.dim() != 4 or query.shape[1] % key_pool.shape[2]:
+        raise ValueError(f"paged_prefill: query {tuple(query.shape)} and pool {tuple(key_pool.shape)}; allowed: "
+                         "[N, H, D] queries over [blocks, block_size, H_kv, D] pools, H a multiple of H_kv")
+    n, h, d = query.shape
+    _, bs, h_kv, _ = key_pool.shape
+    dv = value_pool.shape[-1]
+    g = h // h_kv
+    out = query.new_empty(n, h, dv)
+    if tiles.shape[0]:
+        table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+        kernel = _prefill_kernel()
+        grid = (tiles.shape[0], h_kv)
+        args = (query, key_pool, value_pool, out, table, kv_lens.contiguous(), new_lens.contiguous(),
+                starts.contiguous(), tiles.contiguous(), float(scale), int(window or 0), query.stride(0),
+                query.stride(1), out.stride(0), out.stride(1), key_pool.stride(0), key_pool.stride(1),
+                key_pool.stride(2), value_pool.stride(0), value_pool.stride(1), value_pool.stride(2), table.stride(0))
+        meta = {"G": g, "GP": _pow2(g), "BQ": PREFILL_BQ, "BS": bs, "BSP": _pow2(bs, 16), "D": d, "DP": _pow2(d, 16),
+                "DV": dv, "DVP": _pow2(dv, 16), "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32"}
+        if query.is_cuda:
+            with torch.cuda.device(query.device):
+                kernel[grid](*args, **meta)
+        else:  # TRITON_INTERPRET=1 on CPU tensors
+            kernel[grid](*args, **meta)
+    _CALLS["triton_prefill"] += 1
+    return out
