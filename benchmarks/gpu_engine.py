@@ -11,7 +11,7 @@ bandwidth; the serving wall per step kind (decode-only steps, steps holding prom
 of the two engine sides are compared (they may part only at near-ties).
 
     python benchmarks/gpu_engine.py [--model default|llama3.1-8b|...] [--concurrency 16,64,256] [--context 512]
-        [--new 128] [--dtype bfloat16] [--device cuda] [--compile] [--no-hf] [--json out.json]
+        [--new 128] [--dtype bfloat16] [--device cuda] [--compile] [--no-hf] [--host-profile] [--json out.json]
 
 ``--device cpu --model tiny`` runs it end to end on a CPU in seconds (a check of the script, not a measurement).
 """
@@ -80,7 +80,26 @@ def _busy_share(engine: Engine, prompts: list[list[int]], new: int, steps: int =
     return {"step_ms": 1e3 * wall / steps, "gpu_busy": (kernel_us / 1e6) / wall if wall else float("nan")}
 
 
-def _engine_side(model, prompts, new, *, graphs, compile_, device, kv_blocks) -> dict:
+def _host_profile(engine: Engine, prompts: list[list[int]], new: int, top: int = 25) -> dict:
+    """The whole run once more under cProfile: the host's busiest functions, in ms per engine step (own time and
+    cumulative), beside the steps' count; where an eager step's host time goes on a GPU."""
+    import cProfile
+    import pstats
+
+    engine.core.reset_stats()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    prof.disable()
+    steps = max(1, engine.metrics()["steps"])
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {"steps": steps, "top_own_ms_per_step": [
+        {"function": f"{fn.rsplit('/', 2)[-1] if '/' in fn else fn}:{line}({name})", "calls_per_step": nc / steps,
+         "own_ms": 1e3 * tt / steps, "cum_ms": 1e3 * ct / steps} for (fn, line, name), (_, nc, tt, ct, _) in rows]}
+
+
+def _engine_side(model, prompts, new, *, graphs, compile_, device, kv_blocks, host_profile=False) -> dict:
     engine = Engine(model, max_batch_tokens=max(512, len(prompts)), max_seqs=len(prompts),
                     kv=Paged(num_blocks=kv_blocks, block_size=16), cuda_graphs=graphs, compile=compile_)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -108,6 +127,8 @@ def _engine_side(model, prompts, new, *, graphs, compile_, device, kv_blocks) ->
                prompt_steps=other, prompt_step_ms=1e3 * (m["busy_s"] - m["decode_busy_s"]) / max(1, other),
                schedule_ms=1e3 * m["schedule_s"] / max(1, m["steps"]))
     row.update(_busy_share(engine, prompts, new))
+    if host_profile:
+        row["host_profile"] = _host_profile(engine, prompts, new)
     engine.stop(cancel=True)
     return row
 
@@ -122,6 +143,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action="store_true", help="compile the engine's steps (a long warm-up on CUDA)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="run each engine side once more under cProfile: the host's busiest functions per step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -140,7 +163,7 @@ def main() -> None:
         for name, graphs in (("engine, CUDA graphs", args.device.startswith("cuda") or "replay"),
                              ("engine, no graphs", False)):
             level[name] = _engine_side(model, prompts, args.new, graphs=graphs, compile_=args.compile,
-                                       device=args.device, kv_blocks=blocks)
+                                       device=args.device, kv_blocks=blocks, host_profile=args.host_profile)
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         infopt.undo(model)  # the engines' paged attention backend off: transformers' manager picks its own
