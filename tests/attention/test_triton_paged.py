@@ -93,20 +93,23 @@ from infopt.attention.paged import kernel_calls, set_cpu_kernel
 from infopt.batching import Engine, SamplingParams
 from infopt.kvcache import Paged
 from infopt.models import tiny_model
-dev, graphs = sys.argv[1], sys.argv[2]
+dev, graphs, comp = sys.argv[1], sys.argv[2], sys.argv[3] == "compile"
 graphs = graphs if graphs == "replay" else graphs == "True"
 model = tiny_model("llama", max_positions=256).to(dev)
 prompts = [[(5 * i + 3 * j) % 200 + 1 for j in range(4 + 9 * i)] for i in range(4)]
 params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-set_cpu_kernel(False)  # on a CPU, the C++ kernel would serve before Triton
+set_cpu_kernel(False)
+engine = Engine(model, max_batch_tokens=64, max_seqs=4, kv=Paged(num_blocks=64, block_size=8), cuda_graphs=graphs,
+                compile=comp)
 before = kernel_calls()
-engine = Engine(model, max_batch_tokens=64, max_seqs=4, kv=Paged(num_blocks=64, block_size=8), cuda_graphs=graphs)
 got = [o.token_ids for o in engine.generate(prompts, params)]
 ran = {k: v - before[k] for k, v in kernel_calls().items()}
+from infopt.ops.triton_paged import kernel_calls as tk
+m = engine.metrics()
 infopt.undo(model)
 plain = [model.generate(torch.tensor([p], device=dev), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
          .tolist() for p in prompts]
-print(json.dumps({"same": got == plain, "ran": ran}))
+print(json.dumps({"same": got == plain, "ran": ran, "launches": tk(), "compile": m.get("compile")}))
 """
 
 
@@ -141,11 +144,17 @@ def test_packed_kernel_matches_the_reference(device):
         assert err < (1e-5 if dt == "float32" else 2e-2), (dt, shape, err)
 
 
-@pytest.mark.parametrize("graphs", ["replay", "False"])
-def test_engine_steps_run_the_kernels_same_tokens(device, graphs):
+@pytest.mark.parametrize("graphs,compiled", [("replay", "eager"), ("False", "eager"), ("replay", "compile")])
+def test_engine_steps_run_the_kernels_same_tokens(device, graphs, compiled):
     """The engine's decode-only steps go to the Triton decode kernel and its packed steps holding prompt chunks to
     the Triton packed kernel (a lone sequence's step to the reference), over the graphs' fixed buffers or the step's
-    own tensors; the greedy tokens are plain generate's."""
-    doc = _run(ENGINE_SCRIPT, device, graphs)
+    own tensors; a compiled engine calls both through ``infopt::paged_attention_triton`` and compiles nothing while
+    serving; the greedy tokens are plain generate's."""
+    doc = _run(ENGINE_SCRIPT, device, graphs, compiled)
     assert doc["same"], doc
-    assert doc["ran"]["triton"] > 0 and doc["ran"]["triton_prefill"] > 0 and doc["ran"]["cpu"] == 0, doc["ran"]
+    assert doc["launches"]["triton"] > 0 and doc["launches"]["triton_prefill"] > 0, doc
+    if compiled == "eager":  # layer calls counted by the backend (a compiled graph counts none)
+        assert doc["ran"]["triton"] > 0 and doc["ran"]["triton_prefill"] > 0 and doc["ran"]["cpu"] == 0, doc["ran"]
+    else:
+        assert doc["compile"]["compiles_after_warmup"] == 0 and doc["compile"]["eager_shapes"] == {}, doc["compile"]
+        assert sum(doc["ran"].values()) == 0, doc["ran"]

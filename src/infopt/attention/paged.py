@@ -119,6 +119,11 @@ def set_cpu_kernel(enabled: bool) -> bool:
     return previous
 
 
+def triton_enabled() -> bool:
+    """Whether infopt's Triton kernels are on (:func:`set_triton_decode`; they run only where they apply)."""
+    return _USE_TRITON[0]
+
+
 def set_triton_decode(enabled: bool) -> bool:
     """Use infopt's Triton kernels (decode-only steps and the other packed steps) on CUDA where they apply (the
     default) or the torch reference kernel; returns the previous setting (a tool for comparisons).
@@ -166,6 +171,9 @@ class PagedAttentionMetadata:
         host_lens: for packed steps, ``(new_lens, kv_lens, first token of each sequence)`` as the host's ints, from
             the builder: the per-step split and the Triton kernel's programs are made from them without reading
             the device tensors back; None where the builder did not give them.
+        triton: a compiled forward calls the Triton kernels' operator (``infopt::paged_attention_triton``) instead of
+            the reference one: set outside the graph where they apply (the engine's compiled step on CUDA), with the
+            programs built (:meth:`prefill_tiles`).
     """
 
     block_size: int
@@ -182,6 +190,7 @@ class PagedAttentionMetadata:
     max_new: int | None = None
     max_kv: int | None = None
     host_lens: tuple[list[int], list[int], list[int]] | None = None
+    triton: bool = False
     _flash: tuple | None = None
     _tiles: torch.Tensor | None = None
     _split: tuple | None = None
@@ -450,6 +459,10 @@ def _attend(query, key_pool, value_pool, meta: PagedAttentionMetadata, scaling, 
         return triton_paged.paged_prefill(query[0].transpose(0, 1), key_pool, value_pool, meta.block_table,
                                           meta.kv_lens, meta.new_lens, meta.gather[:, 0], meta.prefill_tiles(),
                                           scale, window)[None]  # [1, N, H, Dv]
+    if torch.compiler.is_compiling() and meta.triton and meta.token_index is None:
+        _count("triton")
+        return _flat_op(torch.ops.infopt.paged_attention_triton, query, key_pool, value_pool, meta, scaling, window,
+                        tiles=meta.prefill_tiles())
     _count("reference")
     if torch.compiler.is_compiling():
         return _reference_op(query, key_pool, value_pool, meta, scaling, window)

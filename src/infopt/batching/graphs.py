@@ -137,8 +137,9 @@ class DecodeGraphs:
             raise ValueError("decode graphs need a pool built with scratch_blocks=1")
         self.run_forward, self.cache, self.buckets, self.backend = run_forward, cache, buckets, backend
         self.signature = signature or (lambda: None)
-        self.buffers = DecodeBuffers(max(buckets.batch_sizes), max(buckets.widths), block_size=cache.block_size,
-                                     scratch_block=cache.pool.scratch_block, device=device)
+        with torch.inference_mode():  # as the engine's steps make theirs: a compiled step guards on the difference
+            self.buffers = DecodeBuffers(max(buckets.batch_sizes), max(buckets.widths), block_size=cache.block_size,
+                                         scratch_block=cache.pool.scratch_block, device=device)
         self.stats = GraphStats(backend, buckets=[f"{b}x{w}" for b in buckets.batch_sizes for w in buckets.widths])
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor | None]] = {}
         self._mem_pool = None
@@ -207,6 +208,7 @@ class DecodeGraphs:
         self.stats.captured.append(f"{key[0]}x{key[1]}")
         self.stats.capture_s += time.perf_counter() - t0
 
+    @torch.inference_mode()
     def capture(self, keys: Sequence[tuple[int, int]] | None = None) -> None:
         """Capture the buckets ``keys`` (default: every bucket) now, the largest first so the smaller graphs reuse its
         memory. The buffers hold an all-padding step while capturing (only the scratch block is written). The KV

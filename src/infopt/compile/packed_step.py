@@ -26,6 +26,7 @@ import time
 import torch
 from torch import nn
 
+from ..attention.paged import triton_enabled
 from .guard_free import isolated_compile, weak_backend
 from .options import mode_options, module_signature
 
@@ -40,6 +41,12 @@ def _mark_unbacked(t: torch.Tensor | None, *dims: int) -> None:
 
         for d in dims:
             mark_unbacked(t, d)
+
+
+def _triton_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    from ..ops.triton_paged import applies
+
+    return applies(device, dtype)
 
 
 def is_compile_error(e: BaseException) -> bool:
@@ -69,6 +76,10 @@ class PackedGraph:
         self.warmed_up = False
         self.failed: str | None = None  # why compiling failed (then every step runs eagerly)
         self._device = next(model.parameters()).device
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        # attention through infopt's Triton kernels where they apply (CUDA), the reference operator elsewhere; the
+        # C++ kernel on CPU is chosen inside the graph before either
+        self._triton = _triton_applies(self._device, dtype)
         self._signature: int | None = None
         self._rebuilt = False  # compiling again after the model changed (said once, in __call__)
         self._single = True  # a one-token step is being called (a graph of its own), for the compiler callback
@@ -119,6 +130,10 @@ class PackedGraph:
                 self._rebuilt = True
         meta = step.meta
         starts = meta.query_start()  # built here, so the graph takes it as an input
+        if self._triton and meta.token_index is None and triton_enabled():  # the Triton kernels' operator, its
+            # programs an input of the graph
+            meta.triton = True
+            _mark_unbacked(meta.prefill_tiles(), 0)
         _mark_unbacked(meta.block_table, 0, 1)
         _mark_unbacked(meta.kv_lens, 0)
         _mark_unbacked(meta.new_lens, 0)

@@ -61,6 +61,8 @@ class DecodeBuffers:
         self.rows = torch.arange(n, device=self.device)
         self._ones = torch.ones(n, dtype=torch.long, device=self.device)
         self._starts = torch.arange(n + 1, device=self.device)
+        self._tiles = torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], 1).to(torch.int32).to(
+            self.device)  # the Triton kernels' programs: row i is sequence i's one token
         self._metas: dict[tuple[int, int], PagedAttentionMetadata] = {}
 
     def table(self, b: int, w: int) -> torch.Tensor:
@@ -75,9 +77,10 @@ class DecodeBuffers:
                 block_size=self.block_size, block_table=self.table(b, w), kv_lens=self.kv_lens[:b],
                 query_pos=self.positions[:b, None], mask=None, gather=self.rows[:b, None], scatter=self.rows[:b],
                 token_index=None, new_lens=self._ones[:b], single=None, decode=True, max_new=1,
-                max_kv=w * self.block_size, _starts=self._starts[:b + 1])
+                max_kv=w * self.block_size, _starts=self._starts[:b + 1], _tiles=self._tiles[:b])
         return self._metas[key]
 
+    @torch.inference_mode()  # the engine makes its buffers in inference mode (DecodeGraphs), as its steps' tensors
     def stage(self, tokens: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], *, b: int,
               w: int) -> None:
         """Write one decode step into the buffers: sequence ``i`` decodes ``tokens[i]`` at ``positions[i]`` (its key

@@ -6,6 +6,7 @@ operator                           declared in                      kernel
 =================================  ===============================  =============================================
 ``packed_linear``                  :mod:`infopt.ops.packed_linear`  oneDNN on a prepacked fp32/bf16 weight (CPU)
 ``paged_attention_sdpa``           :mod:`infopt.ops.paged_attention` torch gather + SDPA over a block table
+``paged_attention_triton``         :mod:`infopt.ops.triton_paged`   Triton over a block table (CUDA; interpreter)
 ``paged_attention``                :mod:`infopt.ops.cpp`            C++ (``csrc/paged_attention.cpp``, CPU)
 ``int4_a8_linear``, ``_n``,        :mod:`infopt.ops.cpp`            C++ (``csrc/quant_linear.cpp``, CPU): int4 and
 ``int8_a8_linear``,                                                 int8 weights x int8 or fp32 activations,
@@ -33,6 +34,7 @@ __all__ = ["OPERATORS"]
 OPERATORS: dict[str, str] = {
     "packed_linear": "infopt.ops.packed_linear",
     "paged_attention_sdpa": "infopt.ops.paged_attention",
+    "paged_attention_triton": "infopt.ops.triton_paged",
     "paged_attention": "infopt.ops.cpp",
     "int4_a8_linear": "infopt.ops.cpp",
     "int4_a8_linear_n": "infopt.ops.cpp",

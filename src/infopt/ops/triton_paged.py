@@ -12,16 +12,15 @@ are skipped, not gathered and masked: the work follows the real lengths, not the
 Checked in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the reference; on a GPU it has not run yet.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: torch.library.custom_op reads the op's schema from real annotations
 import functools
 
 import torch
 
 from .triton_int8 import _interpreting, triton_available
 
-__all__ = ["paged_decode", "paged_prefill", "prefill_tiles", "available", "decode_splits", "kernel_calls",
-           "PREFILL_BQ"]
+__all__ = ["paged_decode", "paged_prefill", "prefill_tiles", "available", "applies", "decode_splits", "kernel_calls",
+           "paged_attention_triton", "PREFILL_BQ"]
 
 triton = tl = None  # bound by _kernel(), on the first launch
 _CALLS = {"triton": 0, "triton_prefill": 0}
@@ -47,6 +46,12 @@ def available(query: torch.Tensor) -> bool:
         True
     """
     return ((query.is_cuda or _interpreting()) and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and triton_available())
+
+
+def applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`available` for a model's device and dtype, without a tensor (decided outside a compiled graph)."""
+    return ((device.type == "cuda" or _interpreting()) and dtype in (torch.float32, torch.float16, torch.bfloat16)
             and triton_available())
 
 
@@ -285,3 +290,23 @@ def paged_prefill(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch
             kernel[grid](*args, **meta)
     _CALLS["triton_prefill"] += 1
     return out
+
+
+@torch.library.custom_op("infopt::paged_attention_triton", mutates_args=())
+def paged_attention_triton(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                           block_table: torch.Tensor, query_start: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                           window: int, tiles: torch.Tensor) -> torch.Tensor:
+    """The Triton kernels as one operator with the C++ kernel's contract (``query [n, H, D]``: the step's tokens
+    grouped by sequence, ``query_start [S + 1]``; returns ``[n, H, Dv]``), for a compiled forward on CUDA: a step of
+    one token per sequence (``n == S``) runs :func:`paged_decode`, any other :func:`paged_prefill` over ``tiles``
+    (its programs, made outside the graph). Nothing is read back to the host."""
+    if query.shape[0] == block_table.shape[0]:
+        return paged_decode(query, key_pool, value_pool, block_table, kv_lens, scale, window or None)
+    new_lens = query_start[1:] - query_start[:-1]
+    return paged_prefill(query, key_pool, value_pool, block_table, kv_lens, new_lens, query_start, tiles, scale,
+                         window or None)
+
+
+@paged_attention_triton.register_fake
+def _(query, key_pool, value_pool, block_table, query_start, kv_lens, scale, window, tiles):
+    return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[-1])
