@@ -31,6 +31,11 @@ def _int4(n, k, group, seed=0):
     return codes, scales, zeros
 
 
+def _pack(n: int, k: int, group: int, seed: int, sym: bool):
+    codes, scales, zeros = _int4(n, k, group, seed)
+    return a8.pack_blocked_int4_sym(codes, scales) if sym else a8.pack_blocked_int4(codes, scales, zeros)
+
+
 def _float_weight(weight, scale_min):
     codes, scales, zeros = a8.unpack_blocked_int4(weight, scale_min)
     group = codes.shape[1] // scales.shape[1]
@@ -83,10 +88,11 @@ def test_activation_codes_round_half_to_even_and_keep_zero_groups_zero():
 @kernel
 @settings(max_examples=40, deadline=None)
 @given(blocks=st.integers(1, 5), group=st.sampled_from([32, 64, 128, 256]), groups=st.integers(1, 3),
-       rows=st.integers(1, 9), bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_int4_kernel_matches_the_reference(blocks, group, groups, rows, bf16, seed):
+       rows=st.integers(1, 9), bf16=st.booleans(), seed=st.integers(0, 2**16), sym=st.booleans())
+def test_int4_kernel_matches_the_reference(blocks, group, groups, rows, bf16, seed, sym):
+    """Both scale forms: bf16 scales and minimums, and the symmetric layout's fp16 scales alone (``a8_sym``)."""
     n, k = 16 * blocks, group * groups
-    weight, sm = a8.pack_blocked_int4(*_int4(n, k, group, seed))
+    weight, sm = _pack(n, k, group, seed, sym)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
     if bf16:
         x = x.to(torch.bfloat16)
@@ -241,9 +247,9 @@ def test_reference_runs_where_the_kernel_is_not_available(monkeypatch):
 @kernel
 @settings(max_examples=30, deadline=None)
 @given(blocks=st.integers(1, 6), group=st.sampled_from([32, 64, 128]), groups=st.integers(1, 3),
-       bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_dense_copy_is_the_reference_bit_for_bit(blocks, group, groups, bf16, seed):
-    weight, sm = a8.pack_blocked_int4(*_int4(16 * blocks, group * groups, group, seed))
+       bf16=st.booleans(), seed=st.integers(0, 2**16), sym=st.booleans())
+def test_dense_copy_is_the_reference_bit_for_bit(blocks, group, groups, bf16, seed, sym):
+    weight, sm = _pack(16 * blocks, group * groups, group, seed, sym)
     dtype = torch.bfloat16 if bf16 else torch.float32
     got = a8.int4_dense_t(weight, sm, group, dtype)
     assert got.dtype == dtype and got.shape == (group * groups, 16 * blocks) and got.is_contiguous()
@@ -385,16 +391,36 @@ def test_int8_head_state_dict_is_checked():
         fresh.load_state_dict({k: v for k, v in head.state_dict().items() if k != "weight_int8"})
 
 
-def test_save_optimized_and_load_rebuild_a8_layers(tmp_path):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_save_optimized_and_load_rebuild_a8_layers(tmp_path, symmetric):
+    """Symmetric codes take the a8_sym layout (fp16 scales alone) and come back in it."""
     torch.manual_seed(0)
     m = tiny_model()
-    recipe = [{"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "activations": "int8"}}]
+    recipe = [{"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "activations": "int8",
+                            "symmetric": symmetric}}]
     infopt.optimize(m, recipe)
+    layout = "a8_sym" if symmetric else "a8"
+    assert m.model.layers[1].mlp.down_proj.layout == layout
     infopt.save_optimized(m, tmp_path / "saved")
     loaded, _ = infopt.load(tmp_path / "saved")
     ids = torch.tensor([[1, 2, 3, 4, 5]])
-    assert loaded.model.layers[1].mlp.down_proj.layout == "a8" and loaded.lm_head.activations == "int8"
+    down = loaded.model.layers[1].mlp.down_proj
+    assert down.layout == layout and loaded.lm_head.activations == "int8"
+    assert down.scale_min.dtype == (torch.float16 if symmetric else torch.bfloat16)
     assert torch.equal(loaded(ids).logits, m(ids).logits)
+
+
+def test_symmetric_layout_takes_symmetric_codes_in_fp16_range_only():
+    from infopt.quantize.formats.int4_layouts import symmetric
+
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    scales, eights = torch.full((16, 2), 0.01), torch.full((16, 2), 8.0)
+    layer = Int4Linear.from_codes(codes, scales, eights, group_size=32, layout="a8_sym")
+    assert layer.scale_min.shape == (1, 2, 16) and layer.scale_min.dtype == torch.float16
+    torch.testing.assert_close(layer.dequantize(), (codes.float() - 8) * scales.half().float().repeat_interleave(32, 1))
+    with pytest.raises(ValueError, match="symmetric int4 codes only .every zero point 8.; .* use the a8 layout"):
+        Int4Linear.from_codes(codes, scales, torch.full((16, 2), 7.0), group_size=32, layout="a8_sym")
+    assert symmetric(eights, scales) and not symmetric(eights, torch.full((16, 2), 1e-6))  # fp16 subnormal: a8
 
 
 def test_plain_from_pretrained_rebuilds_a8_layers(tmp_path):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..attention.paged import triton_enabled
+from ..ops import triton_paged
 from .guard_free import isolated_compile, weak_backend
 from .options import mode_options, module_signature
 
@@ -41,12 +42,6 @@ def _mark_unbacked(t: torch.Tensor | None, *dims: int) -> None:
 
         for d in dims:
             mark_unbacked(t, d)
-
-
-def _triton_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    from ..ops.triton_paged import applies
-
-    return applies(device, dtype)
 
 
 def is_compile_error(e: BaseException) -> bool:
@@ -79,7 +74,7 @@ class PackedGraph:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         # attention through infopt's Triton kernels where they apply (CUDA), the reference operator elsewhere; the
         # C++ kernel on CPU is chosen inside the graph before either
-        self._triton = _triton_applies(self._device, dtype)
+        self._triton = triton_paged.applies(self._device, dtype)
         self._signature: int | None = None
         self._rebuilt = False  # compiling again after the model changed (said once, in __call__)
         self._single = True  # a one-token step is being called (a graph of its own), for the compiler callback

@@ -123,7 +123,7 @@ class HoldsBound:
 
 def int8_activations(layer: nn.Module) -> bool:
     """Whether a quantized layer quantizes its activations to int8 (an ``a8`` layout)."""
-    return getattr(layer, "layout", None) == "a8" or getattr(layer, "activations", None) == "int8"
+    return getattr(layer, "layout", None) in ("a8", "a8_sym") or getattr(layer, "activations", None) == "int8"
 
 
 def _in_rows(fn, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infopt.quantize.community.gguf_blocks import BLOCKS, decode_int4, decode_int8, dequantize_blocks
+from infopt.quantize.community.gguf_blocks import BLOCKS, decode_int4, decode_int8, decode_q4_0, dequantize_blocks
 
 gguf = pytest.importorskip("gguf")
 
@@ -121,6 +121,32 @@ def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, pe
 
 @kernel
 @settings(max_examples=40, deadline=None)
+@given(blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4), seed=st.integers(0, 2**16),
+       specials=st.booleans(), permute=st.booleans())
+def test_q4_0_transcoder_keeps_the_files_scales_bit_for_bit(blocks_of_rows, per_row, seed, specials, permute):
+    """Q4_0 into the symmetric a8 layout (``a8_sym``): the file's fp16 scales as they are (subnormal, negative, zero
+    and negative zero included), the codes those of :func:`decode_q4_0`, the weights exactly the file's."""
+    rows = 16 * blocks_of_rows
+    raw = _file_blocks("Q4_0", rows, per_row, seed, specials)
+    perm = _perm(rows, seed, permute)
+    codes, scales = decode_q4_0(raw)
+    if perm is not None:
+        codes, scales = codes[perm], scales[perm]
+    want = a8.pack_blocked_int4_sym(codes, scales)
+    got = a8_int4(raw, "Q4_0", perm, symmetric=True)
+    assert got[1].dtype == torch.float16 and got[1].shape == (rows // 16, per_row, 16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+    file_scales = raw.reshape(rows, per_row, 18)[..., :2].contiguous().view(torch.float16)[..., 0]
+    file_scales = file_scales if perm is None else file_scales[perm]
+    assert torch.equal(a8.scale_min_rows(got[1])[0].half().view(torch.int16), file_scales.view(torch.int16))
+    w = (codes.float() - 8).reshape(rows, per_row, 32) * scales[..., None]
+    ref = dequantize_blocks(raw, "Q4_0", torch.float32)
+    ref = ref if perm is None else ref[perm]
+    assert torch.equal(w.reshape(rows, -1), ref.float())
+
+
+@kernel
+@settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["Q8_0", "Q6_K"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4),
        group=st.sampled_from([4, 8, 16, 32, 64, 96]), seed=st.integers(0, 2**16), permute=st.booleans())
 def test_int8_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, group, seed, permute):
@@ -147,7 +173,9 @@ def test_transcoders_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 1, None)
     with pytest.raises(RuntimeError, match="kind must be 0"):
-        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 3, None)
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 4, None)
+    with pytest.raises(ValueError, match="symmetric=True takes Q4_0 blocks only, got Q4_1"):
+        a8_int4(torch.zeros(16, 20, dtype=torch.uint8), "Q4_1", symmetric=True)
     with pytest.raises(RuntimeError, match="is not a row"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 0, torch.full((16,), 16))
     with pytest.raises(RuntimeError, match="perm must be"):

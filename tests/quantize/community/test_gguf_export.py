@@ -334,7 +334,7 @@ def test_a_cpu_fast_file_loads_into_cpu_fasts_layers_with_the_files_codes(tmp_pa
     assert isinstance(loaded.model.embed_tokens, SharedInt8Embedding) and loaded.model.embed_tokens.head is loaded.lm_head
     assert loaded.lm_head.group_size is None and loaded.lm_head.activations == ("int8" if int8 else "float")
     up = loaded.model.layers[0].mlp.up_proj
-    assert isinstance(up, Int4Linear) and (up.layout == "a8") == int8
+    assert isinstance(up, Int4Linear) and (up.layout == "a8_sym") == int8  # Q4_0: the fp16 scales alone
     assert not any(p.numel() == loaded.config.vocab_size * loaded.config.hidden_size for p in loaded.parameters())
     infopt.export_gguf(loaded, tmp_path / "b.gguf", type="Q4_0")
     first, again = _tensors(tmp_path / "a.gguf"), _tensors(tmp_path / "b.gguf")
@@ -410,12 +410,12 @@ def test_transcoded_layers_are_the_decoded_layers(arch, kind, tmp_path, monkeypa
     written = []
     for name in ("a8_int4", "a8_int8"):
         real = getattr(gguf_ckpt, name)
-        monkeypatch.setattr(gguf_ckpt, name, lambda *a, real=real: written.append(real(*a)) or written[-1])
+        monkeypatch.setattr(gguf_ckpt, name, lambda *a, real=real, **k: written.append(real(*a, **k)) or written[-1])
     fast, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, activations="auto")
     # every linear and the head transcoded once (q and k on the loader's thread, the rest ahead of it)
     assert len(written) == len(model.model.layers) * 7 + 1 and None not in written
     for name in ("a8_int4", "a8_int8"):  # as where the C++ kernels are not built: the decoding path
-        monkeypatch.setattr(gguf_ckpt, name, lambda *a: None)
+        monkeypatch.setattr(gguf_ckpt, name, lambda *a, **k: None)
     slow, _ = infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, activations="auto")
     got, want = dict(fast.named_buffers()), dict(slow.named_buffers())
     assert got.keys() == want.keys()
@@ -443,7 +443,7 @@ def test_a_failure_on_the_transcoding_thread_reaches_the_caller_and_the_thread_e
     infopt.optimize(model, [Int4WeightOnly(group_size=32, symmetric=True, activations="auto")])
     infopt.export_gguf(model, tmp_path / "m.gguf", type="Q4_0")
 
-    def broken(raw, kind, perm=None):
+    def broken(raw, kind, perm=None, symmetric=False):
         raise RuntimeError("transcoder broke on " + kind)
 
     monkeypatch.setattr(gguf_ckpt, "a8_int4", broken)

@@ -12,6 +12,10 @@
 //   16 rows (the sharing of activation loads across output rows that integer dot products need).
 //   y[m, r] = sum_g sx[m,g] * (scale[r,g] * sum_k code[r,k] q[m,k] + min[r,g] * sum_k q[m,k]).
 //
+//   Symmetric codes (every Q4_0 block): scale_min may instead be fp16 scales [N/16, G, 16] alone, w = (code - 8) *
+//   scale: half the scale bytes (4.5 bits a weight instead of 5) and the file's scales kept exactly;
+//   y[m, r] = sum_g scale[r,g] * (sx[m,g] * sum_k code[r,k] q[m,k] - 8 * sxs[m,g]).
+//
 // int8_a8_linear(x [M, K], weight int8 [N/16, K/4, 64], wsum int32 [N/16, G, 16], scale fp32 [N] | [N/16, Gw, 16],
 //                group)
 //   Weights w = code * scale[r] (symmetric per row), or code * scale[r, gw] per group of K / Gw input channels (a
@@ -85,6 +89,9 @@ struct Activations {
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const c10::BFloat16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -166,6 +173,15 @@ inline __m256 load_bf16x8(const c10::BFloat16* p) {
   __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
+inline __m256 load_bf16x8(const c10::Half* p) {  // fp16 scales (the symmetric layout)
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
 #endif
 
 #if defined(__AVX2__)
@@ -188,9 +204,13 @@ inline int32_t load4(const int8_t* p) {
 // ---- int4 weights ------------------------------------------------------------------------------------------------
 // One block of 16 output rows against MR activation rows; acc [MR][16] fp32.
 
-template <int MR>
-void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a, int64_t m0, int64_t K,
+// S = c10::BFloat16: scale_min [G, 2, 16] per block (scales then minimums); S = c10::Half: scales [G, 16] of
+// symmetric codes (minimum -8 x scale)
+template <int MR, typename S>
+void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0, int64_t K,
                 int64_t group, float* acc) {
+  constexpr bool kSym = std::is_same_v<S, c10::Half>;
+  constexpr int64_t kPer = kSym ? kRows : 2 * kRows;  // scale values per group
   const int64_t G = K / group;
   const int64_t chunks = group / 8;
   const int8_t* xq = a.q.data() + m0 * K;
@@ -204,7 +224,7 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
     __m512i lo_acc[MR], hi_acc[MR];
     for (int m = 0; m < MR; ++m) lo_acc[m] = hi_acc[m] = _mm512_setzero_si512();
     const int8_t* xg = xq + g * group;
-    _mm_prefetch(reinterpret_cast<const char*>(sm + (g + kAheadGroups) * 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sm + (g + kAheadGroups) * kPer), _MM_HINT_T0);
     for (int64_t c = 0; c < chunks; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(w + kAheadBytes), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(w);
@@ -217,12 +237,20 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
         hi_acc[m] = _mm512_dpbusd_epi32(hi_acc[m], hi, _mm512_set1_epi32(load4(xm + 4)));
       }
     }
-    const __m512 scale = load16(sm + g * 32);
-    const __m512 mn = load16(sm + g * 32 + 16);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
-      out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * G + g]), out[m]);
-      out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(sx[m * G + g])), out[m]);
+    const __m512 scale = load16(sm + g * kPer);
+    if constexpr (kSym) {
+      for (int m = 0; m < MR; ++m) {
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
+        const __m512 t = _mm512_fmsub_ps(d, _mm512_set1_ps(sx[m * G + g]), _mm512_set1_ps(8.f * sxs[m * G + g]));
+        out[m] = _mm512_fmadd_ps(scale, t, out[m]);
+      }
+    } else {
+      const __m512 mn = load16(sm + g * kPer + kRows);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
+        out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * G + g]), out[m]);
+        out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(sx[m * G + g])), out[m]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc + m * kRows, out[m]);
@@ -251,12 +279,20 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
       w += 64;
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = load_bf16x8(sm + g * 32 + 8 * h);
-      const __m256 mn = load_bf16x8(sm + g * 32 + 16 + 8 * h);
-      for (int m = 0; m < MR; ++m) {
-        const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
-        out[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxs[m * G + g]), out[m][h]);
-        out[m][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(sx[m * G + g])), out[m][h]);
+      const __m256 scale = load_bf16x8(sm + g * kPer + 8 * h);
+      if constexpr (kSym) {
+        for (int m = 0; m < MR; ++m) {
+          const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
+          const __m256 t = _mm256_fmsub_ps(d, _mm256_set1_ps(sx[m * G + g]), _mm256_set1_ps(8.f * sxs[m * G + g]));
+          out[m][h] = _mm256_fmadd_ps(scale, t, out[m][h]);
+        }
+      } else {
+        const __m256 mn = load_bf16x8(sm + g * kPer + kRows + 8 * h);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
+          out[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxs[m * G + g]), out[m][h]);
+          out[m][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(sx[m * G + g])), out[m][h]);
+        }
       }
     }
   }
@@ -277,9 +313,15 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sm, const Activations& a,
     }
     for (int m = 0; m < MR; ++m) {
       for (int r = 0; r < kRows; ++r) {
-        const float scale = static_cast<float>(sm[g * 32 + r]), mn = static_cast<float>(sm[g * 32 + 16 + r]);
-        out[m][r] = std::fma(mn, sxs[m * G + g], out[m][r]);
-        out[m][r] = std::fma(static_cast<float>(iacc[m][r]), scale * sx[m * G + g], out[m][r]);
+        const float scale = static_cast<float>(sm[g * kPer + r]);
+        if constexpr (kSym) {
+          const float t = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g], -8.f * sxs[m * G + g]);
+          out[m][r] = std::fma(scale, t, out[m][r]);
+        } else {
+          const float mn = static_cast<float>(sm[g * kPer + kRows + r]);
+          out[m][r] = std::fma(mn, sxs[m * G + g], out[m][r]);
+          out[m][r] = std::fma(static_cast<float>(iacc[m][r]), scale * sx[m * G + g], out[m][r]);
+        }
       }
     }
   }
@@ -400,16 +442,19 @@ inline uint16_t bf16_bits(float f) {  // to nearest, ties to even (finite values
 
 // chunk c (input columns 8c..8c+7) of every block into rows 8c..8c+7 of out [K, N] (fp32, or bf16 bits): each
 // thread writes whole output rows, in order
-template <typename O>
-void dense_chunk(const uint8_t* w, const c10::BFloat16* sm, int64_t K, int64_t group, int64_t NB, int64_t c, O* out) {
+template <typename O, typename S>
+void dense_chunk(const uint8_t* w, const S* sm, int64_t K, int64_t group, int64_t NB, int64_t c, O* out) {
   constexpr bool kBf16 = std::is_same_v<O, uint16_t>;
+  constexpr bool kSym = std::is_same_v<S, c10::Half>;  // scales alone, minimum -8 x scale (exact in fp32)
+  constexpr int64_t kPer = kSym ? kRows : 2 * kRows;
   const int64_t G = K / group, N = NB * kRows;
   for (int64_t b = 0; b < NB; ++b) {
-    const c10::BFloat16* sg = sm + (b * G + 8 * c / group) * 2 * kRows;
+    const S* sg = sm + (b * G + 8 * c / group) * kPer;
     const uint8_t* wc = w + (b * (K / 8) + c) * 64;
     O* o = out + 8 * c * N + b * kRows;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const __m512 s = load16(sg), mn = load16(sg + kRows);
+    const __m512 s = load16(sg);
+    const __m512 mn = kSym ? _mm512_mul_ps(s, _mm512_set1_ps(-8.f)) : load16(sg + kRows);
     const __m512i u = _mm512_loadu_si512(wc), nib = _mm512_set1_epi32(0x0F);
     const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
     for (int j = 0; j < 8; ++j) {  // column 8c+j: low nibbles (j < 4) then high ones, of byte j % 4
@@ -426,7 +471,10 @@ void dense_chunk(const uint8_t* w, const c10::BFloat16* sm, int64_t K, int64_t g
       }
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 s[2] = {load_bf16x8(sg), load_bf16x8(sg + 8)}, mn[2] = {load_bf16x8(sg + kRows), load_bf16x8(sg + 24)};
+    const __m256 s[2] = {load_bf16x8(sg), load_bf16x8(sg + 8)};
+    const __m256 m8 = _mm256_set1_ps(-8.f);
+    const __m256 mn[2] = {kSym ? _mm256_mul_ps(s[0], m8) : load_bf16x8(sg + kRows),
+                          kSym ? _mm256_mul_ps(s[1], m8) : load_bf16x8(sg + kRows + 8)};
     const __m256i u[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc)),
                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32))};
     const __m256i nib = _mm256_set1_epi32(0x0F), bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
@@ -454,7 +502,7 @@ void dense_chunk(const uint8_t* w, const c10::BFloat16* sm, int64_t K, int64_t g
     uint32_t u[kRows];
     for (int64_t r = 0; r < kRows; ++r) {
       s[r] = static_cast<float>(sg[r]);
-      mn[r] = static_cast<float>(sg[kRows + r]);
+      mn[r] = kSym ? -8.f * s[r] : static_cast<float>(sg[kRows + r]);
       std::memcpy(&u[r], wc + 4 * r, 4);
     }
     for (int j = 0; j < 8; ++j) {
@@ -527,6 +575,16 @@ std::vector<at::Tensor> run_blocks(const at::Tensor& x, const std::vector<int64_
   return ys;
 }
 
+// bf16 [NB, G, 2, 16] (scales, minimums) or fp16 [NB, G, 16] (scales of symmetric codes)
+void check_scale_min(const at::Tensor& scale_min, int64_t NB, int64_t G, const char* op) {
+  const bool sym = scale_min.scalar_type() == at::kHalf && scale_min.sizes() == at::IntArrayRef({NB, G, kRows});
+  const bool asym = scale_min.scalar_type() == at::kBFloat16 && scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows});
+  TORCH_CHECK((sym || asym) && scale_min.is_contiguous() && scale_min.device().is_cpu(), op,
+              ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] or float16 [", NB, ", ", G,
+              ", 16] (symmetric codes) on the CPU, got ", scale_min.scalar_type(), " ", scale_min.sizes(), " on ",
+              scale_min.device());
+}
+
 std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList weights, at::TensorList scale_mins,
                                          int64_t group) {
   const char* op = "int4_a8_linear";
@@ -539,7 +597,8 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
   const int64_t G = K / group;
   std::vector<int64_t> Ns;
   std::vector<const uint8_t*> ws;
-  std::vector<const c10::BFloat16*> sms;
+  std::vector<const void*> sms;
+  std::vector<bool> sym;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& weight = weights[i];
     const at::Tensor& scale_min = scale_mins[i];
@@ -548,24 +607,32 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
                 op, ": weight must be contiguous uint8 [out/16, ", K / 8, ", 64] on the CPU, got ",
                 weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
     const int64_t NB = weight.size(0);
-    TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() && scale_min.device().is_cpu() &&
-                    scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows}),
-                op, ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] on the CPU, got ",
-                scale_min.scalar_type(), " ", scale_min.sizes());
+    check_scale_min(scale_min, NB, G, op);
     Ns.push_back(NB * kRows);
     ws.push_back(weight.data_ptr<uint8_t>());
-    sms.push_back(scale_min.data_ptr<c10::BFloat16>());
+    sms.push_back(scale_min.data_ptr());
+    sym.push_back(scale_min.scalar_type() == at::kHalf);
   }
   const Activations& a = quantize(x, group);
   const std::vector<const float*> no_scale(weights.size(), nullptr);
   return run_blocks(x, Ns, no_scale, [&](int64_t i, int64_t nb, int64_t m0, int64_t mr, float* acc) {
     const uint8_t* wb = ws[i] + nb * (K / 8) * 64;
-    const c10::BFloat16* sb = sms[i] + nb * G * 2 * kRows;
-    switch (mr) {
-      case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
-      case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
-      case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
-      default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
+    if (sym[i]) {
+      const c10::Half* sb = static_cast<const c10::Half*>(sms[i]) + nb * G * kRows;
+      switch (mr) {
+        case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
+        case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
+        case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
+        default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
+      }
+    } else {
+      const c10::BFloat16* sb = static_cast<const c10::BFloat16*>(sms[i]) + nb * G * 2 * kRows;
+      switch (mr) {
+        case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
+        case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
+        case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
+        default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
+      }
     }
   });
 }
@@ -625,20 +692,20 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 8 that divides in_features ", K);
   const int64_t G = K / group;
-  TORCH_CHECK(scale_min.scalar_type() == at::kBFloat16 && scale_min.is_contiguous() && scale_min.device().is_cpu() &&
-                  scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows}),
-              op, ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] on the CPU, got ",
-              scale_min.scalar_type(), " ", scale_min.sizes());
+  check_scale_min(scale_min, NB, G, op);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": dtype must be bfloat16 or float32, got ", dtype);
   at::Tensor out = at::empty({K, N}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  const c10::BFloat16* sm = scale_min.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, K / 8, 4, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      if (dtype == at::kFloat) dense_chunk(w, sm, K, group, NB, c, out.data_ptr<float>());
-      else dense_chunk(w, sm, K, group, NB, c, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
-    }
-  });
+  auto run = [&](const auto* sm) {
+    at::parallel_for(0, K / 8, 4, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        if (dtype == at::kFloat) dense_chunk(w, sm, K, group, NB, c, out.data_ptr<float>());
+        else dense_chunk(w, sm, K, group, NB, c, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+      }
+    });
+  };
+  if (scale_min.scalar_type() == at::kHalf) run(scale_min.data_ptr<c10::Half>());
+  else run(scale_min.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -985,7 +1052,8 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
 // int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
-//   256), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16])
+//   256) | 3 (Q4_0 into the symmetric layout), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16
+//   [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32, 16])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
 //   group, kind) -> (weight int8 [N/16, K/4, 64], wsum int32 [N/16, K/group, 16])
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
@@ -1056,16 +1124,20 @@ inline void k4_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
 std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
                                                      const std::optional<at::Tensor>& perm) {
   const char* op = "int4_a8_from_ggml";
-  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": kind must be 0 (Q4_0), 1 (Q4_1) or 2 (Q4_K), got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 3, op, ": kind must be 0 (Q4_0), 1 (Q4_1), 2 (Q4_K) or 3 (Q4_0, symmetric), got ",
+              kind);
+  const bool sym = kind == 3;
+  if (sym) kind = 0;  // the same blocks; only the scales are written differently
   const int64_t B = kind == 0 ? 18 : kind == 1 ? 20 : 144, per_block = kind == 2 ? 8 : 1;  // bytes, groups
   check_raw(raw, B, op);
   const int64_t N = raw.size(0), G = raw.size(1) / B * per_block, K = G * 32, NB = N / kRows, row_bytes = raw.size(1);
   const int64_t* pp = checked_perm(perm, N, op);
   at::Tensor weight = at::empty({NB, K / 8, 64}, raw.options());
-  at::Tensor scale_min = at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
+  at::Tensor scale_min = sym ? at::empty({NB, G, kRows}, raw.options().dtype(at::kHalf))
+                             : at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* wp = weight.data_ptr<uint8_t>();
-  c10::BFloat16* sm = scale_min.data_ptr<c10::BFloat16>();
+  uint16_t* sm = reinterpret_cast<uint16_t*>(scale_min.data_ptr());
   constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
   // one group of a block's 16 rows at a time: its four 64-byte chunks are written whole, and the scales' arithmetic
   // runs over the 16 rows as one vector loop
@@ -1073,6 +1145,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
     const uint8_t* rows[kRows];
     alignas(64) uint32_t chunks[4][kRows];
     alignas(64) float scale_raw[kRows], offset[kRows];
+    alignas(64) uint16_t d16[kRows];  // kind 3: the blocks' fp16 scales
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
@@ -1099,6 +1172,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
           } else {
             // Q4_0: w = d * (q - 8); Q4_1: w = d * q + m. 16 code bytes: low nibbles are weights 0..15, high 16..31
             const float d = half_at(blk);
+            std::memcpy(&d16[r], blk, 2);
             scale_raw[r] = d;
             offset[r] = kind == 0 ? -8.f * d : half_at(blk + 2);
             const uint8_t* qs = blk + (kind == 0 ? 2 : 4);
@@ -1113,6 +1187,10 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
         }
         uint8_t* dst = wp + (b * (K / 8) + 4 * g) * 64;
         std::memcpy(dst, chunks, sizeof(chunks));
+        if (sym) {  // w = (code - 8) * d exactly as the file has it (a dead group: every weight 0)
+          std::memcpy(sm + (b * G + g) * kRows, d16, sizeof(d16));
+          continue;
+        }
         // decode_int4's _affine, branch-free over the 16 rows: w = scale * code + offset; a dead group (scale 0) gets
         // scale |offset| / 8 (1 where offset is 0) and offset 0 where it was 0
         alignas(64) uint16_t s16[kRows], mn16[kRows];
@@ -1123,7 +1201,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
           s16[r] = bf16_round(scale);
           mn16[r] = bf16_round(-zero * bf16_value(s16[r]));
         }
-        uint16_t* smg = reinterpret_cast<uint16_t*>(sm) + (b * G + g) * 2 * kRows;
+        uint16_t* smg = sm + (b * G + g) * 2 * kRows;
         std::memcpy(smg, s16, sizeof(s16));
         std::memcpy(smg + kRows, mn16, sizeof(mn16));
       }

@@ -15,6 +15,7 @@ from ...core.introspect import text_config
 from ..api import KERNEL_GROUP_SIZES
 from ..formats.int4 import Int4Linear
 from ..formats.int4_layouts import LAYOUTS as INT4_LAYOUTS
+from ..formats.int4_layouts import symmetric
 from ..formats.int8 import Int8Linear
 from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
 from ..serialization.export import unpack_words
@@ -78,7 +79,7 @@ def int4_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
         zeros = zeros.repeat_interleave(group_size // k, dim=1)
     layout = "plain" if opts.reference else None
     if opts.activations == "int8" and INT4_LAYOUTS["a8"].fits(codes.shape[0], codes.shape[1], k) is None:
-        layout = "a8"
+        layout = "a8_sym" if symmetric(zeros, scales) else "a8"  # symmetric codes: fp16 scales alone
     return Int4Linear.from_codes(codes, scales, zeros, group_size=k, bias=bias, in_perm=in_perm, dtype=opts.dtype,
                                  layout=layout)
 

@@ -30,7 +30,7 @@ import torch
 from ..formats import a8
 
 __all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "A8_INT4", "decode_int4", "decode_int8", "dequantize_blocks",
-           "a8_int4", "a8_int8", "A8_INT8", "q8_0_scales", "q6_k_scales"]
+           "a8_int4", "a8_int8", "A8_INT8", "q8_0_scales", "q6_k_scales", "decode_q4_0"]
 
 # ggml type name -> (weights per block, bytes per block)
 BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -71,6 +71,26 @@ def _affine(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, grou
         scale = torch.where(dead, value, scale)
         offset = torch.where(dead & (offset == 0), torch.zeros_like(offset), offset)
     return codes, scale, -offset / scale
+
+
+def decode_q4_0(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 bytes -> ``(codes uint8 [R, in], scales fp32 [R, in / 32])`` with ``w = (code - 8) * scale``: the blocks'
+    fp16 scales as they are (zero, negative zero and subnormal ones included; a zero scale's codes set to 0), what
+    the ``a8_sym`` layout holds and the transcoder writes.
+
+    Example:
+        >>> import numpy as np
+        >>> blk = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.full(16, 0x21, np.uint8)])
+        >>> c, s = decode_q4_0(torch.from_numpy(blk).view(1, 18))
+        >>> c[0, :2].tolist(), c[0, 16:18].tolist(), s.tolist()
+        ([1, 1], [2, 2], [[0.5]])
+    """
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 18)
+    d = _half(b, 0)
+    codes = _nibbles_16(b[..., 2:18])  # [R, B, 32]
+    codes = codes.masked_fill((d == 0).unsqueeze(-1), 0).reshape(rows, -1)
+    return codes, d
 
 
 def decode_int4(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,12 +168,13 @@ A8_INT4 = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 """Types the C++ transcoder writes straight into the a8 int4 layout (:func:`a8_int4`), with its kind numbers."""
 
 
-def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
+def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, symmetric: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout,
     ``(weight, scale_min)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row
     ``perm[i]``), in one pass of the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
     where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.
+    ``symmetric`` (Q4_0 only): the ``a8_sym`` layout instead, the blocks' fp16 scales as they are, ``[R/16, G, 16]``.
 
     Example:
         >>> import numpy as np
@@ -166,7 +187,9 @@ def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None
     """
     if kind not in A8_INT4 or not a8.available():
         return None
-    return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), A8_INT4[kind], perm)
+    if symmetric and kind != "Q4_0":
+        raise ValueError(f"a8_int4: symmetric=True takes Q4_0 blocks only, got {kind}")
+    return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), 3 if symmetric else A8_INT4[kind], perm)
 
 
 A8_INT8 = {"Q8_0": 0, "Q6_K": 1}

@@ -67,6 +67,7 @@ from .gguf_blocks import (
     a8_int8,
     decode_int4,
     decode_int8,
+    decode_q4_0,
     dequantize_blocks,
     q6_k_scales,
     q8_0_scales,
@@ -316,9 +317,10 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
     if opts.activations != "int8":
         return None
     if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
-        packed = a8_int4(raw, kind, perm)
+        layout = "a8_sym" if kind == "Q4_0" else "a8"  # Q4_0's codes are symmetric: its fp16 scales kept alone
+        packed = a8_int4(raw, kind, perm, symmetric=layout == "a8_sym")
         return None if packed is None else Int4Linear.from_packed(
-            "a8", {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
+            layout, {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
             group_size=32, dtype=opts.dtype)
     if kind in A8_INT8 and INT8_LAYOUTS["a8"].fits(rows, in_f, 32 if kind == "Q8_0" else 16) is None:
         scales = q8_0_scales(raw) if kind == "Q8_0" else q6_k_scales(raw)
@@ -390,7 +392,14 @@ def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None
     taken, layer = ahead.take(t) if ahead is not None and perm is None else (False, None)
     if not taken:
         layer = _transcoded(raw, kind, rows, in_f, perm, opts)
-    if layer is None and kind in Int4Blocks:
+    if layer is None and kind == "Q4_0" and opts.activations == "int8" and \
+            INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:  # as the transcoder writes it: the fp16 scales alone
+        codes, scales = decode_q4_0(raw)
+        if perm is not None:
+            codes, scales = codes[perm], scales[perm]
+        layer = Int4Linear.from_codes(codes, scales, torch.full_like(scales, 8.0), group_size=32, dtype=opts.dtype,
+                                      layout="a8_sym")
+    elif layer is None and kind in Int4Blocks:
         codes, scales, zeros = decode_int4(raw, kind)
         if perm is not None:
             codes, scales, zeros = codes[perm], scales[perm], zeros[perm]

@@ -15,7 +15,9 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
 
 - int4: ``weight`` uint8 ``[N/16, K/8, 64]``; the 64 bytes of chunk ``c`` hold, at bytes ``4r..4r+3`` of row
   ``r`` of the block, the codes of columns ``8c..8c+3`` (low nibbles) and ``8c+4..8c+7`` (high nibbles).
-  ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``.
+  ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``. For
+  symmetric codes (every GGUF Q4_0 block) fp16 scales ``[N/16, G, 16]`` alone (the ``a8_sym`` layout):
+  ``w = (code - 8) * scale``, 4.5 bits a weight instead of 5 and a Q4_0 file's scales kept exactly.
 - int8: ``weight`` int8 ``[N/16, K/4, 64]``; chunk ``c`` holds columns ``4c..4c+3`` of row ``r`` at bytes
   ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``, or
   blocked ``[N/16, Gw, 16]`` (:func:`block_scales`) for one scale per row and group of ``K // Gw`` inputs, a multiple
@@ -32,7 +34,7 @@ from ...ops import cpp
 from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
-__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
+__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
            "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
@@ -138,12 +140,31 @@ def pack_blocked_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return weight, scale_min
 
 
+def pack_blocked_int4_sym(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 codes ``[N, K]`` (``w = (code - 8) * scale``) into ``(weight, scales fp16 [N/16, G, 16])``
+    (module docstring); the scales are rounded to fp16."""
+    n = codes.shape[0]
+    weight, _ = pack_blocked_int4(codes, scales[:, :1], torch.zeros_like(scales[:, :1]))
+    return weight, scales.float().to(torch.float16).reshape(n // ROWS, ROWS, -1).transpose(1, 2).contiguous()
+
+
+def scale_min_rows(scale_min: torch.Tensor) -> torch.Tensor:
+    """``[2, N, G]`` fp32 row-major scales and minimums of either form of ``scale_min`` (module docstring)."""
+    if scale_min.dim() == 3:  # symmetric: fp16 scales, minimum -8 x scale
+        scale = scale_min.float().transpose(1, 2).reshape(-1, scale_min.shape[1])
+        return torch.stack([scale, -8.0 * scale])
+    return scale_min.float().permute(2, 0, 3, 1).reshape(2, scale_min.shape[0] * ROWS, -1)
+
+
 def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_blocked_int4`: ``(codes uint8 [N, K], scales fp32 [N, G], zeros fp32 [N, G])``."""
+    """The inverse of :func:`pack_blocked_int4` (and :func:`pack_blocked_int4_sym`): ``(codes uint8 [N, K], scales
+    fp32 [N, G], zeros fp32 [N, G])``."""
     nb, chunks, _ = weight.shape
     b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
     codes = torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
-    sm = scale_min.float().permute(2, 0, 3, 1).reshape(2, nb * ROWS, -1)  # [2, N, G]
+    sm = scale_min_rows(scale_min)  # [2, N, G]
+    if scale_min.dim() == 3:
+        return codes, sm[0].clone(), torch.full_like(sm[0], 8.0)
     return codes, sm[0].clone(), -sm[1] / sm[0]
 
 
@@ -203,7 +224,7 @@ def int4_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale_min: torch.Te
     """:func:`int4_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
     codes, _, _ = unpack_blocked_int4(weight, scale_min)
-    sm = scale_min.float().permute(2, 0, 3, 1).reshape(2, codes.shape[0], -1)  # [2, N, G]
+    sm = scale_min_rows(scale_min)  # [2, N, G]
     dots = _group_dots(q, codes, group)  # [M, N, G]
     qsum = q.float().reshape(q.shape[0], -1, group).sum(-1)  # [M, G]
     y = (dots * sm[0] * sx[:, None, :]).sum(-1) + ((sx * qsum)[:, None, :] * sm[1]).sum(-1)
@@ -309,8 +330,7 @@ def int4_dense_t_reference(weight: torch.Tensor, scale_min: torch.Tensor, group:
                            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """:func:`int4_dense_t` in torch operations (any device)."""
     codes, _, _ = unpack_blocked_int4(weight, scale_min)
-    sm = scale_min.double().permute(2, 0, 3, 1).repeat_interleave(group, dim=-1)  # [2, blk, r, K]
-    sm = sm.reshape(2, codes.shape[0], codes.shape[1])
+    sm = scale_min_rows(scale_min).double().repeat_interleave(group, dim=-1)  # [2, N, K]
     # code * scale + min is exact in float64 (a 4-bit code times a bf16 scale, plus a bf16), so rounding it to
     # fp32 gives the kernel's fused multiply-add, and then to bf16 (ties to even) the kernel's bf16 output
     return (codes.double() * sm[0] + sm[1]).float().to(dtype).t().contiguous()

@@ -40,7 +40,7 @@ from ..api import KERNEL_GROUP_SIZES, check_group_size, check_keep, keep_level, 
 from ..bound import HoldsBound
 from ..experts import QuantizedExperts, check_experts_shapes, register_experts_quantizer
 from . import a8
-from .int4_layouts import A8_PROMPT_MIN_ROWS, BUFFERS, LAYOUTS, cuda_inner_k_tiles
+from .int4_layouts import A8_LAYOUTS, A8_PROMPT_MIN_ROWS, BUFFERS, LAYOUTS, cuda_inner_k_tiles
 from .int8 import Int8WeightOnly
 from .primitives import KeepsFormat, choose_qparams, dequantize, group_block, pack_int4, quantize, unpack_int4
 
@@ -317,7 +317,7 @@ class Int4Linear(KeepsFormat):
         self.layout = layout_for(device, in_features, out_features, group_size) if layout is None else layout
         if self.layout not in LAYOUTS:
             raise ValueError(f"Int4Linear: unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if self.layout not in ("plain", "a8") and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
+        if self.layout not in ("plain", *A8_LAYOUTS) and (out_features % 16 or group_size not in KERNEL_GROUP_SIZES):
             self.layout = "plain"
         reason = LAYOUTS[self.layout].fits(out_features, in_features, group_size)
         if reason is not None:
@@ -489,7 +489,7 @@ class Int4Linear(KeepsFormat):
         the int4 kernel: :data:`DENSE_FP32_MIN_ROWS`). An ``a8`` layer keeps no copy on such CPUs: its integer
         kernel beats an fp32 GEMM at every row count measured."""
         fast = _FAST_BF16[0] or self._storage_device().type != "cpu"
-        if not fast and self.layout == "a8":
+        if not fast and self.layout in A8_LAYOUTS:
             self.weight_dense = None
             return
         dtype = torch.bfloat16 if fast else self.out_dtype
@@ -500,7 +500,7 @@ class Int4Linear(KeepsFormat):
         rows = x.numel() // self.in_features
         wd = self.weight_dense
         dense = wd is not None and rows >= (
-            A8_DENSE_MIN_ROWS if self.layout == "a8" else DENSE_MIN_ROWS if wd.dtype == torch.bfloat16
+            A8_DENSE_MIN_ROWS if self.layout in A8_LAYOUTS else DENSE_MIN_ROWS if wd.dtype == torch.bfloat16
             else DENSE_FP32_MIN_ROWS)
         if self.in_perm is not None and not dense:  # the dense copy is in the layer's input order already
             x = x.index_select(-1, self.in_perm)
@@ -525,6 +525,8 @@ def _make(module: nn.Module, config: Int4WeightOnly, conv1d: bool) -> Int4Linear
     layout = "a8" if a8.resolve(config.activations, module.weight.device) == "int8" else None
     if layout is None and config.cuda_kernel == "gemv":
         layout = "gemv"
+    if layout == "a8" and config.symmetric:  # symmetric codes: their scales alone, in fp16 (a8_sym)
+        layout = "a8_sym"
     layer = Int4Linear.from_float(module, group_size=config.group_size, symmetric=config.symmetric, conv1d=conv1d,
                                   zero_point=config.zero_point, layout=layout)
     if config.dense_prefill:

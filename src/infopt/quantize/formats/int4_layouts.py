@@ -20,7 +20,10 @@ from ...ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 from . import a8
 from .primitives import dequantize, pack_int4, unpack_int4
 
-__all__ = ["Int4Layout", "LAYOUTS", "BUFFERS", "cuda_inner_k_tiles", "A8_PROMPT_MIN_ROWS"]
+__all__ = ["Int4Layout", "LAYOUTS", "BUFFERS", "A8_LAYOUTS", "cuda_inner_k_tiles", "symmetric", "A8_PROMPT_MIN_ROWS"]
+
+A8_LAYOUTS = ("a8", "a8_sym")
+"""The layouts multiplied on int8 activations (:mod:`infopt.quantize.formats.a8`'s kernels)."""
 
 A8_PROMPT_MIN_ROWS = 64
 """Rows from which an ``a8`` layer without a dense copy, on a CPU with native bf16 GEMMs
@@ -58,7 +61,7 @@ class Int4Layout:
 
     Example:
         >>> sorted(LAYOUTS)
-        ['a8', 'cpu_int4pack', 'cuda_tinygemm', 'gemv', 'plain']
+        ['a8', 'a8_sym', 'cpu_int4pack', 'cuda_tinygemm', 'gemv', 'plain']
         >>> LAYOUTS["gemv"].concatenates, LAYOUTS["cpu_int4pack"].concatenates
         (True, False)
     """
@@ -152,6 +155,45 @@ class A8(Int4Layout):
             w_t = a8.int4_dense_t(layer.weight_packed, layer.scale_min, layer.group_size, torch.bfloat16)
             return "a8_prompt", torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
         return "a8", a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, layer.group_size)
+
+
+class A8Sym(A8):
+    """:class:`A8` for symmetric codes (``w = (code - 8) * scale``: every GGUF Q4_0 block, and infopt's symmetric
+    round-to-nearest): fp16 scales alone, ``scale_min`` ``[N/16, G, 16]``, 4.5 bits a weight where :class:`A8` holds
+    5 (a bf16 scale and minimum per group), so decode reads 10% fewer weight bytes, and a Q4_0 file's scales are kept
+    exactly (fp16) instead of rounded to bf16. The same kernels (they tell the two apart by the scales' dtype). Scales
+    below fp16's normal range (under 6.1e-5: a group of weights all under ~4.6e-4) keep fewer bits than bf16's 8."""
+
+    name = "a8_sym"
+
+    def empty(self, out_features, in_features, group_size, device):
+        blocks = out_features // a8.ROWS
+        return {"weight_packed": torch.zeros(blocks, in_features // 8, 64, dtype=torch.uint8, device=device),
+                "scale_min": torch.zeros(blocks, in_features // group_size, a8.ROWS, dtype=torch.float16,
+                                         device=device)}
+
+    def pack(self, layer, qweight, scales, zeros, codes):
+        if not bool((zeros == 8).all()):
+            raise ValueError("the a8_sym layout holds symmetric int4 codes only (every zero point 8); this weight's "
+                             "are not: use the a8 layout")
+        if bool((scales.float().abs() > 65504).any()):
+            raise ValueError("the a8_sym layout keeps scales in fp16, and this weight has scales above 65504 (a group "
+                             "absmax above ~490,000): use the a8 layout (bf16 scales)")
+        codes = unpack_int4(qweight) if codes is None else codes
+        weight, scale16 = a8.pack_blocked_int4_sym(codes, scales)
+        return {"weight_packed": weight, "scale_min": scale16}
+
+
+def symmetric(zeros: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether codes with these zero points and scales fit :class:`A8Sym` without loss beyond fp16 rounding of the
+    scales: every zero point 8 and every nonzero scale inside fp16's normal range (smaller ones would lose bits).
+
+    Example:
+        >>> symmetric(torch.full((2, 3), 8.0), torch.full((2, 3), 0.01)), symmetric(torch.full((2, 3), 7.0), torch.ones(2, 3))
+        (True, False)
+    """
+    a = scales.float().abs()
+    return bool((zeros == 8).all()) and bool(((a == 0) | ((a >= 6.2e-5) & (a <= 6.5e4))).all())
 
 
 class Gemv(Int4Layout):
@@ -253,7 +295,7 @@ class CudaTinygemm(_Int4Pack):
         return torch._weight_int4pack_mm(x, packed, group_size, scale_offset)
 
 
-LAYOUTS: dict[str, Int4Layout] = {layout.name: layout for layout in (Plain(), A8(), Gemv(), CpuInt4Pack(),
+LAYOUTS: dict[str, Int4Layout] = {layout.name: layout for layout in (Plain(), A8(), A8Sym(), Gemv(), CpuInt4Pack(),
                                                                      CudaTinygemm())}
 """Every layout by name (``Int4Linear.layout``)."""
 
