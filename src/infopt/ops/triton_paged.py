@@ -1,4 +1,4 @@
-"""A Triton kernel for paged attention's decode steps on CUDA: one new token per sequence, reading each sequence's
+"""Triton kernels for paged attention on CUDA. The decode kernel: one new token per sequence, reading each sequence's
 keys and values in place through its block table, with the lengths read on the device.
 
 :func:`paged_decode` computes what :func:`infopt.ops.paged_attention.decode_sdpa` computes (the reference, which
@@ -9,7 +9,13 @@ in fp32. The parts' ``(max, sum, weighted values)`` are merged by a few torch op
 back to the host, so a CUDA graph captures the launch. Keys past a sequence's length, or before its sliding window,
 are skipped, not gathered and masked: the work follows the real lengths, not the table's width.
 
-Checked in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the reference; on a GPU it has not run yet.
+:func:`paged_prefill` serves the other packed steps (prompt chunks beside decode tokens): every token of the step in
+one launch, :data:`PREFILL_BQ` tokens of one sequence times a KV head's group per program, its programs listed by
+:func:`prefill_tiles` from the lengths the host laid out. :func:`paged_attention_triton` is both as one operator for a
+compiled forward.
+
+Checked in Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the reference; the decode kernel also on an
+H200 (the ninth GPU lane run, docs/gpu.md); the packed kernel and the operator have not run on a GPU yet.
 """
 
 # no `from __future__ import annotations`: torch.library.custom_op reads the op's schema from real annotations
