@@ -131,6 +131,24 @@ def _kernel():
     return paged_decode_kernel
 
 
+def _shapes(op: str, rows: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> tuple:
+    """``(rows, H, D, block_size, H_kv, Dv, group)`` of a call, or a ValueError naming ``op``."""
+    if query.dim() != 3 or key_pool.dim() != 4 or query.shape[1] % key_pool.shape[2]:
+        raise ValueError(f"{op}: query {tuple(query.shape)} and pool {tuple(key_pool.shape)}; allowed: "
+                         f"[{rows}, H, D] queries over [blocks, block_size, H_kv, D] pools, H a multiple of H_kv")
+    n, h, d = query.shape
+    _, bs, h_kv, _ = key_pool.shape
+    return n, h, d, bs, h_kv, value_pool.shape[-1], h // h_kv
+
+
+def _launch(kernel, grid: tuple, args: tuple, meta: dict, query: torch.Tensor) -> None:
+    if query.is_cuda:
+        with torch.cuda.device(query.device):
+            kernel[grid](*args, **meta)
+    else:  # TRITON_INTERPRET=1 on CPU tensors
+        kernel[grid](*args, **meta)
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (max(1, n) - 1).bit_length())
 
@@ -146,13 +164,7 @@ def paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.
     Raises:
         ValueError: heads that are not a multiple of the KV heads, or a query that is not ``[S, H, D]``.
     """
-    if query.dim() != 3 or key_pool.dim() != 4 or query.shape[1] % key_pool.shape[2]:
-        raise ValueError(f"paged_decode: query {tuple(query.shape)} and pool {tuple(key_pool.shape)}; allowed: "
-                         "[S, H, D] queries over [blocks, block_size, H_kv, D] pools, H a multiple of H_kv")
-    s, h, d = query.shape
-    _, bs, h_kv, _ = key_pool.shape
-    dv = value_pool.shape[-1]
-    g = h // h_kv
+    s, h, d, bs, h_kv, dv, g = _shapes("paged_decode", "S", query, key_pool, value_pool)
     splits = splits or decode_splits(s, h_kv, block_table.shape[1])
     m = torch.empty(s, h, splits, dtype=torch.float32, device=query.device)
     den = torch.empty_like(m)
@@ -166,11 +178,7 @@ def paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.
                 query.stride(0), query.stride(1), key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
                 value_pool.stride(0), value_pool.stride(1), value_pool.stride(2), table.stride(0), h)
         meta = {"G": g, "GP": _pow2(g), "BS": bs, "BSP": _pow2(bs), "D": d, "DP": _pow2(d), "DV": dv, "DVP": _pow2(dv)}
-        if query.is_cuda:
-            with torch.cuda.device(query.device):
-                kernel[grid](*args, SPLITS=splits, **meta)
-        else:  # TRITON_INTERPRET=1 on CPU tensors
-            kernel[grid](*args, SPLITS=splits, **meta)
+        _launch(kernel, grid, args, {**meta, "SPLITS": splits}, query)
     _CALLS["triton"] += 1
     # merge the parts: a part that saw no key has max -inf and weight 0
     top = m.amax(-1, keepdim=True)
@@ -271,13 +279,7 @@ def paged_prefill(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch
     Raises:
         ValueError: heads that are not a multiple of the KV heads, or a query that is not ``[N, H, D]``.
     """
-    if query.dim() != 3 or key_pool.dim() != 4 or query.shape[1] % key_pool.shape[2]:
-        raise ValueError(f"paged_prefill: query {tuple(query.shape)} and pool {tuple(key_pool.shape)}; allowed: "
-                         "[N, H, D] queries over [blocks, block_size, H_kv, D] pools, H a multiple of H_kv")
-    n, h, d = query.shape
-    _, bs, h_kv, _ = key_pool.shape
-    dv = value_pool.shape[-1]
-    g = h // h_kv
+    n, h, d, bs, h_kv, dv, g = _shapes("paged_prefill", "N", query, key_pool, value_pool)
     out = query.new_empty(n, h, dv)
     if tiles.shape[0]:
         table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
@@ -289,11 +291,7 @@ def paged_prefill(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch
                 key_pool.stride(2), value_pool.stride(0), value_pool.stride(1), value_pool.stride(2), table.stride(0))
         meta = {"G": g, "GP": _pow2(g), "BQ": PREFILL_BQ, "BS": bs, "BSP": _pow2(bs, 16), "D": d, "DP": _pow2(d, 16),
                 "DV": dv, "DVP": _pow2(dv, 16), "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32"}
-        if query.is_cuda:
-            with torch.cuda.device(query.device):
-                kernel[grid](*args, **meta)
-        else:  # TRITON_INTERPRET=1 on CPU tensors
-            kernel[grid](*args, **meta)
+        _launch(kernel, grid, args, meta, query)
     _CALLS["triton_prefill"] += 1
     return out
 
