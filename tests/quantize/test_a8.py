@@ -195,6 +195,8 @@ _PORTABLE_CHECK = textwrap.dedent("""
     from infopt.quantize.formats.int4 import quantize_int4_grouped
     torch.manual_seed(0)
     w, sm = a8.pack_blocked_int4(*quantize_int4_grouped(torch.randn(48, 128), 32, zero_point="float"))
+    c4, s4, _ = quantize_int4_grouped(torch.randn(48, 128), 32, symmetric=True)
+    ws4, sm16 = a8.pack_blocked_int4_sym(c4, s4)  # the a8_sym layout: fp16 scales alone
     codes = torch.randint(-128, 128, (48, 128), dtype=torch.int8)
     w8, ws = a8.pack_blocked_int8(codes, 32)
     w8g = a8.pack_blocked_int8(codes, 16)
@@ -203,6 +205,8 @@ _PORTABLE_CHECK = textwrap.dedent("""
         x = torch.randn(rows, 128)
         y, r = torch.ops.infopt.int4_a8_linear(x, w, sm, 32), a8.int4_a8_reference(x, w, sm, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
+        y, r = torch.ops.infopt.int4_a8_linear(x, ws4, sm16, 32), a8.int4_a8_reference(x, ws4, sm16, 32)
+        assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4, fp16 scales alone"
         y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
         gs = a8.block_scales(torch.rand(48, 4) + 0.1)  # group scales over whole activation groups (16, 32 columns)
@@ -214,6 +218,8 @@ _PORTABLE_CHECK = textwrap.dedent("""
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(torch.ops.infopt.int4_a8_dense_t(w, sm, 32, dtype),
                            a8.int4_dense_t_reference(w, sm, 32, dtype)), "dense"
+        assert torch.equal(torch.ops.infopt.int4_a8_dense_t(ws4, sm16, 32, dtype),
+                           a8.int4_dense_t_reference(ws4, sm16, 32, dtype)), "dense, fp16 scales alone"
     print(torch.ops.infopt.quant_linear_isa())
 """)
 
