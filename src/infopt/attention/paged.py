@@ -23,8 +23,8 @@ Kernels:
   tokens), infopt's Triton kernel for them: every token of the step in one launch per layer, blocks of 16 tokens of
   a sequence per program, its programs made from the host's lengths (the reference splits the step by sequence and
   attends to each prompt chunk alone: launches per layer grow with the sequences in the step).
-  :func:`set_triton_decode` turns both Triton kernels off. Eager steps only: a compiled forward calls the
-  reference operator.
+  :func:`set_triton_decode` turns both Triton kernels off. The engine's compiled step on CUDA calls both as one
+  operator, ``infopt::paged_attention_triton`` (``PagedAttentionMetadata.triton``, set outside the graph).
 - ``reference``: torch on any device (gather each sequence's blocks, SDPA); the oracle in tests, and what runs
   where neither kernel applies (or the C++ kernel cannot be built: no compiler). A compiled forward (the engine's
   ``compile=True``) calls it as one operator, ``infopt::paged_attention_sdpa``.
