@@ -349,17 +349,20 @@ def _flat_op(op, query, key_pool, value_pool, meta: PagedAttentionMetadata, scal
     return out.view(b, q, h, out.shape[-1])
 
 
+def _triton_eager(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    # a packed step of several sequences, eager (a compiled forward takes the operator: meta.triton), on CUDA or the
+    # interpreter; is_compiling first: a compiled forward never reads meta.decode (a guard would recompile per kind)
+    return (not torch.compiler.is_compiling() and _USE_TRITON[0] and meta.single is None and query.shape[0] == 1
+            and triton_paged.available(query))
+
+
 def _triton_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
-    # decode-only packed steps, eager (a compiled forward calls the reference operator), on CUDA or the interpreter
-    # is_compiling first: a compiled forward never reads meta.decode (a guard on it would recompile per step kind)
-    return (not torch.compiler.is_compiling() and _USE_TRITON[0] and meta.decode and meta.single is None
-            and query.shape[0] == 1 and triton_paged.available(query))
+    return _triton_eager(query, meta) and meta.decode  # decode-only steps
 
 
 def _triton_packed_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
-    # packed steps of several sequences holding prompt tokens, eager, on CUDA or the interpreter
-    return (not torch.compiler.is_compiling() and _USE_TRITON[0] and meta.gather is not None and meta.single is None
-            and meta.token_index is None and query.shape[0] == 1 and triton_paged.available(query))
+    # the other packed steps (prompt chunks beside decode tokens), every token real
+    return _triton_eager(query, meta) and meta.gather is not None and meta.token_index is None
 
 
 def _flash_ok(query: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
