@@ -28,14 +28,14 @@ from infopt.quantize.formats.int4 import quantize_int4_grouped  # noqa: E402
 def cases(n: int, k: int):
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
-    w16, s16 = a8.pack_blocked_int8(codes, 16)
+    w16 = a8.pack_blocked_int8(codes)
     rows = torch.rand(n, generator=g) / 100
-    yield "int8 a8, scale per row", lambda x: torch.ops.infopt.int8_a8_linear(x, w16, s16, rows, 16), \
-        w16.nbytes + s16.nbytes + rows.nbytes
+    yield "int8 a8, scale per row", lambda x: torch.ops.infopt.int8_a8_linear(x, w16, rows, 16), \
+        w16.nbytes + rows.nbytes
     for group in (16, 32):
         scale = a8.block_scales(torch.rand(n, k // group, generator=g) / 100)
-        yield f"int8 a8, scale per {group}", lambda x, s=scale: torch.ops.infopt.int8_a8_linear(x, w16, s16, s, 16), \
-            w16.nbytes + s16.nbytes + scale.nbytes
+        yield f"int8 a8, scale per {group}", lambda x, s=scale: torch.ops.infopt.int8_a8_linear(x, w16, s, 16), \
+            w16.nbytes + scale.nbytes
     scale = torch.rand(n, k // 16, generator=g) / 100
     yield "int8 x fp32, scale per 16", lambda x, c=codes: torch.ops.infopt.int8_f32_linear(x, c, scale), \
         codes.nbytes + scale.nbytes

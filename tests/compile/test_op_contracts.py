@@ -38,8 +38,8 @@ def test_quantized_linear_ops_match_their_fakes(rows, dtype):
     _check(torch.ops.infopt.int4_a8_linear.default, x, w, sm, 32)
     _check(torch.ops.infopt.int4_a8_linear_n.default, x, [w, w2], [sm, sm2], 32)
     codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
-    w8, wsum = a8.pack_blocked_int8(codes, 32)
-    _check(torch.ops.infopt.int8_a8_linear.default, x, w8, wsum, torch.rand(32) / 50, 32)
+    w8 = a8.pack_blocked_int8(codes)
+    _check(torch.ops.infopt.int8_a8_linear.default, x, w8, torch.rand(32) / 50, 32)
     if dtype == torch.float32:
         _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32) / 50)
         _check(torch.ops.infopt.int8_f32_linear.default, x, codes, torch.rand(32, 2) / 50)

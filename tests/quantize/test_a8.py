@@ -64,12 +64,14 @@ def test_int4_layout_round_trips_codes_and_rounds_scales_to_bf16():
     assert byte & 0xF == codes[16 * b + r, 8 * c + j] and byte >> 4 == codes[16 * b + r, 8 * c + 4 + j]
 
 
-def test_int8_layout_round_trips_and_sums_groups():
+def test_int8_layout_round_trips_with_codes_biased():
     codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
-    weight, wsum = a8.pack_blocked_int8(codes, 16)
-    assert weight.shape == (2, 16, 64) and wsum.shape == (2, 4, 16) and wsum.dtype == torch.int32
+    weight = a8.pack_blocked_int8(codes)
+    assert weight.shape == (2, 16, 64) and weight.dtype == torch.uint8
     assert torch.equal(a8.unpack_blocked_int8(weight), codes)
-    assert int(wsum[1, 2, 5]) == int(codes[21, 32:48].int().sum())
+    # byte 4r + j of chunk c of block b: row 16b + r, column 4c + j, code + 128
+    b, c, r, j = 1, 5, 7, 2
+    assert int(weight[b, c, 4 * r + j]) == int(codes[16 * b + r, 4 * c + j]) + 128
 
 
 def test_layouts_need_rows_in_blocks_of_16():
@@ -119,9 +121,9 @@ def test_int8_kernel_matches_the_reference(blocks, k, rows, group, per_scale, se
         per_scale = 1
     scale = torch.rand(n, generator=g) * 0.02 if not per_scale else \
         a8.block_scales(torch.rand(n, groups // per_scale, generator=g) * 0.02)
-    weight, wsum = a8.pack_blocked_int8(codes, group)
+    weight = a8.pack_blocked_int8(codes)
     x = torch.randn(rows, k, generator=g) * 3
-    got = torch.ops.infopt.int8_a8_linear(x, weight, wsum, scale, group)
+    got = torch.ops.infopt.int8_a8_linear(x, weight, scale, group)
     want = a8.int8_a8_reference(x, weight, scale, group)
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
@@ -132,9 +134,9 @@ def test_kernel_quantizes_activations_exactly_as_the_reference(dtype):
     """Through an identity int8 weight (scale 1) the kernel's output is code * scale: its codes must equal the
     reference's one for one (a 1-ulp difference in 127 / absmax moves a code at a tie)."""
     k = 64
-    eye, wsum = a8.pack_blocked_int8(torch.eye(k, dtype=torch.int8), 16)
+    eye = a8.pack_blocked_int8(torch.eye(k, dtype=torch.int8))
     x = (torch.randn(4096, k, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
-    y = torch.ops.infopt.int8_a8_linear(x, eye, wsum, torch.ones(k), 16).float()
+    y = torch.ops.infopt.int8_a8_linear(x, eye, torch.ones(k), 16).float()
     q, s = a8.quantize_activations(x, 16)
     # the output is code * scale rounded to x's dtype: bit-equal to the reference's codes times their scales
     want = (q.float() * s.repeat_interleave(16, 1)).to(dtype).float()
@@ -178,14 +180,13 @@ def test_kernels_refuse_bad_inputs_with_the_reason():
         torch.ops.infopt.int4_a8_linear(torch.randn(1, 64, dtype=torch.float64), weight, sm, 32)
     with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 \[2, 1, 2, 16\]"):
         torch.ops.infopt.int4_a8_linear(torch.randn(1, 64), weight, sm, 64)
-    with pytest.raises(RuntimeError, match="weight must be contiguous int8"):
-        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), weight, torch.zeros(2, 2, 16, dtype=torch.int32),
-                                        torch.ones(32), 32)
-    w8, ws = a8.pack_blocked_int8(torch.zeros(32, 64, dtype=torch.int8), 16)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous uint8 \[out/16, in/4, 64\] \(codes \+ 128\)"):
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), weight.view(torch.int8), torch.ones(32), 32)
+    w8 = a8.pack_blocked_int8(torch.zeros(32, 64, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="scale's 3 groups per row must each span a whole number of the 4 "):
-        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(2, 3, 16), 16)
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, torch.ones(2, 3, 16), 16)
     with pytest.raises(RuntimeError, match=r"scale must be contiguous float32 \[32\] or blocked \[2, groups, 16\]"):
-        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, ws, torch.ones(32, 4), 16)
+        torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), w8, torch.ones(32, 4), 16)
 
 
 _PORTABLE_CHECK = textwrap.dedent("""
@@ -198,8 +199,7 @@ _PORTABLE_CHECK = textwrap.dedent("""
     c4, s4, _ = quantize_int4_grouped(torch.randn(48, 128), 32, symmetric=True)
     ws4, sm16 = a8.pack_blocked_int4_sym(c4, s4)  # the a8_sym layout: fp16 scales alone
     codes = torch.randint(-128, 128, (48, 128), dtype=torch.int8)
-    w8, ws = a8.pack_blocked_int8(codes, 32)
-    w8g = a8.pack_blocked_int8(codes, 16)
+    w8 = a8.pack_blocked_int8(codes)
     scale = torch.rand(48)
     for rows in (1, 5):
         x = torch.randn(rows, 128)
@@ -207,13 +207,12 @@ _PORTABLE_CHECK = textwrap.dedent("""
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4"
         y, r = torch.ops.infopt.int4_a8_linear(x, ws4, sm16, 32), a8.int4_a8_reference(x, ws4, sm16, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4, fp16 scales alone"
-        y, r = torch.ops.infopt.int8_a8_linear(x, w8, ws, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
+        y, r = torch.ops.infopt.int8_a8_linear(x, w8, scale, 32), a8.int8_a8_reference(x, w8, scale, 32)
         assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8"
         gs = a8.block_scales(torch.rand(48, 4) + 0.1)  # group scales over whole activation groups (16, 32 columns)
-        for group, wg in ((16, w8g), (32, w8)):
-            y = torch.ops.infopt.int8_a8_linear(x, wg[0] if group == 16 else w8, wg[1] if group == 16 else ws, gs,
-                                                group)
-            r = a8.int8_a8_reference(x, wg[0] if group == 16 else w8, gs, group)
+        for group in (16, 32):
+            y = torch.ops.infopt.int8_a8_linear(x, w8, gs, group)
+            r = a8.int8_a8_reference(x, w8, gs, group)
             assert (y - r).abs().max() <= 2e-6 * r.abs().max(), f"int8 group scales, activation group {group}"
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(torch.ops.infopt.int4_a8_dense_t(w, sm, 32, dtype),
@@ -366,7 +365,7 @@ def test_a8_layers_save_in_the_portable_layout_and_load_back_identically():
     m = _a8_model()
     sd = m.state_dict()
     assert {"model.layers.0.mlp.up_proj.qweight", "lm_head.weight_int8"} <= set(sd)
-    assert not any(k.endswith(("weight_a8", "wsum", "scale_min")) for k in sd)
+    assert not any(k.endswith(("weight_a8", "scale_min")) for k in sd)
     other = copy.deepcopy(m)
     torch.manual_seed(1)
     for mod in other.modules():  # scramble, then load

@@ -191,13 +191,13 @@ _FAKES: dict[str, dict] = {
         "int4_a8_linear": lambda x, weight, scale_min, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
         "int4_a8_linear_n": lambda x, weights, scale_mins, group: [x.new_empty(x.shape[0], w.shape[0] * ROWS)
                                                                    for w in weights],
-        "int8_a8_linear": lambda x, weight, wsum, scale, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
+        "int8_a8_linear": lambda x, weight, scale, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
         "int4_a8_dense_t": lambda weight, scale_min, group, dtype: weight.new_empty(
             weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
         "int4_a8_from_ggml": lambda raw, kind, perm: _int4_from_ggml_fake(raw, kind),
-        "int8_a8_from_ggml": lambda raw, perm, group, kind=0: _int8_from_ggml_fake(raw, group, kind),
+        "int8_a8_from_ggml": lambda raw, perm, kind=0: _int8_from_ggml_fake(raw, kind),
     },
 }
 
@@ -209,11 +209,10 @@ def _int4_from_ggml_fake(raw: torch.Tensor, kind: int) -> tuple[torch.Tensor, to
             raw.new_empty(raw.shape[0] // ROWS, g, 2, ROWS, dtype=torch.bfloat16))
 
 
-def _int8_from_ggml_fake(raw: torch.Tensor, group: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_from_ggml_fake(raw: torch.Tensor, kind: int) -> torch.Tensor:
     block_bytes, weights = ((34, 32), (210, 256))[kind]  # Q8_0, Q6_K: bytes and weights per block
     k = raw.shape[1] // block_bytes * weights
-    return (raw.new_empty(raw.shape[0] // ROWS, k // 4, 64, dtype=torch.int8),
-            raw.new_empty(raw.shape[0] // ROWS, k // group, ROWS, dtype=torch.int32))
+    return raw.new_empty(raw.shape[0] // ROWS, k // 4, 64)
 
 
 def _register_fakes(name: str) -> None:

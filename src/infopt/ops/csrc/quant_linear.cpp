@@ -16,16 +16,16 @@
 //   scale: half the scale bytes (4.5 bits a weight instead of 5) and the file's scales kept exactly;
 //   y[m, r] = sum_g scale[r,g] * (sx[m,g] * sum_k code[r,k] q[m,k] - 8 * sxs[m,g]).
 //
-// int8_a8_linear(x [M, K], weight int8 [N/16, K/4, 64], wsum int32 [N/16, G, 16], scale fp32 [N] | [N/16, Gw, 16],
-//                group)
+// int8_a8_linear(x [M, K], weight uint8 [N/16, K/4, 64], scale fp32 [N] | [N/16, Gw, 16], group)
 //   Weights w = code * scale[r] (symmetric per row), or code * scale[r, gw] per group of K / Gw input channels (a
-//   whole number of activation groups: a GGUF file's Q8_0 and Q6_K blocks), codes -128..127; chunk c holds row r's
-//   columns 4c..4c+3 at bytes 4r..4r+3. vpdpbusd multiplies unsigned by signed bytes, so activations enter as
-//   q + 128 and each group's 128 * sum_k w[r,k] (wsum, precomputed) is subtracted.
-//   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k code[r,k] (q[m,k] + 128) - 128 * wsum[r,g]), or with group scales
-//   sum_g (sx[m,g] * scale[r, g / (Ga / Gw)]) * (...). Group scales come blocked as the weight is, a block's 16 rows
-//   side by side per group, so each group's are one 64-byte load (a gather from row-major scales, 16 rows apart,
-//   ran the 3B head's decode call at 18 GB/s against 26 for per-row scales).
+//   whole number of activation groups: a GGUF file's Q8_0 and Q6_K blocks), codes -128..127 stored biased, code +
+//   128 (the sign bit flipped); chunk c holds row r's columns 4c..4c+3 at bytes 4r..4r+3. vpdpbusd multiplies
+//   unsigned by signed bytes: the biased codes are its unsigned operand, and 128 * sum_k q[m,k] (the activation
+//   group's sum of codes, known from quantizing it) is subtracted, so no per-weight sums are stored or read.
+//   y[m, r] = scale[r] * sum_g sx[m,g] * (sum_k (code[r,k] + 128) q[m,k] - 128 * sum_k q[m,k]), or with group
+//   scales sum_g (sx[m,g] * scale[r, g / (Ga / Gw)]) * (...). Group scales come blocked as the weight is, a block's
+//   16 rows side by side per group, so each group's are one 64-byte load (a gather from row-major scales, 16 rows
+//   apart, ran the 3B head's decode call at 18 GB/s against 26 for per-row scales).
 //
 // int4_a8_dense_t(weight, scale_min, group, dtype) -> bf16 | fp32 [K, N]
 //   The same weights dequantized, transposed, for prompts: many rows run faster as one bf16 GEMM (AMX, AVX512-BF16)
@@ -334,14 +334,14 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
 // gs: with group scales, the block's [Gw, 16] scales, and per_scale activation groups per scale group; nullptr:
 // per-row scales, applied by the caller.
 template <int MR>
-void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int64_t m0, int64_t K, int64_t group,
-                float* acc, const float* gs = nullptr, int64_t per_scale = 1) {
+void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, int64_t group, float* acc,
+                const float* gs = nullptr, int64_t per_scale = 1) {
   const int64_t G = K / group;
   const int64_t chunks = group / 4;
   const int8_t* xq = a.q.data() + m0 * K;
   const float* sx = a.sx.data() + m0 * G;
+  const int32_t* qsum = a.sum.data() + m0 * G;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // + 128 per byte (xor of the sign bit)
   __m512 out[MR];
   for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -355,28 +355,29 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
       w += 128;
       for (int m = 0; m < MR; ++m) {
         const int8_t* xm = xg + m * K + 4 * c;
-        ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xm)), bias), v0);
-        ib[m] = _mm512_dpbusd_epi32(ib[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xm + 4)), bias), v1);
+        ia[m] = _mm512_dpbusd_epi32(ia[m], v0, _mm512_set1_epi32(load4(xm)));
+        ib[m] = _mm512_dpbusd_epi32(ib[m], v1, _mm512_set1_epi32(load4(xm + 4)));
       }
     }
     for (; c < chunks; ++c) {
       const __m512i v0 = _mm512_loadu_si512(w);
       w += 64;
       for (int m = 0; m < MR; ++m)
-        ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_xor_si512(_mm512_set1_epi32(load4(xg + m * K + 4 * c)), bias), v0);
+        ia[m] = _mm512_dpbusd_epi32(ia[m], v0, _mm512_set1_epi32(load4(xg + m * K + 4 * c)));
     }
-    const __m512i ws = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kRows), 7);
     // per-row scales: 1 here (sx * 1 is sx, bit for bit), applied by the caller
     const __m512 sw = gs != nullptr ? _mm512_loadu_ps(gs + (g / per_scale) * kRows) : _mm512_set1_ps(1.f);
     for (int m = 0; m < MR; ++m) {
-      const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), ws));
+      const __m512i bias = _mm512_set1_epi32(qsum[m * G + g] * 128);  // the codes' + 128, times the activations
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), bias));
       out[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_set1_ps(sx[m * G + g]), sw), out[m]);
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(acc + m * kRows, out[m]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  // u8 x s8 pairs in 16 bits can saturate (2 * 255 * 128 > 32767), so AVX2 widens the weights to 16 bits and uses
-  // the signed codes directly: vpmaddwd of int16 pairs is exact
+  // u8 x s8 pairs in 16 bits can saturate (2 * 255 * 127 > 32767), so AVX2 takes the signed codes back (the sign bit
+  // flipped again) and widens them to 16 bits: vpmaddwd of int16 pairs is exact
+  const __m256i sign = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 out[MR][2];
   for (int m = 0; m < MR; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -385,7 +386,7 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
     const int8_t* xg = xq + g * group;
     for (int64_t c = 0; c < chunks; ++c) {
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h)), sign);
         // 8 rows x 4 bytes: widen pairs (k, k+1) and (k+2, k+3) of each row to int16
         const __m256i w01 = _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);  // byte 0 of each row
         const __m256i w1 = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24);
@@ -409,7 +410,7 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
                                     out[m][h]);
     }
   }
-  (void)wsum;
+  (void)qsum;
   store_halves<MR>(out, acc);
 #else
   float out[MR][kRows] = {};
@@ -419,7 +420,8 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
     for (int64_t c = 0; c < chunks; ++c) {
       for (int r = 0; r < kRows; ++r)
         for (int j = 0; j < 4; ++j)
-          for (int m = 0; m < MR; ++m) iacc[m][r] += static_cast<int32_t>(w[4 * r + j]) * xg[m * K + 4 * c + j];
+          for (int m = 0; m < MR; ++m)
+            iacc[m][r] += static_cast<int32_t>(static_cast<int8_t>(w[4 * r + j] ^ 0x80u)) * xg[m * K + 4 * c + j];
       w += 64;
     }
     for (int m = 0; m < MR; ++m)
@@ -427,7 +429,7 @@ void int8_block(const int8_t* w, const int32_t* wsum, const Activations& a, int6
         out[m][r] = std::fma(static_cast<float>(iacc[m][r]),
                              sx[m * G + g] * (gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f), out[m][r]);
   }
-  (void)wsum;
+  (void)qsum;
   for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));
 #endif
 }
@@ -641,18 +643,16 @@ at::Tensor int4_a8_linear(const at::Tensor& x, const at::Tensor& weight, const a
   return int4_a8_linear_n(x, {weight}, {scale_min}, group)[0];
 }
 
-at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at::Tensor& wsum,
-                          const at::Tensor& scale, int64_t group) {
+at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const at::Tensor& scale, int64_t group) {
   const char* op = "int8_a8_linear";
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 3 && weight.size(2) == 64 && weight.is_contiguous(),
-              op, ": weight must be contiguous int8 [out/16, in/4, 64], got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(2) == 64 && weight.is_contiguous(),
+              op, ": weight must be contiguous uint8 [out/16, in/4, 64] (codes + 128), got ", weight.scalar_type(), " ",
+              weight.sizes());
   const int64_t NB = weight.size(0), K = weight.size(1) * 4, N = NB * kRows;
   TORCH_CHECK(group % 4 == 0, op, ": group ", group, " must be a multiple of 4");
   at::Tensor x = x_.contiguous();
   check_x(x, K, group, op);
   const int64_t G = K / group;
-  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.sizes() == at::IntArrayRef({NB, G, kRows}),
-              op, ": wsum must be contiguous int32 [", NB, ", ", G, ", 16], got ", wsum.scalar_type(), " ", wsum.sizes());
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   ((scale.dim() == 1 && scale.size(0) == N) ||
                    (scale.dim() == 3 && scale.size(0) == NB && scale.size(2) == kRows)),
@@ -661,22 +661,19 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
   const int64_t Gw = scale.dim() == 3 ? scale.size(1) : 0;  // 0: one scale per row
   TORCH_CHECK(Gw == 0 || (Gw > 0 && G % Gw == 0), op, ": scale's ", Gw, " groups per row must each span a whole "
               "number of the ", G, " activation groups of ", group, " input channels");
-  TORCH_CHECK(weight.device().is_cpu() && wsum.device().is_cpu() && scale.device().is_cpu(), op,
-              ": weights must be on the CPU");
+  TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), op, ": weights must be on the CPU");
   const Activations& a = quantize(x, group);
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const int32_t* ws = wsum.data_ptr<int32_t>();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const int64_t per_scale = Gw ? G / Gw : 1;
   return run_blocks(x, {N}, {Gw ? nullptr : sp}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
-    const int8_t* wb = w + nb * (K / 4) * 64;
-    const int32_t* sb = ws + nb * G * kRows;
+    const uint8_t* wb = w + nb * (K / 4) * 64;
     const float* gs = Gw ? sp + nb * Gw * kRows : nullptr;
     switch (mr) {
-      case 1: int8_block<1>(wb, sb, a, m0, K, group, acc, gs, per_scale); break;
-      case 2: int8_block<2>(wb, sb, a, m0, K, group, acc, gs, per_scale); break;
-      case 3: int8_block<3>(wb, sb, a, m0, K, group, acc, gs, per_scale); break;
-      default: int8_block<4>(wb, sb, a, m0, K, group, acc, gs, per_scale); break;
+      case 1: int8_block<1>(wb, a, m0, K, group, acc, gs, per_scale); break;
+      case 2: int8_block<2>(wb, a, m0, K, group, acc, gs, per_scale); break;
+      case 3: int8_block<3>(wb, a, m0, K, group, acc, gs, per_scale); break;
+      default: int8_block<4>(wb, a, m0, K, group, acc, gs, per_scale); break;
     }
   })[0];
 }
@@ -1055,7 +1052,7 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 //   256) | 3 (Q4_0 into the symmetric layout), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16
 //   [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32, 16])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
-//   group, kind) -> (weight int8 [N/16, K/4, 64], wsum int32 [N/16, K/group, 16])
+//   kind) -> weight uint8 [N/16, K/4, 64] (codes + 128)
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
 //   numbers of infopt.quantize.community.gguf_blocks.decode_int4 / decode_int8 followed by
 //   infopt.quantize.formats.a8.pack_blocked_int4 / pack_blocked_int8, bit for bit (the tests compare them), in one
@@ -1210,21 +1207,9 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   return {weight, scale_min};
 }
 
-// A Q8_0 row's sums of codes per group of S (S divides 32) or of `blocks` x 32 codes, into every kRows-th int of out.
-template <int64_t S>
-void block_sums(const uint8_t* row, int64_t K, int32_t* out, int64_t blocks = 1) {
-  int32_t t = 0;
-  for (int64_t blk = 0; blk < K / 32; ++blk) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(row + blk * 34 + 2);
-    for (int64_t j0 = 0; j0 < 32; j0 += S) {
-      for (int64_t j = 0; j < S; ++j) t += q[j0 + j];
-      if (S < 32 || (blk + 1) % blocks == 0) {
-        *out = t;
-        out += kRows;
-        t = 0;
-      }
-    }
-  }
+inline void biased4(uint8_t* dst, const void* codes) {  // four int8 codes, + 128 each (the sign bits flipped)
+  const uint32_t w = word_at(static_cast<const uint8_t*>(codes)) ^ 0x80808080u;
+  std::memcpy(dst, &w, 4);
 }
 
 // One Q6_K row's codes (q - 32) into out [K]: per block of 256, half h of 128 weights reads ql bytes 64h..64h+63
@@ -1246,22 +1231,16 @@ void q6_k_codes(const uint8_t* row, int64_t K, int8_t* out) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm,
-                                                     int64_t group, int64_t kind) {
+at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm, int64_t kind) {
   const char* op = "int8_a8_from_ggml";
   TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q8_0) or 1 (Q6_K), got ", kind);
   const int64_t B = kind == 0 ? 34 : 210, per_block = kind == 0 ? 32 : 256;  // bytes and weights per block
   check_raw(raw, B, op);
   const int64_t N = raw.size(0), K = raw.size(1) / B * per_block, NB = N / kRows, row_bytes = raw.size(1);
-  TORCH_CHECK(group > 0 && K % group == 0 && (32 % group == 0 || group % 32 == 0) && group % 4 == 0, op, ": group ",
-              group, " must divide in_features ", K, " and be 4, 8, 16 or a multiple of 32");
-  const int64_t G = K / group;
   const int64_t* pp = checked_perm(perm, N, op);
-  at::Tensor weight = at::empty({NB, K / 4, 64}, raw.options().dtype(at::kChar));
-  at::Tensor wsum = at::empty({NB, G, kRows}, raw.options().dtype(at::kInt));
+  at::Tensor weight = at::empty({NB, K / 4, 64}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* wp = reinterpret_cast<uint8_t*>(weight.data_ptr<int8_t>());
-  int32_t* ws = wsum.data_ptr<int32_t>();
+  uint8_t* wp = weight.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
     std::vector<int8_t> codes(kind == 1 ? K : 0);
     for (int64_t b = b0; b < b1; ++b)
@@ -1269,30 +1248,18 @@ std::tuple<at::Tensor, at::Tensor> int8_a8_from_ggml(const at::Tensor& raw, cons
         const int64_t n = b * kRows + r;
         const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
         uint8_t* dst = wp + b * (K / 4) * 64 + 4 * r;
-        int32_t* sums = ws + b * G * kRows + r;
         if (kind == 1) {
           q6_k_codes(row, K, codes.data());
-          for (int64_t c = 0; c < K / 4; ++c) std::memcpy(dst + c * 64, codes.data() + 4 * c, 4);
-          for (int64_t g = 0; g < G; ++g) {
-            int32_t t = 0;
-            for (int64_t k = g * group; k < (g + 1) * group; ++k) t += codes[k];
-            sums[g * kRows] = t;
-          }
+          for (int64_t c = 0; c < K / 4; ++c) biased4(dst + c * 64, codes.data() + 4 * c);
           continue;
         }
         for (int64_t blk = 0; blk < K / 32; ++blk) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(row + blk * 34 + 2);
-          for (int64_t c = 0; c < 8; ++c) std::memcpy(dst + (blk * 8 + c) * 64, q + 4 * c, 4);
-        }
-        switch (group) {
-          case 4: block_sums<4>(row, K, sums); break;
-          case 8: block_sums<8>(row, K, sums); break;
-          case 16: block_sums<16>(row, K, sums); break;
-          default: block_sums<32>(row, K, sums, group / 32); break;
+          const uint8_t* q = row + blk * 34 + 2;
+          for (int64_t c = 0; c < 8; ++c) biased4(dst + (blk * 8 + c) * 64, q + 4 * c);
         }
       }
   });
-  return {weight, wsum};
+  return weight;
 }
 
 std::string quant_linear_isa() { return kIsa; }
@@ -1309,12 +1276,12 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("quant_linear_error_probe() -> int", &quant_linear_error_probe);
   m.def("int4_a8_linear(Tensor x, Tensor weight, Tensor scale_min, int group) -> Tensor");
   m.def("int4_a8_linear_n(Tensor x, Tensor[] weights, Tensor[] scale_mins, int group) -> Tensor[]");
-  m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor wsum, Tensor scale, int group) -> Tensor");
+  m.def("int8_a8_linear(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm) -> (Tensor, Tensor)");
-  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int group, int kind=0) -> (Tensor, Tensor)");
+  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int kind=0) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 

@@ -196,16 +196,15 @@ A8_INT8 = {"Q8_0": 0, "Q6_K": 1}
 """Types the C++ transcoder writes straight into the a8 int8 layout (:func:`a8_int8`), with its kind numbers."""
 
 
-def a8_int8(raw: torch.Tensor, group: int, perm: torch.Tensor | None = None, kind: str = "Q8_0"
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q8_0 bytes ``[R, in / 32 * 34]`` (or Q6_K, ``[R, in / 256 * 210]``) straight into the a8 int8 layout,
-    ``(weight, wsum)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int8` for activation groups of ``group`` (row
-    ``i`` from the file's row ``perm[i]``): bit for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of
-    the C++ kernel. None where the C++ kernels are not built. The scales are the caller's (:func:`q8_0_scales`,
-    :func:`q6_k_scales`: ``decode_int8``'s, without reading the codes)."""
+def a8_int8(raw: torch.Tensor, perm: torch.Tensor | None = None, kind: str = "Q8_0") -> torch.Tensor | None:
+    """Q8_0 bytes ``[R, in / 32 * 34]`` (or Q6_K, ``[R, in / 256 * 210]``) straight into the a8 int8 layout, the
+    weight of :func:`infopt.quantize.formats.a8.pack_blocked_int8` (row ``i`` from the file's row ``perm[i]``): bit
+    for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of the C++ kernel. None where the C++ kernels
+    are not built. The scales are the caller's (:func:`q8_0_scales`, :func:`q6_k_scales`: ``decode_int8``'s, without
+    reading the codes)."""
     if not a8.available():
         return None
-    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, group, A8_INT8[kind])
+    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, A8_INT8[kind])
 
 
 def q8_0_scales(raw: torch.Tensor) -> torch.Tensor:

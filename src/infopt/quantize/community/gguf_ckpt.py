@@ -47,7 +47,6 @@ from ..formats.int4 import Int4Linear
 from ..formats.int4_layouts import LAYOUTS as INT4_LAYOUTS
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.int8_layouts import LAYOUTS as INT8_LAYOUTS
-from ..formats.int8_layouts import act_group
 from .common import (
     LoadOptions,
     empty_model,
@@ -327,8 +326,8 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
         if perm is not None:
             scales = scales[perm]
         scales = per_channel_if_uniform(scales)  # as int8_layer does
-        packed = a8_int8(raw, act_group(in_f), perm, kind)
-        return None if packed is None else Int8Linear.from_a8(*packed, scales, dtype=opts.dtype)
+        weight = a8_int8(raw, perm, kind)
+        return None if weight is None else Int8Linear.from_a8(weight, scales, dtype=opts.dtype)
     return None
 
 

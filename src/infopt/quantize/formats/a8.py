@@ -18,8 +18,9 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
   ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``. For
   symmetric codes (every GGUF Q4_0 block) fp16 scales ``[N/16, G, 16]`` alone (the ``a8_sym`` layout):
   ``w = (code - 8) * scale``, 4.5 bits a weight instead of 5 and a Q4_0 file's scales kept exactly.
-- int8: ``weight`` int8 ``[N/16, K/4, 64]``; chunk ``c`` holds columns ``4c..4c+3`` of row ``r`` at bytes
-  ``4r..4r+3``. ``wsum`` int32 ``[N/16, G, 16]``: each row's sum of codes per group; ``scale`` fp32 ``[N]``, or
+- int8: ``weight`` uint8 ``[N/16, K/4, 64]``, the codes plus 128 (their sign bits flipped: the unsigned operand of
+  the integer dot product, whose offset the activations' own sums undo); chunk ``c`` holds columns ``4c..4c+3`` of
+  row ``r`` at bytes ``4r..4r+3``. ``scale`` fp32 ``[N]``, or
   blocked ``[N/16, Gw, 16]`` (:func:`block_scales`) for one scale per row and group of ``K // Gw`` inputs, a multiple
   of ``group`` (a GGUF file's Q8_0 and Q6_K blocks): each activation group's integer dot product is then scaled by
   its row's scale for that group, the block's 16 rows' scales one vector load.
@@ -34,7 +35,7 @@ from ...ops import cpp
 from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
-__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8",
+__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
            "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
@@ -168,24 +169,28 @@ def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[
     return codes, sm[0].clone(), -sm[1] / sm[0]
 
 
-_SUM_CHUNK = 1 << 22
-"""Codes summed per step when packing an int8 block-layout weight (16 MiB of int32 at a time)."""
+def pack_blocked_int8(codes: torch.Tensor) -> torch.Tensor:
+    """Int8 codes ``[N, K]`` into the int8 block layout (module docstring): uint8 ``[N/16, K/4, 64]``, each code plus
+    128.
 
-
-def pack_blocked_int8(codes: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8 codes ``[N, K]`` into ``(weight, wsum)`` (module docstring) for activation groups of ``group``."""
+    Example:
+        >>> codes = torch.tensor([[-128, -1, 0, 127]], dtype=torch.int8).repeat(16, 1)
+        >>> w = pack_blocked_int8(codes)
+        >>> w.dtype, w[0, 0, :4].tolist(), torch.equal(unpack_blocked_int8(w), codes)
+        (torch.uint8, [0, 127, 128, 255], True)
+    """
     n, k = codes.shape
     _check_rows(n)
     c = codes.to(torch.int8)
     weight = c.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 4 * ROWS)
-    wsum = torch.empty(n // ROWS, k // group, ROWS, dtype=torch.int32, device=c.device)
-    # the sums a block of rows at a time: an int32 copy of a whole large head (a 152k-token vocabulary) would take
-    # four times the codes' memory at once
-    step = ROWS * max(1, _SUM_CHUNK // (ROWS * k))
-    for i in range(0, n, step):
-        part = c[i:i + step].to(torch.int32).reshape(-1, ROWS, k // group, group).sum(-1, dtype=torch.int32)
-        wsum[i // ROWS:(i + step) // ROWS] = part.permute(0, 2, 1)
-    return weight.contiguous(), wsum
+    return biased(weight.contiguous())
+
+
+def biased(codes: torch.Tensor) -> torch.Tensor:
+    """Int8 codes as the int8 block layout stores them, uint8 ``code + 128`` (each byte's sign bit flipped, in a new
+    tensor); on uint8 input, the int8 codes back."""
+    flipped = codes.view(torch.uint8) ^ 0x80
+    return flipped if codes.dtype == torch.int8 else flipped.view(torch.int8)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -208,9 +213,9 @@ def unblock_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_blocked_int8(weight: torch.Tensor) -> torch.Tensor:
-    """The codes ``[N, K]`` of an int8 block-layout weight."""
+    """The int8 codes ``[N, K]`` of an int8 block-layout weight."""
     nb, chunks, _ = weight.shape
-    return weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, chunks * 4)
+    return biased(weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, chunks * 4).contiguous())
 
 
 def _group_dots(q: torch.Tensor, codes: torch.Tensor, group: int) -> torch.Tensor:
@@ -277,23 +282,22 @@ def int4_a8_linear_n(x: torch.Tensor, weights: list[torch.Tensor], scale_mins: l
     return [int4_a8_reference(x, w, sm, group) for w, sm in zip(weights, scale_mins, strict=True)]
 
 
-def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
-                   group: int) -> torch.Tensor:
+def int8_a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """``x [..., K]`` times an int8 block-layout weight (``scale`` per row ``[N]``, or per row and group of whole
     activation groups, blocked by :func:`block_scales`) with int8 dynamic activations.
 
     Example:
         >>> codes = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
-        >>> weight, wsum = pack_blocked_int8(codes, 16)
+        >>> weight = pack_blocked_int8(codes)
         >>> scale, x = block_scales(torch.rand(32, 2) / 100), torch.randn(3, 64)
-        >>> y = int8_a8_linear(x, weight, wsum, scale, 16)
+        >>> y = int8_a8_linear(x, weight, scale, 16)
         >>> bool(torch.allclose(y, int8_a8_reference(x, weight, scale, 16), atol=1e-5))
         True
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and available():
         _count("int8_a8_linear")
-        y = torch.ops.infopt.int8_a8_linear(x2, weight, wsum, scale, group)
+        y = torch.ops.infopt.int8_a8_linear(x2, weight, scale, group)
     else:
         _count("reference")
         y = int8_a8_reference(x2, weight, scale, group)

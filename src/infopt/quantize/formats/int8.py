@@ -214,7 +214,7 @@ class Int8Linear(KeepsFormat):
     ``[out, in // group_size]`` with groups); ``bias`` stays a floating-point parameter. ``activations`` picks the
     layout of the codes in memory, ``layout`` (a small class of :mod:`infopt.quantize.formats.int8_layouts`):
     ``"plain"`` (``"float"``) keeps ``weight_int8`` itself; ``"a8"`` (``"int8"``) the block layout of
-    :mod:`infopt.quantize.formats.a8` (buffers ``weight_a8`` and ``wsum``), converted to ``weight_int8`` when saved
+    :mod:`infopt.quantize.formats.a8` (buffer ``weight_a8``), converted to ``weight_int8`` when saved
     and from it when loaded.
     """
 
@@ -288,18 +288,17 @@ class Int8Linear(KeepsFormat):
         return new
 
     @classmethod
-    def from_a8(cls, weight: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor, *,
-                dtype: torch.dtype = torch.float32) -> Int8Linear:
-        """Build an ``activations="int8"`` layer from its block-layout buffers computed elsewhere (a GGUF file's Q8_0
-        blocks transcoded at load: :func:`infopt.quantize.community.gguf_blocks.a8_int8`): ``weight`` int8
-        ``[out/16, in/4, 64]``, ``wsum`` int32 ``[out/16, in/act_group, 16]``, ``scales`` fp32 ``[out]`` or ``[out, G]``
-        (per group of ``in // G`` inputs); no bias."""
+    def from_a8(cls, weight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> Int8Linear:
+        """Build an ``activations="int8"`` layer from its block-layout weight computed elsewhere (a GGUF file's Q8_0
+        blocks transcoded at load: :func:`infopt.quantize.community.gguf_blocks.a8_int8`): ``weight`` uint8
+        ``[out/16, in/4, 64]`` (codes plus 128), ``scales`` fp32 ``[out]`` or ``[out, G]`` (per group of ``in // G``
+        inputs); no bias."""
         out_f, in_f = weight.shape[0] * a8.ROWS, weight.shape[1] * 4
         group = None if scales.dim() != 2 or not scales.shape[1] or in_f % scales.shape[1] else in_f // scales.shape[1]
         new = cls(in_f, out_f, bias=False, dtype=dtype, compute_dtype=_auto_compute_dtype(dtype, weight.device),
                   device="meta", activations="int8", group_size=group)
         want = {**LAYOUTS["a8"].empty(out_f, in_f, "meta"), "weight_scale": new.weight_scale}
-        for name, t in (("weight_a8", weight), ("wsum", wsum), ("weight_scale", scales)):
+        for name, t in (("weight_a8", weight), ("weight_scale", scales)):
             if t.shape != want[name].shape or t.dtype != want[name].dtype:
                 raise ValueError(f"Int8Linear.from_a8: {name} must be {want[name].dtype} {tuple(want[name].shape)}, "
                                  f"got {t.dtype} {tuple(t.shape)}")

@@ -209,15 +209,15 @@ class Plain(Int8Layout):
 
 class A8(Int8Layout):
     """Int8 dynamic activations times the codes in integers (:func:`infopt.quantize.formats.a8.int8_a8_linear`): the
-    codes in :mod:`~infopt.quantize.formats.a8`'s blocks of 16 rows, ``weight_a8`` int8 ``[out/16, in/4, 64]``, with
-    their sums per activation group (:func:`act_group`), ``wsum`` int32 ``[out/16, in/group, 16]``; both are rebuilt
-    from ``weight_int8`` when loaded, not saved. Per-channel scales serve as they are; group scales (per a whole
+    codes in :mod:`~infopt.quantize.formats.a8`'s blocks of 16 rows, ``weight_a8`` uint8 ``[out/16, in/4, 64]`` (each
+    code plus 128), activations quantized per group of :func:`act_group` input channels; rebuilt from
+    ``weight_int8`` when loaded, not saved. Per-channel scales serve as they are; group scales (per a whole
     number of activation groups, applied to each group's dot products) are read from a blocked copy of
     ``weight_scale``, ``wscale`` fp32 ``[out/16, in/group_size, 16]`` (:func:`~infopt.quantize.formats.a8.block_scales`:
     one vector load per group, where a gather from the row-major scales was the kernel's bottleneck), kept in step by
     :meth:`scales_set` and not saved."""
 
-    name, activations, buffers, saves_buffers, concatenates = "a8", "int8", ("weight_a8", "wsum"), False, False
+    name, activations, buffers, saves_buffers, concatenates = "a8", "int8", ("weight_a8",), False, False
 
     def fits(self, out_features, in_features, group_size):
         if out_features % a8.ROWS or in_features % 4:
@@ -230,16 +230,14 @@ class A8(Int8Layout):
 
     def empty(self, out_features, in_features, device):
         blocks = out_features // a8.ROWS
-        return {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.int8, device=device),
-                "wsum": _alloc(blocks, in_features // act_group(in_features), a8.ROWS, dtype=torch.int32,
-                               device=device)}
+        return {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.uint8, device=device)}
 
     def scales_set(self, layer):
         if layer.group_size is not None:
             layer.register_buffer("wscale", a8.block_scales(layer.weight_scale), persistent=False)
 
     def set_codes(self, layer, codes):
-        layer.weight_a8, layer.wsum = a8.pack_blocked_int8(codes.to(layer.weight_a8.device), layer.act_group)
+        layer.weight_a8 = a8.pack_blocked_int8(codes.to(layer.weight_a8.device))
 
     def codes(self, layer):
         return a8.unpack_blocked_int8(layer.weight_a8)
@@ -247,11 +245,11 @@ class A8(Int8Layout):
     def rows(self, layer, index):
         # block layout [N/16, K/4, 16 rows, 4 columns]
         blocks = layer.weight_a8.view(layer.out_features // a8.ROWS, layer.in_features // 4, a8.ROWS, 4)
-        return blocks[index // a8.ROWS, :, index % a8.ROWS].reshape(*index.shape, layer.in_features)
+        return a8.biased(blocks[index // a8.ROWS, :, index % a8.ROWS].reshape(*index.shape, layer.in_features))
 
     def matmul(self, layer, x):
         scale = layer.weight_scale if layer.group_size is None else layer.wscale
-        return "int8_a8_linear", a8.int8_a8_linear(x, layer.weight_a8, layer.wsum, scale, layer.act_group)
+        return "int8_a8_linear", a8.int8_a8_linear(x, layer.weight_a8, scale, layer.act_group)
 
 
 LAYOUTS: dict[str, Int8Layout] = {layout.name: layout for layout in (Plain(), A8())}
