@@ -5,7 +5,8 @@ Reports output and prompt tokens/s, wall time and KV-cache utilisation; ``--chec
 requests with plain ``generate`` (greedy, same dtype) and counts those whose tokens are identical.
 
     python benchmarks/engine_throughput.py [--dtypes float32 bfloat16] [--kernels cpu reference] [--check 4]
-        [--prepack off auto] [--quantize none int8 int4 smoothquant] [--compile off on] [--json benchmarks/results/engine_throughput.json]
+        [--prepack off auto] [--quantize none int8 int4 smoothquant] [--compile off on] [--max-batch-tokens 512 2048]
+        [--json benchmarks/results/engine_throughput.json]
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def load_quantized(dtype: torch.dtype, quantize: str):
     return model, tok
 
 
-def run(model, tok, reqs, kernel: str, prepack: str, compile: bool = False) -> dict:
+def run(model, tok, reqs, kernel: str, prepack: str, compile: bool = False, max_batch_tokens: int = 512) -> dict:
     previous = set_cpu_kernel(kernel == "cpu")
     try:
         t0 = time.perf_counter()
         engine = Engine(model, tok, kv=Paged(prefix_caching=False), prepack=None if prepack == "auto" else False,
-                        compile=compile)
+                        compile=compile, max_batch_tokens=max_batch_tokens)
         engine.generate([reqs[0].input_ids[0]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
         start_s = time.perf_counter() - t0
         engine.core.reset_stats()
@@ -62,7 +63,7 @@ def run(model, tok, reqs, kernel: str, prepack: str, compile: bool = False) -> d
     m = engine.metrics()
     out_tokens = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(r.prompt_len for r in reqs)
-    return {"kernel": kernel, "compile": compile, "engine_start_s": start_s, "compile_stats": m.get("compile"),
+    return {"kernel": kernel, "compile": compile, "max_batch_tokens": max_batch_tokens, "engine_start_s": start_s, "compile_stats": m.get("compile"),
             "prepacked_linears": engine.prepacked if prepack == "auto" else 0, "wall_s": wall,
             "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
             "output_tokens_per_s": out_tokens / wall, "prompt_tokens_per_s": prompt_tokens / wall,
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
                     help="Engine(compile=...): the eager step and/or the compiled one (each 'on' row gets a freshly "
                          "loaded model, since compiling packs its linears in place)")
+    ap.add_argument("--max-batch-tokens", nargs="+", type=int, default=[512],
+                    help="Engine(max_batch_tokens=...): tokens per step (prompt chunks and decode tokens), one row each")
     ap.add_argument("--check", type=int, default=0, help="compare the first N requests with plain generate")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--json")
@@ -96,10 +99,11 @@ def main() -> None:
                 out = model.generate(r.input_ids, max_new_tokens=r.max_new_tokens, min_new_tokens=r.max_new_tokens,
                                      do_sample=False, pad_token_id=tok.pad_token_id or 0)
             refs.append(out[0, r.prompt_len:].tolist())
-        for kernel, prepack, comp in [(k, p, c) for c in args.compile for p in args.prepack for k in args.kernels]:
+        for kernel, prepack, comp, mbt in [(k, p, c, t) for c in args.compile for p in args.prepack
+                                           for k in args.kernels for t in args.max_batch_tokens]:
             if comp == "on":
                 model, tok = load_quantized(getattr(torch, dname), qname)
-            row = run(model, tok, reqs, kernel, prepack, comp == "on")
+            row = run(model, tok, reqs, kernel, prepack, comp == "on", mbt)
             row["dtype"] = dname
             row["prepack"] = prepack
             row["quantize"] = qname
@@ -111,7 +115,7 @@ def main() -> None:
                     for a, b in zip(refs, row["tokens"], strict=False) if a != b]
             row.pop("tokens")  # compared above; not written to the JSON
             rows.append(row)
-            print(f"{dname:8s} {qname:11s} kernel {kernel:9s} prepack {prepack:4s} compile {comp:3s}: "
+            print(f"{dname:8s} {qname:11s} kernel {kernel:9s} prepack {prepack:4s} compile {comp:3s} tokens/step {mbt}: "
                   f"{row['output_tokens_per_s']:6.1f} output tok/s, engine start {row['engine_start_s']:.0f} s,"
                   f" {row['prompt_tokens_per_s']:6.1f} prompt tok/s, {row['wall_s']:.1f} s, {row['steps']} steps, "
                   f"KV util mean {row['kv_util_mean']:.2f} max {row['kv_util_max']:.2f}"

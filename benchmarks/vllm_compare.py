@@ -224,6 +224,10 @@ def orchestrate(args) -> None:
         print(f"{args.model} {dtype}: infopt {med['infopt']['output_tokens_per_s']:.1f} vs vLLM "
               f"{med['vllm']['output_tokens_per_s']:.1f} output tok/s, {ratio:.2f}x; greedy identical {same}/{len(a)}",
               flush=True)
+        _write(args, result)  # after each dtype: a run cut short keeps what it measured
+
+
+def _write(args, result: dict) -> None:
     import platform
 
     import torch
@@ -236,7 +240,7 @@ def orchestrate(args) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json}", flush=True)
 
 
 def main() -> None:
