@@ -181,9 +181,11 @@ def pack_blocked_int8(codes: torch.Tensor) -> torch.Tensor:
     """
     n, k = codes.shape
     _check_rows(n)
-    c = codes.to(torch.int8)
-    weight = c.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // ROWS, k // 4, 4 * ROWS)
-    return biased(weight.contiguous())
+    blocks = codes.to(torch.int8).reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).view(torch.uint8)
+    # one pass, one new tensor: the blocks' order and the flipped sign bits written together
+    weight = torch.empty(n // ROWS, k // 4, ROWS, 4, dtype=torch.uint8, device=codes.device)
+    torch.bitwise_xor(blocks, 0x80, out=weight)
+    return weight.view(n // ROWS, k // 4, 4 * ROWS)
 
 
 def biased(codes: torch.Tensor) -> torch.Tensor:
