@@ -181,18 +181,17 @@ def pack_blocked_int8(codes: torch.Tensor) -> torch.Tensor:
     """
     n, k = codes.shape
     _check_rows(n)
-    blocks = codes.to(torch.int8).reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).view(torch.uint8)
-    # one pass, one new tensor: the blocks' order and the flipped sign bits written together
-    weight = torch.empty(n // ROWS, k // 4, ROWS, 4, dtype=torch.uint8, device=codes.device)
-    torch.bitwise_xor(blocks, 0x80, out=weight)
-    return weight.view(n // ROWS, k // 4, 4 * ROWS)
+    blocks = codes.to(torch.int8).reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3)
+    return biased(blocks).view(n // ROWS, k // 4, 4 * ROWS)
 
 
 def biased(codes: torch.Tensor) -> torch.Tensor:
-    """Int8 codes as the int8 block layout stores them, uint8 ``code + 128`` (each byte's sign bit flipped, in a new
-    tensor); on uint8 input, the int8 codes back."""
-    flipped = codes.view(torch.uint8) ^ 0x80
-    return flipped if codes.dtype == torch.int8 else flipped.view(torch.int8)
+    """Int8 codes as the int8 block layout stores them, uint8 ``code + 128``; on uint8 input, the int8 codes back. Each
+    byte's sign bit flipped in one pass into a new contiguous tensor of ``codes``' shape (``codes`` may be any view:
+    the packing's reordering and the flip are that one pass)."""
+    out = torch.empty(codes.shape, dtype=torch.uint8, device=codes.device)
+    torch.bitwise_xor(codes.view(torch.uint8), 0x80, out=out)
+    return out if codes.dtype == torch.int8 else out.view(torch.int8)
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -217,7 +216,7 @@ def unblock_scales(scale: torch.Tensor) -> torch.Tensor:
 def unpack_blocked_int8(weight: torch.Tensor) -> torch.Tensor:
     """The int8 codes ``[N, K]`` of an int8 block-layout weight."""
     nb, chunks, _ = weight.shape
-    return biased(weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, chunks * 4).contiguous())
+    return biased(weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)).view(nb * ROWS, chunks * 4)
 
 
 def _group_dots(q: torch.Tensor, codes: torch.Tensor, group: int) -> torch.Tensor:
