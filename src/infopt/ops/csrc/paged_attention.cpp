@@ -300,7 +300,10 @@ inline void accumulate(float* o, float corr, const float* p, const KV* const* vr
   }
 }
 
-// Ask for the cache lines of `rows` token rows (nh heads of n values each) before they are read.
+// Ask for the cache lines of `rows` token rows (nh heads of n values each) before they are read, into L2 (hint T1):
+// a whole block's lines asked into L1 at once (T0) took its fill buffers from the loads of the block being scored;
+// T1 read the engine's scattered blocks 1.15-1.4x faster (64 sequences decoding over 250-420 keys, fp32 and bf16,
+// 9x3x64 and 12x2x128 heads; 24x8x128 level).
 template <typename KV>
 inline void prefetch_rows(const KV* base, int64_t rows, int64_t row_stride, int64_t nh, int64_t head_stride,
                           int64_t n) {
@@ -308,7 +311,7 @@ inline void prefetch_rows(const KV* base, int64_t rows, int64_t row_stride, int6
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t h = 0; h < nh; ++h) {
       const KV* p = base + t * row_stride + h * head_stride;
-      for (int64_t i = 0; i < n; i += LINE) __builtin_prefetch(p + i, 0, 3);
+      for (int64_t i = 0; i < n; i += LINE) __builtin_prefetch(p + i, 0, 2);
     }
 }
 
