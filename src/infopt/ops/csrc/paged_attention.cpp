@@ -397,10 +397,9 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
     if (whole) {
       float* S = sc + R * TILE;  // S[r * nk + (j - k0)]: row r's score of key j
       const int64_t k0 = it.k0;
-      // the item's keys in runs of at most TILE that sit in one block: fn(first key, count, its K rows, its V rows)
       // the item's keys in runs of at most TILE that sit in one block: fn(first key, count) with krow / vrow set;
-      // the next block's rows of the pass's pool (K for the scores, V for the values) are asked for ahead where
-      // the block table jumps (blocks sit anywhere in a paged pool)
+      // the next block's rows of the pass's pool (K for the scores, V for the values) are asked for ahead (blocks
+      // sit anywhere in a paged pool)
       auto runs = [&](bool keys, auto&& fn) {
         for (int64_t lo = k0; lo < kend;) {
           const int64_t j0 = lo / BS * BS, hi = std::min({lo + TILE, j0 + BS, kend});
@@ -411,8 +410,10 @@ void run_item(const Args& a, const Item& it, const Q* query, const KV* kpool, co
             krow[j - lo] = kb + (j - j0) * a.kt;
             vrow[j - lo] = vb + (j - j0) * a.vt;
           }
-          const int64_t nxt = hi == j0 + BS && hi < kend ? block_id(a, it.seq, hi / BS) : blk + 1;
-          if (nxt != blk + 1) {  // (the next block in the pool: the CPU's own prefetcher follows a contiguous run)
+          // the next block's rows, also where it follows this one in the pool: the CPU's own prefetcher, left to
+          // a contiguous run, read the engine's real block tables (runs of a few blocks) slower
+          if (hi == j0 + BS && hi < kend) {
+            const int64_t nxt = block_id(a, it.seq, hi / BS);
             const int64_t rows = std::min(BS, kend - hi);
             if (keys) prefetch_rows(kpool + nxt * a.kb + it.h0 * a.kh, rows, a.kt, nh, a.kh, D);
             else prefetch_rows(vpool + nxt * a.vb + it.h0 * a.vh, rows, a.vt, nh, a.vh, Dv);
