@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the throughput benchmark's loader
+from _common import median_time  # noqa: E402
 from engine_throughput import load_quantized  # noqa: E402
 
 from infopt.batching import Engine, SamplingParams  # noqa: E402
@@ -42,20 +42,13 @@ def category(name: str) -> str:
 def gemm_gflops(dtype: torch.dtype, config) -> float:
     """GFLOPS of F.linear on a 512-row step's shapes of this model (the median of 10 calls per shape)."""
     h, inter = config.hidden_size, config.intermediate_size
-    q = config.num_attention_heads * (h // config.num_attention_heads)
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     flops = total = 0.0
     for n, k in ((q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)):
         a, w = torch.randn(512, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        for _ in range(3):
-            torch.nn.functional.linear(a, w)
-        ts = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(a, w)
-            ts.append(time.perf_counter() - t0)
         flops += 2 * 512 * k * n
-        total += statistics.median(ts)
+        total += median_time(lambda a=a, w=w: torch.nn.functional.linear(a, w), runs=10)
     return flops / total / 1e9
 
 
