@@ -238,3 +238,43 @@ def test_cpu_fast_takes_llama_cpp_group_scales_on_int8_activations(tmp_path, cas
     assert a8.kernel_calls()["int8_a8_linear"] - before >= len(int8)
     kl = F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
     assert kl < 1e-2, kl
+
+
+def _mapped_from(path, t: torch.Tensor) -> bool:
+    """Whether tensor ``t``'s memory lies in a mapping of file ``path`` (Linux's /proc/self/maps)."""
+    ptr, name = t.data_ptr(), str(path.resolve())
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return len(fields) >= 6 and fields[5] == name
+    return False
+
+
+@pytest.mark.parametrize("kind, dtype, mapped", [("F32", torch.float32, True), ("F16", torch.float16, True),
+                                                 ("F16", torch.float32, False)])
+def test_large_dense_tensors_stay_copy_on_write_views_of_the_file(tmp_path, monkeypatch, kind, dtype, mapped):
+    """``mmap=True`` (the default): a large dense tensor already in the model's dtype is the file's pages, not a copy;
+    the model computes the same logits, writes into it reach the model and never the file. One that needs a cast,
+    or ``mmap=False``, is the process's own memory."""
+    import os
+
+    from infopt.quantize.community import gguf_ckpt
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps to see where the weights live (Linux)")
+    monkeypatch.setattr(gguf_ckpt, "_MAP_BYTES", 64 << 10)  # the tiny embedding: 320 x 256 values
+    path = _write(tmp_path, {"default": "Q4_0", "token_embd": kind, "output": "Q8_0"})
+    written = path.read_bytes()
+    model, _ = load_quantized(path, dtype=dtype, tokenizer=False)
+    copy, _ = load_quantized(path, dtype=dtype, tokenizer=False, mmap=False)
+    weight = model.get_input_embeddings().weight
+    assert weight.dtype == dtype and _mapped_from(path, weight) is mapped
+    assert not _mapped_from(path, copy.get_input_embeddings().weight)
+    assert torch.equal(_logits(model, IDS), _logits(copy, IDS))
+    with torch.no_grad():
+        weight[IDS[0, 0]] += 1  # copy on write: this process's page only
+    assert path.read_bytes() == written
+    assert not torch.equal(_logits(model, IDS), _logits(copy, IDS))
+    again, _ = load_quantized(path, dtype=dtype, tokenizer=False)
+    assert torch.equal(_logits(again, IDS), _logits(copy, IDS))

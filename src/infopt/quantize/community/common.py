@@ -30,12 +30,15 @@ class LoadOptions:
     ``reference=True`` builds :class:`Int4Linear` in the ``plain`` layout (fp32 dequantize per call) and
     :class:`Int8Linear` with fp32 compute: the checkpoint's own arithmetic, for checking, slow. ``activations="int8"``
     (resolved from ``"auto"`` by :func:`infopt.quantize.formats.a8.resolve`) builds the layers that fit it in the
-    ``a8`` layouts, as ``cpu-fast`` quantizes: int8 activations multiplied in integers."""
+    ``a8`` layouts, as ``cpu-fast`` quantizes: int8 activations multiplied in integers. ``map_dense=True`` lets a
+    GGUF file's large dense tensors already in ``dtype`` stay copy-on-write mappings of the file."""
 
-    def __init__(self, dtype: torch.dtype, reference: bool = False, activations: str = "float"):
+    def __init__(self, dtype: torch.dtype, reference: bool = False, activations: str = "float",
+                 map_dense: bool = False):
         self.dtype = dtype
         self.reference = reference
         self.activations = "float" if reference else activations
+        self.map_dense = map_dense
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -20,9 +20,13 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
   file (:mod:`~infopt.quantize.community.gguf_rope`); any other is refused.
 
 With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks go through a C++ transcoder
-straight into the layers' a8 layouts (:func:`_transcoded`), on a background thread that starts as soon as the file's
-header is read (:class:`_Ahead`): it works while this thread imports and builds the model's classes (about 3 s of
-transformers' own imports), which it needs no part of.
+straight into the layers' a8 layouts (:func:`_transcoded`), on background threads that start as soon as the file's
+header is read (:class:`_Ahead`): they work while this thread imports and builds the model's classes (about 3 s of
+transformers' own imports), which they need no part of.
+
+A large F32/F16 tensor already in the model's dtype (an untied embedding the export wrote dense: 2.1 GB at Llama 3.1
+8B) is not copied: the parameter is a copy-on-write mapping of the file's bytes (:func:`_mapped`, ``mmap=True``, the
+default), read as it is touched.
 
 Any other quantized type in a linear raises :class:`~infopt.core.errors.CheckpointError` naming the tensor.
 """
@@ -249,10 +253,32 @@ def _raw(t) -> torch.Tensor:
         return torch.from_numpy(t.data)
 
 
-def _dense(t, dtype: torch.dtype) -> np.ndarray | torch.Tensor:
+_MAP_BYTES = 16 << 20  # dense tensors this large (an untied embedding, a float head) are mapped, not copied
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+
+
+def _mapped(path: Path, t, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``t``'s values as a private copy-on-write mapping of its bytes in the file: no copy is made and no
+    page is read until touched (an embedding's lookups read a few rows a token), and the resident set counts only
+    the pages read, which the kernel may drop again under memory pressure (they are clean file pages). Writes go
+    to the process's own copy of a page; the file never changes. Its own mapping (not the reader's, which maps the
+    whole file read only): only this tensor's bytes are committed, and it outlives the reader."""
+    start, size = int(t.data_offset), int(t.n_bytes)
+    base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), start + size - base, access=mmap.ACCESS_COPY, offset=base)
+    return np.frombuffer(mm, dtype=t.data.dtype, count=t.data.size, offset=start - base).reshape(shape)
+
+
+def _dense(t, dtype: torch.dtype, path: Path | None = None) -> np.ndarray | torch.Tensor:
+    """Tensor ``t`` dense: a numpy array (F32/F16, for the tensor processor; mapped from ``path`` where it is large
+    and already in ``dtype``, see :func:`_mapped`) or a tensor in ``dtype`` (decoded blocks)."""
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if kind in ("F32", "F16"):
+        if path is not None and int(t.n_bytes) >= _MAP_BYTES and t.data.dtype.isnative and \
+                t.data.dtype == _NP_DTYPES.get(dtype):
+            return _mapped(path, t, shape)
         return np.array(t.data).reshape(shape)
     if kind == "BF16":  # numpy has no bfloat16: the processors get fp32
         return _raw(t).view(torch.int16).view(torch.bfloat16).float().numpy().reshape(shape)
@@ -332,8 +358,8 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
 
 
 class _Ahead:
-    """The layers :func:`_transcoded` builds, computed on one background thread in file order while the loader's
-    thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
+    """The layers :func:`_transcoded` builds, computed on background threads (as many as torch's) in file order while
+    the loader's thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
     Q8_0 / Q6_K ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 or Q6_K
     where the head is tied to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation
     only the tensor processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
@@ -345,7 +371,8 @@ class _Ahead:
     KINDS = (*A8_INT4, *A8_INT8)
 
     def __init__(self, reader, opts: LoadOptions, tied: bool):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infopt-gguf")
+        # one worker a thread torch may use: once the imports are done the loader's thread only waits for them
+        self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="infopt-gguf")
         self._jobs: dict[str, Future] = {}
         for t in reader.tensors:
             if self._takes(t, tied):  # the views made here: _raw's warning filter is not for two threads at once
@@ -511,7 +538,7 @@ def _fill(path: Path, reader, cfg: dict[str, Any], arch: str, divisors, opts: Lo
             model.set_input_embeddings(shared)
             _release(reader, t)
             continue
-        weights = _dense(t, opts.dtype)
+        weights = _dense(t, opts.dtype, path if opts.map_dense else None)
         if isinstance(weights, np.ndarray):
             weights = torch.from_numpy(np.ascontiguousarray(processor.process(weights=weights, name=t.name).weights))
         elif permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):  # a quantized q/k that is no linear

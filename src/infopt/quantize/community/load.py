@@ -115,7 +115,7 @@ def _trim_heap() -> None:
 @register_quantized_loader  # what infopt.models.load_default(quantized=True) calls
 def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", tokenizer: bool = True, reference: bool = False,
-                   activations: str = "float"):
+                   activations: str = "float", mmap: bool = True):
     """Load a community quantized checkpoint onto infopt's int4/int8 layers, with no GPTQ/AWQ backend installed.
 
     Formats (see ``docs/quantize.md``, "Community checkpoints"):
@@ -145,6 +145,12 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
             ``cpu-fast`` builds, from the file's weights, with no float copy of the embedding; ``"auto"``: ``"int8"``
             where the CPU has the kernel (:func:`infopt.quantize.formats.a8.resolve`). A lossy step beyond the
             file's weights (activations rounded to 8 bits, as llama.cpp does).
+        mmap: a GGUF file's large dense tensors that are already in ``dtype`` (an untied F32 embedding, F16
+            weights in an fp16 model) stay private copy-on-write mappings of the file, as llama.cpp maps its files:
+            no copy at the load, and only the pages read count in the resident set (an embedding's lookups read a
+            few rows a token). The model never writes the file (a write copies the page), but the file must not be
+            truncated or rewritten in place while the model lives: a truncated file faults (SIGBUS) on the next
+            read. ``False`` copies them into the process's memory. Ignored by GPTQ/AWQ folders.
 
     Returns:
         ``(model, tokenizer)``; the tokenizer is None when not asked for or the folder has none. The model is in
@@ -169,7 +175,7 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
     fmt = detect_format(p)
     if activations not in a8.ACTIVATIONS:
         raise ValueError(f"load_quantized: activations={activations!r}; allowed: {', '.join(a8.ACTIVATIONS)}")
-    opts = LoadOptions(dtype, reference, a8.resolve(activations, torch.device(device)))
+    opts = LoadOptions(dtype, reference, a8.resolve(activations, torch.device(device)), map_dense=bool(mmap))
     if fmt == "gguf":
         from .gguf_ckpt import load_gguf
 
