@@ -13,7 +13,8 @@ its own) runs the exported file, each in its own process, rounds alternating, 2 
 - ``ctx``: decode tokens/s after a long prompt (``--contexts``, default 4096), 32 new tokens;
 - ``--file-type Q4_K_M``: both sides run the file llama.cpp's own quantizer makes from the exported Q4_0 one (Q4_K
   blocks, Q6_K for half the ``ffn_down`` and ``attn_v`` layers and the head, as the GGUF files people download are):
-  no longer infopt's own codes, but the same file on both sides;
+  no longer infopt's own codes, but the same file on both sides; ``--file-type Q4_0-llama``: the Q4_0 file llama.cpp's
+  quantizer makes (an untied token embedding in Q4_0, the head in Q6_K, as a downloaded Q4_0 file has them);
 - peak RSS of the process, the seconds from process start to the model being ready and to its first generated token
   (``--infopt-source gguf``, the default: infopt loads the exported file llama.cpp runs with
   ``load_quantized(activations="auto")`` into cpu-fast's layers and applies the rest of cpu-fast with a warm compile
@@ -239,7 +240,7 @@ def requantize(args) -> dict:
 
     src = Path(args.workdir) / f"{args.size}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.file_type}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{args.file_type.removesuffix('-llama')}")
     params.allow_requantize = True
     params.nthread = 2
     t0 = time.perf_counter()
@@ -315,9 +316,10 @@ def orchestrate(args) -> None:
     for size in args.sizes:
         args.size_now = args.size = size
         prompts = Path(args.workdir) / f"{size}.prompts.json"
-        if args.reuse and _gguf(args).exists() and prompts.exists() and \
+        base = Path(args.workdir) / f"{size}.gguf"  # the exported file a requantization starts from
+        if args.reuse and base.exists() and prompts.exists() and \
                 set(json.loads(prompts.read_text())) >= {f"ctx{n}" for n in args.contexts}:
-            prepared = {"size": size, "reused": str(_gguf(args)), "gguf_bytes": _gguf(args).stat().st_size}
+            prepared = {"size": size, "reused": str(base), "gguf_bytes": base.stat().st_size}
         else:
             prep = subprocess.run([sys.executable, str(HERE), "prepare", "--size", size, "--workdir", args.workdir,
                                    "--contexts", *map(str, args.contexts)], capture_output=True, text=True,
@@ -325,7 +327,10 @@ def orchestrate(args) -> None:
             if prep.returncode:
                 raise SystemExit(f"prepare {size} failed:\n{prep.stderr[-4000:]}")
             prepared = json.loads(prep.stdout.strip().splitlines()[-1])
-            if args.file_type != "Q4_0":
+        if args.file_type != "Q4_0":
+            if args.reuse and "reused" in prepared and _gguf(args).exists():
+                prepared["requantized"] = {"reused": str(_gguf(args)), "bytes": _gguf(args).stat().st_size}
+            else:
                 prepared["requantized"] = _child(args.llama_python, "requantize", args)
         warm = _child(sys.executable, "warm", args)  # so no timed round compiles (a source change drops the cache)
         print(f"{size} warm-up (compile cache): {warm['ready_s']:.1f} s", flush=True)
@@ -384,8 +389,10 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--reuse", action="store_true",
                    help="(run) keep the files a previous run prepared in --workdir (the same weights for a second run)")
-    p.add_argument("--file-type", choices=["Q4_0", "Q4_K_M"], default="Q4_0",
-                   help="Q4_0: the exported file (infopt's own codes); Q4_K_M: llama.cpp's requantization of it")
+    p.add_argument("--file-type", choices=["Q4_0", "Q4_0-llama", "Q4_K_M"], default="Q4_0",
+                   help="Q4_0: the exported file (infopt's own codes); Q4_K_M, Q4_0-llama: llama.cpp's "
+                        "requantization of it (Q4_0-llama: a Q4_0 file as its quantizer writes one, the untied token "
+                        "embedding in Q4_0 and the head in Q6_K)")
     p.add_argument("--infopt-source", choices=["gguf", "build"], default="gguf",
                    help="gguf: infopt loads the exported file llama.cpp runs (load_quantized(activations='auto')), "
                         "so peak RSS and the time to the first token compare on equal terms; build: the random model "

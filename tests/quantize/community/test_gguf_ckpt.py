@@ -278,3 +278,55 @@ def test_large_dense_tensors_stay_copy_on_write_views_of_the_file(tmp_path, monk
     assert not torch.equal(_logits(model, IDS), _logits(copy, IDS))
     again, _ = load_quantized(path, dtype=dtype, tokenizer=False)
     assert torch.equal(_logits(again, IDS), _logits(copy, IDS))
+
+
+@pytest.mark.parametrize("embd", ["Q4_0", "Q4_K", "Q8_0"])
+def test_an_untied_quantized_embedding_keeps_its_blocks(tmp_path, monkeypatch, embd):
+    """``cpu-fast``'s layers (``activations="auto"``) keep an untied quantized token embedding in the file's blocks
+    (mapped from the file where large), as llama.cpp's quantizer writes one (Q4_0 in a Q4_0 file, Q4_K in a Q4_K_M
+    one, the head in Q6_K): every lookup, eager or compiled, is bit for bit the dense decode's row, so the logits
+    equal those of the same load with the embedding decoded dense; its state dict is that dense matrix
+    (``save_pretrained`` writes a plain embedding, which loads back to the same logits, the file's Q6_K group scales
+    kept), and ``export_gguf`` writes its blocks as read."""
+    from gguf import GGMLQuantizationType
+
+    from infopt.quantize.community import gguf_ckpt
+    from infopt.quantize.community.gguf_embedding import BlockEmbedding
+    from infopt.quantize.formats import a8
+
+    if a8.resolve("auto", "cpu") != "int8":
+        pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
+    types = {"default": "Q4_0", "attn_v": "Q6_K", "token_embd": embd, "output": "Q6_K"}  # untied: a head of its own
+    path = _write(tmp_path, types)
+    monkeypatch.setattr(gguf_ckpt, "_MAP_BYTES", 16 << 10)
+    model, _ = load_quantized(path, tokenizer=False, activations="auto")
+    emb = model.get_input_embeddings()
+    assert isinstance(emb, BlockEmbedding) and emb.kind == types["token_embd"] and _mapped_from(path, emb.blocks)
+    monkeypatch.setattr(gguf_ckpt, "_block_embedding", lambda *a: None)
+    dense, _ = load_quantized(path, tokenizer=False, activations="auto")
+    assert type(dense.get_input_embeddings()) is torch.nn.Embedding
+    ids = torch.arange(VOCAB).view(4, -1)
+    assert torch.equal(emb(ids), dense.get_input_embeddings()(ids))
+    assert torch.equal(torch.compile(emb, fullgraph=True)(ids), emb(ids))  # as in cpu-fast's compiled step
+    assert torch.equal(_logits(model, IDS), _logits(dense, IDS))
+    state = model.state_dict()
+    assert torch.equal(state["model.embed_tokens.weight"], dense.get_input_embeddings().weight)
+    model.load_state_dict(state)  # its own values: taken
+    with pytest.raises(RuntimeError, match="block embedding keeps the file's rows"):
+        model.load_state_dict({**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] + 1})
+
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert type(again.get_input_embeddings()) is torch.nn.Embedding
+    assert torch.equal(_logits(again, IDS), _logits(model, IDS))
+
+    import infopt
+
+    infopt.export_gguf(model, tmp_path / "again.gguf")
+    src = {t.name: t for t in gguf_ckpt._reader(str(path)).tensors}
+    out = {t.name: t for t in gguf_ckpt._reader(str(tmp_path / "again.gguf")).tensors}
+    embd = GGMLQuantizationType[types["token_embd"]]
+    assert out["token_embd.weight"].tensor_type == src["token_embd.weight"].tensor_type == embd
+    assert bytes(out["token_embd.weight"].data) == bytes(src["token_embd.weight"].data)

@@ -49,6 +49,8 @@ def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
 def _nibbles_16(qs: torch.Tensor) -> torch.Tensor:
     # qs: uint8 [R, B, 16] -> uint8 [R, B, 32]: low nibbles are weights 0..15, high nibbles 16..31 (Q4_0/Q4_1);
     # bytes, not int32: the a8 layout packs bytes, and a layout that takes int32 converts once
+    if torch.compiler.is_compiling():  # a BlockEmbedding's lookup: no out= into views in a graph; the same bytes
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
     out = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
     torch.bitwise_and(qs, 0x0F, out=out[..., :16])
     torch.bitwise_right_shift(qs, 4, out=out[..., 16:])
@@ -65,7 +67,8 @@ def _blocks(raw: torch.Tensor, kind: str) -> torch.Tensor:
 def _affine(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int):
     """``w = scale * code + offset`` per group -> ``(codes, scale, zero)`` with ``w = (code - zero) * scale``."""
     dead = scale == 0  # the group is `offset` whatever its codes
-    if bool(dead.any()):
+    # (compiled, as a BlockEmbedding's lookup is, always taken: the same values, and no branch on the data)
+    if torch.compiler.is_compiling() or bool(dead.any()):
         codes = codes.view(*scale.shape, group).masked_fill(dead.unsqueeze(-1), 0).view(codes.shape)
         value = torch.where(offset == 0, torch.ones_like(offset), offset.abs() / 8.0)
         scale = torch.where(dead, value, scale)

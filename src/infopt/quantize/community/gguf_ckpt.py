@@ -12,7 +12,8 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
 - F32, F16 and BF16 tensors, and every non-linear tensor (embeddings, norms) -> dense, in the model's dtype
   (a quantized embedding is dequantized: a lookup reads one row, and a tied head reads it dense), except that with
   ``activations="int8"`` a Q8_0 or Q6_K embedding the head is tied to becomes the int8 head, whose codes the
-  embedding's lookups read (``share_embedding``'s layers);
+  embedding's lookups read (``share_embedding``'s layers), and an untied embedding in any block type keeps its blocks
+  (:class:`~infopt.quantize.community.gguf_embedding.BlockEmbedding`: a lookup decodes its rows);
 - llama.cpp stores Llama's q/k rows permuted for its rotary layout and transformers' loader permutes them back
   (``LlamaTensorProcessor``); a quantized matrix's rows carry their own scales, so the same row permutation
   applies to codes, scales and zero points;
@@ -75,6 +76,7 @@ from .gguf_blocks import (
     q6_k_scales,
     q8_0_scales,
 )
+from .gguf_embedding import BlockEmbedding
 from .gguf_rope import FREQS_TENSOR, check_rope, rope_from_gguf
 
 __all__ = ["load_gguf", "gguf_config", "gguf_tokenizer", "SUPPORTED_LINEAR_TYPES"]
@@ -462,6 +464,20 @@ def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
     return SharedInt8Embedding.for_head(head, emb)
 
 
+def _block_embedding(path: Path, t, kind: str, embedding: nn.Module, opts: LoadOptions) -> BlockEmbedding | None:
+    """The untied embedding over tensor ``t``'s blocks (mapped from the file where ``opts.map_dense`` and it is large,
+    else copied), or None where :meth:`BlockEmbedding.for_embedding` says no (it is then loaded dense)."""
+    rows, dim = embedding.num_embeddings, embedding.embedding_dim
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if shape != (rows, dim):
+        raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
+    if opts.map_dense and int(t.n_bytes) >= _MAP_BYTES and t.data.dtype.isnative:
+        blocks = _mapped(path, t, (rows, -1))
+    else:
+        blocks = np.array(t.data).reshape(rows, -1)
+    return BlockEmbedding.for_embedding(torch.from_numpy(blocks), kind, embedding)
+
+
 def load_gguf(path: Path, opts: LoadOptions, *, with_tokenizer: bool = True):
     """Build ``(model, tokenizer)`` from one GGUF file (see the module docstring). The model is on the CPU.
 
@@ -509,6 +525,8 @@ def _fill(path: Path, reader, cfg: dict[str, Any], arch: str, divisors, opts: Lo
     # cpu-fast's layers: a quantized embedding the head is tied to (no output tensor) becomes the int8 head, and the
     # embedding reads its rows from the head's codes, as share_embedding does
     shared_head = opts.activations == "int8" and bool(cfg.get("tie_word_embeddings"))
+    # an untied quantized embedding keeps its blocks (cpu-fast's layers only, as the shared head above)
+    block_embedding = opts.activations == "int8" and not cfg.get("tie_word_embeddings")
     embedding = model.get_input_embeddings()
     embed_name = next((n for n, m in model.named_modules() if m is embedding), "") + ".weight"
     permute_qk = type(processor).__name__ == "LlamaTensorProcessor" and None not in heads.values()
@@ -536,6 +554,11 @@ def _fill(path: Path, reader, cfg: dict[str, Any], arch: str, divisors, opts: Lo
                 and (shared := _shared_head(model, t, kind, opts, ahead)) is not None):
             model.set_output_embeddings(shared.head)
             model.set_input_embeddings(shared)
+            _release(reader, t)
+            continue
+        if (block_embedding and hf_name == embed_name and kind in BLOCKS
+                and (blocks := _block_embedding(path, t, kind, embedding, opts)) is not None):
+            model.set_input_embeddings(blocks)
             _release(reader, t)
             continue
         weights = _dense(t, opts.dtype, path if opts.map_dense else None)

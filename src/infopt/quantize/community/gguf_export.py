@@ -47,6 +47,7 @@ from ..formats.int4 import Int4Linear
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.primitives import unpack_int4
 from .common import gemma3_attention_scalar
+from .gguf_embedding import BlockEmbedding
 from .gguf_rope import FREQS_TENSOR, _head_dim, export_rope, rope_parameters
 
 __all__ = ["export_gguf", "EXPORT_TYPES", "FLOAT_TYPES"]
@@ -192,7 +193,7 @@ def _gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
         if not owner or next(module.children(), None) is not None:
             continue
         if (getattr(module, "weight", None) is None and not hasattr(module, "in_features")
-                and not isinstance(module, SharedInt8Embedding)):
+                and not isinstance(module, (SharedInt8Embedding, BlockEmbedding))):
             continue
         parts = owner.split(".")
         for i in range(len(parts)):  # "model.layers.0.mlp.up_proj", then "layers.0.mlp.up_proj", ...
@@ -316,7 +317,9 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
             (:func:`infopt.load_quantized` then loads it with ``tokenizer=False``; llama.cpp needs one).
         type: the GGUF type for float linears: one of :data:`EXPORT_TYPES`.
         float_type: the embeddings: one of :data:`FLOAT_TYPES`; default the model's own
-            (``BF16`` for bf16 models, ``F32`` for fp32 ones, ``F16`` for fp16 ones: exact).
+            (``BF16`` for bf16 models, ``F32`` for fp32 ones, ``F16`` for fp16 ones: exact). An embedding that
+            kept a GGUF file's blocks (:class:`~infopt.quantize.community.gguf_embedding.BlockEmbedding`) is
+            written in them, as read.
         pre: llama.cpp's pre-tokenizer name (``tokenizer.ggml.pre``), e.g. ``"smollm"`` for SmolLM2; ``"default"``
             leaves llama.cpp its generic one (token ids given to it decode the same either way).
 
@@ -357,8 +360,8 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     shared = isinstance(embed, SharedInt8Embedding)  # cpu-fast's: the embedding reads the int8 head's rows
-    tied = (head is not None and getattr(head, "weight", None) is not None and head.weight is embed.weight) or (
-        shared and head is embed.head)
+    tied = (head is not None and getattr(head, "weight", None) is not None
+            and head.weight is getattr(embed, "weight", None)) or (shared and head is embed.head)
     rows = embed.num_embeddings
     # each tensor goes to a spooled temporary file as it is made (at most 256 MB of them in memory), not into a list
     # holding the whole model: an 8B model's export needs one layer's arrays at a time
@@ -379,7 +382,9 @@ def export_gguf(model: nn.Module, path: str | os.PathLike, tokenizer=None, *, ty
             continue  # llama.cpp reads a missing output.weight as the embedding
         role = stem.rsplit(".", 1)[-1]
         perm = _qk_order(module.out_features, heads[role]) if arch == "llama" and role in heads else None
-        if module is embed and not shared:
+        if module is embed and isinstance(module, BlockEmbedding):  # a GGUF file's blocks: written as they are
+            data, raw = module.blocks.cpu().numpy(), gguf.GGMLQuantizationType[module.kind]
+        elif module is embed and not shared:
             data, raw = _numpy_float(module.weight, float_type)
         elif hasattr(module, "in_features") or module is embed:  # a linear layer, float or quantized, or a shared
             # embedding: the int8 head's codes, which llama.cpp also reads as the output layer

@@ -86,6 +86,8 @@ def layer_spec(module: nn.Module) -> dict[str, Any] | None:
     kind = _KIND_OF.get(type(module))
     if isinstance(module, SharedInt8Embedding):
         return None  # saved as a float embedding; its head's spec says shares_embedding
+    if getattr(type(module), "saves_float_weight", False):
+        return None  # its state dict is a float embedding's (a GGUF block embedding: the rows it decodes)
     if kind is None:
         origin = type(module).__module__
         if origin.startswith(_QUANTIZED_PACKAGES) and not list(module.children()):
@@ -236,7 +238,8 @@ def finish_layer(spec: dict[str, Any], layer: nn.Module) -> nn.Module:
         # loaded as [out, in] codes like any int8 layer (what transformers' loader assigns to), then moved into the
         # int8-activation kernel's block layout
         final = Int8Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=layer.out_dtype,
-                           compute_dtype=layer.compute_dtype, device=layer.weight_int8.device, activations="int8")
+                           compute_dtype=layer.compute_dtype, device=layer.weight_int8.device, activations="int8",
+                           group_size=layer.group_size)  # a GGUF file's Q8_0 / Q6_K scales per 32 / 16 kept
         final.load_state_dict(layer.state_dict())
         final.cuda_kernel = layer.cuda_kernel
         return final
