@@ -1,8 +1,13 @@
 """Where a process's time to its first token goes when it loads a GGUF file into ``cpu-fast``'s layers: the time
 since the process started at the end of each stage (imports, ``load_quantized``, the rest of ``cpu-fast`` from the
-compile cache, a first and a second 4-token ``generate``), one line each.
+compile cache, a first and a second 4-token ``generate``), one line each, with the resident set then.
 
 Usage: python benchmarks/studies/load_stages.py SIZE [--workdir /tmp/infopt-scaling] [--max-length 4608]
+[--file-type Q4_0-llama] [--no-mmap] [--dense-embedding]
+
+``--no-mmap`` loads with ``load_quantized(mmap=False)`` (large dense tensors copied, not mapped);
+``--dense-embedding`` decodes an untied quantized token embedding dense (the loader before ``BlockEmbedding``):
+each against the default, for A/B runs.
 
 SIZE names a file ``benchmarks/cpu_scaling.py prepare`` wrote (``SIZE.gguf`` and ``SIZE.prompts.json`` in the work
 folder). Run it twice: the first run may build the compile step's package. Run on a quiet machine.
@@ -18,7 +23,8 @@ from pathlib import Path  # noqa: E402
 
 
 def stage(name: str) -> None:
-    print(f"{time.perf_counter() - T0:7.2f} s  {name}", flush=True)
+    rss = next((int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:")), -1)
+    print(f"{time.perf_counter() - T0:7.2f} s  {rss:6d} MB  {name}", flush=True)
 
 
 def main() -> None:
@@ -26,6 +32,9 @@ def main() -> None:
     p.add_argument("size")
     p.add_argument("--workdir", default="/tmp/infopt-scaling")
     p.add_argument("--max-length", type=int, default=4608)
+    p.add_argument("--file-type", default="Q4_0", help="Q4_0: SIZE.gguf; another: SIZE.FILE_TYPE.gguf")
+    p.add_argument("--no-mmap", action="store_true")
+    p.add_argument("--dense-embedding", action="store_true")
     args = p.parse_args()
     import torch
     stage("import torch")
@@ -34,7 +43,13 @@ def main() -> None:
     import infopt
     stage("import infopt")
     work = Path(args.workdir)
-    model, _ = infopt.load_quantized(work / f"{args.size}.gguf", activations="auto", tokenizer=False)
+    if args.dense_embedding:
+        from infopt.quantize.community import gguf_ckpt
+
+        gguf_ckpt._block_embedding = lambda *a: None
+    suffix = "" if args.file_type == "Q4_0" else f".{args.file_type}"
+    model, _ = infopt.load_quantized(work / f"{args.size}{suffix}.gguf", activations="auto", tokenizer=False,
+                                     mmap=not args.no_mmap)
     stage("load_quantized")
     torch.set_num_threads(2)
     infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": args.max_length, "dtype": "float16"}},
