@@ -28,6 +28,13 @@ class BlockEmbedding(KeepsFormat):
     Its ``state_dict`` holds the decoded float matrix as ``weight`` (the layout of a plain embedding), so
     ``save_pretrained`` writes a folder any loader reads (the embedding dense); it cannot take a float weight back
     (a state dict loaded into it must hold the very matrix its blocks decode to).
+
+    Example:
+        >>> import numpy as np
+        >>> row = np.concatenate([np.array([0.5], np.float16).view(np.uint8), np.arange(32, dtype=np.int8).view(np.uint8)])
+        >>> emb = BlockEmbedding(torch.from_numpy(np.stack([row, row])), "Q8_0", nn.Embedding(2, 32))
+        >>> emb(torch.tensor([[1]]))[0, 0, :4].tolist(), emb.blocks.shape
+        ([0.0, 0.5, 1.0, 1.5], torch.Size([2, 34]))
     """
 
     saves_float_weight = True  # serialization: no quantized spec; the state dict's "weight" is a float embedding's
