@@ -371,3 +371,44 @@ def test_one_package_serves_every_cache_bucket(aot_cache):
         fwd.prefill(tok, torch.zeros_like(tok), None, cache)
         with pytest.raises(RuntimeError, match="differ from those the AOTInductor package"):
             step.fn(tok, tok, torch.tensor([1]), None, cache)
+
+
+@needs_aot
+def test_building_a_package_keeps_no_copy_of_the_quantized_layers_buffers(aot_cache):
+    """infopt's quantized layers keep their codes and scales as buffers, and AOTInductor copies every buffer it
+    compiles as its "original value" and keeps the copies: at 8B that was a second copy of the weights for the rest of
+    the process. The step hands them over as parameters: after the build, no tensor alive holds a buffer's bytes
+    anywhere but in the model's own storage."""
+    import gc
+
+    from infopt.quantize import Int8WeightOnly, quantize_
+
+    ref, m = tiny_model(), tiny_model()
+    quantize_(ref, Int8WeightOnly())
+    quantize_(m, Int8WeightOnly())
+    buffers = [b for b in m.buffers() if b.nbytes >= 4096]
+    assert buffers
+    infopt.optimize(m, _recipe())
+    assert compile_stats(m).aot == 1 and compile_stats(m).aot_cached == 0
+    gc.collect()
+    own = {t.untyped_storage().data_ptr() for t in (*m.parameters(), *m.buffers(), *ref.parameters(), *ref.buffers())}
+    sizes = {b.nbytes: b for b in buffers}
+    copies = []
+    for o in gc.get_objects():
+        if not isinstance(o, torch.Tensor) or o.is_meta or o.device.type != "cpu":
+            continue
+        try:
+            storage = o.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake and functional tensors of the export: no data
+            continue
+        b = sizes.get(storage.nbytes())
+        if storage.device.type != "cpu":  # a fake tensor's
+            continue
+        if ptr not in own and b is not None and torch.equal(
+                torch.empty(0, dtype=torch.uint8).set_(storage), b.contiguous().view(-1).view(torch.uint8)):
+            copies.append(tuple(o.shape))
+    assert not copies, copies
+    ids = _prompts()[1]
+    assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False),
+                       ref.generate(ids, max_new_tokens=8, do_sample=False))

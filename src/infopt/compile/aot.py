@@ -151,6 +151,27 @@ def _constants_as_buffers(ep) -> None:
             specs[i] = InputSpec(kind=InputKind.BUFFER, arg=spec.arg, target=spec.target, persistent=False)
 
 
+def _weights_as_parameters(ep) -> None:
+    """Turn the program's buffers that the step does not write (infopt's quantized layers keep their codes and scales
+    as buffers) into parameters, in place. AOTInductor keeps a copy of every buffer it compiles as the buffer's
+    "original value" (in case the program mutates it) and does not copy parameters: at Llama-3.1-8B shapes those
+    copies were 5.2 GB, held for the rest of the process after the package was built. The package asks for each by
+    the same name, and gets the model's tensor either way."""
+    sig = ep.graph_signature
+    written = set(sig.buffers_to_mutate.values())
+    specs = sig.input_specs
+    for i, spec in enumerate(specs):
+        if spec.kind != InputKind.BUFFER or spec.target in written:
+            continue
+        t = ep.state_dict.get(spec.target) if spec.persistent else ep.constants.get(spec.target)
+        if not isinstance(t, torch.Tensor):
+            continue
+        ep.state_dict[spec.target] = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+        if not spec.persistent:
+            ep.constants.pop(spec.target, None)
+        specs[i] = InputSpec(kind=InputKind.PARAMETER, arg=spec.arg, target=spec.target)
+
+
 def _package_key(ep, options: dict[str, Any], fingerprint: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update(ep.graph_module.print_readable(print_output=False, include_stride=True, include_device=True).encode())
@@ -207,6 +228,10 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
     with torch.no_grad(), _torch_internal_notices():
         ep = torch.export.export(module, flat, dynamic_shapes=dynamic, strict=False)
     _constants_as_buffers(ep)
+    # the model's own tensor objects (the program's weights are lifted from it), before the parameters' wrappers:
+    # given to the package without a copy, and named back to the model by identity (AotStep.saved_form)
+    constants = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
+    _weights_as_parameters(ep)
     opts = {**options, "aot_inductor.package_constants_in_so": False}
     name = _package_key(ep, opts, fingerprint)
     folder = aot_cache_dir()
@@ -227,9 +252,6 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
         with contextlib.suppress(OSError):
             os.utime(path)  # the newest use: pruning drops the packages used longest ago first
     runner = _load_package(path)
-    # the model's own tensors (the program's weights are lifted from it: the same objects), given to the package
-    # without a copy
-    constants = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
     wanted = set(runner.get_constant_fqns())
     missing = wanted - set(constants)
     if missing:
