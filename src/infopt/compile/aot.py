@@ -9,7 +9,9 @@ What is exported is :meth:`CompiledForward._forward <infopt.compile.decoder.Comp
 shape, with the static cache's tensors (each layer's keys, values and fill counter) as inputs it updates in place, so
 one package serves every cache allocation of that shape. The model's weights are not copied into the package: the
 package is built without its constants, and the loaded runner reads the model's own parameters and buffers
-(``load_constants(..., user_managed=True)``), so memory stays what it was. A change to the model the per-call module
+(``load_constants(..., user_managed=True)``), so memory stays what it was. Building one does not copy them either:
+the program's buffers (infopt's quantized codes and scales) go to AOTInductor as parameters
+(:func:`_weights_as_parameters`), since it keeps a copy of every buffer. A change to the model the per-call module
 check sees (:func:`infopt.compile.decoder.module_signature`) drops the package, as it drops compiled graphs.
 
 Packages are cached on disk (``$INFOPT_CACHE_DIR/aoti``, else ``~/.cache/infopt/aoti``) under a hash of the exported
