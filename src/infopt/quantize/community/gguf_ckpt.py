@@ -272,16 +272,21 @@ def _mapped(path: Path, t, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(mm, dtype=t.data.dtype, count=t.data.size, offset=start - base).reshape(shape)
 
 
+def _file_array(t, shape: tuple[int, ...], path: Path | None) -> np.ndarray:
+    """Tensor ``t``'s stored values as an array of ``shape``: mapped from ``path`` (:func:`_mapped`) where one is
+    given and the tensor is large, else a copy."""
+    if path is not None and int(t.n_bytes) >= _MAP_BYTES and t.data.dtype.isnative:
+        return _mapped(path, t, shape)
+    return np.array(t.data).reshape(shape)
+
+
 def _dense(t, dtype: torch.dtype, path: Path | None = None) -> np.ndarray | torch.Tensor:
     """Tensor ``t`` dense: a numpy array (F32/F16, for the tensor processor; mapped from ``path`` where it is large
     and already in ``dtype``, see :func:`_mapped`) or a tensor in ``dtype`` (decoded blocks)."""
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if kind in ("F32", "F16"):
-        if path is not None and int(t.n_bytes) >= _MAP_BYTES and t.data.dtype.isnative and \
-                t.data.dtype == _NP_DTYPES.get(dtype):
-            return _mapped(path, t, shape)
-        return np.array(t.data).reshape(shape)
+        return _file_array(t, shape, path if t.data.dtype == _NP_DTYPES.get(dtype) else None)
     if kind == "BF16":  # numpy has no bfloat16: the processors get fp32
         return _raw(t).view(torch.int16).view(torch.bfloat16).float().numpy().reshape(shape)
     if kind in BLOCKS:  # an embedding: dense in the model's dtype, decoded a slice of rows at a time
@@ -450,10 +455,7 @@ def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
     if kind not in Int8Blocks:
         return None
     emb = model.get_input_embeddings()
-    rows, dim = emb.num_embeddings, emb.embedding_dim
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if shape != (rows, dim):
-        raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
+    rows, dim = _embedding_shape(t, emb)
     raw = _raw(t).view(rows, -1)
     taken, head = ahead.take(t) if ahead is not None else (False, None)
     if not taken:
@@ -464,17 +466,20 @@ def _shared_head(model: nn.Module, t, kind: str, opts: LoadOptions,
     return SharedInt8Embedding.for_head(head, emb)
 
 
-def _block_embedding(path: Path, t, kind: str, embedding: nn.Module, opts: LoadOptions) -> BlockEmbedding | None:
-    """The untied embedding over tensor ``t``'s blocks (mapped from the file where ``opts.map_dense`` and it is large,
-    else copied), or None where :meth:`BlockEmbedding.for_embedding` says no (it is then loaded dense)."""
+def _embedding_shape(t, embedding: nn.Module) -> tuple[int, int]:
+    """``(rows, dim)`` of ``embedding``, checked against tensor ``t``'s shape in the file."""
     rows, dim = embedding.num_embeddings, embedding.embedding_dim
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if shape != (rows, dim):
         raise CheckpointError(f"{t.name}: GGUF shape {shape}, the model's embedding is {(rows, dim)}")
-    if opts.map_dense and int(t.n_bytes) >= _MAP_BYTES and t.data.dtype.isnative:
-        blocks = _mapped(path, t, (rows, -1))
-    else:
-        blocks = np.array(t.data).reshape(rows, -1)
+    return rows, dim
+
+
+def _block_embedding(path: Path, t, kind: str, embedding: nn.Module, opts: LoadOptions) -> BlockEmbedding | None:
+    """The untied embedding over tensor ``t``'s blocks (mapped from the file where ``opts.map_dense`` and it is large,
+    else copied), or None where :meth:`BlockEmbedding.for_embedding` says no (it is then loaded dense)."""
+    rows, _ = _embedding_shape(t, embedding)
+    blocks = _file_array(t, (rows, -1), path if opts.map_dense else None)
     return BlockEmbedding.for_embedding(torch.from_numpy(blocks), kind, embedding)
 
 
