@@ -142,36 +142,33 @@ def _flat_args(args: tuple, padded: bool, tensors: list) -> tuple:
     return (*head, *tensors)
 
 
-def _constants_as_buffers(ep) -> None:
+def _weights_as_parameters(ep) -> dict[str, torch.Tensor]:
     """Turn the program's lifted tensor constants (tensors the forward reaches outside any module's parameters and
-    buffers, such as a fused projection group's weight) into non-persistent buffers, in place: AOTInductor keeps a
-    buffer's name, so the package asks for it by that name and gets the model's tensor, where a constant would be
-    renamed ``_tensor_constantN`` and have to be packaged."""
-    specs = ep.graph_signature.input_specs
-    for i, spec in enumerate(specs):
-        if spec.kind == InputKind.CONSTANT_TENSOR:
-            specs[i] = InputSpec(kind=InputKind.BUFFER, arg=spec.arg, target=spec.target, persistent=False)
+    buffers, such as a fused projection group's weight) and the buffers the step does not write (infopt's quantized
+    layers keep their codes and scales as buffers) into parameters, in place, and return every tensor the program
+    holds by name: the model's own objects, from before they were wrapped.
 
-
-def _weights_as_parameters(ep) -> None:
-    """Turn the program's buffers that the step does not write (infopt's quantized layers keep their codes and scales
-    as buffers) into parameters, in place. AOTInductor keeps a copy of every buffer it compiles as the buffer's
-    "original value" (in case the program mutates it) and does not copy parameters: at Llama-3.1-8B shapes those
-    copies were 5.2 GB, held for the rest of the process after the package was built. The package asks for each by
-    the same name, and gets the model's tensor either way."""
+    A constant would be renamed ``_tensor_constantN`` and have to be packaged; a parameter keeps its name, so the
+    package asks for it by that name and gets the model's tensor. AOTInductor also keeps a copy of every buffer it
+    compiles as the buffer's "original value" (in case the program mutates it) and does not copy parameters: at
+    Llama-3.1-8B shapes those copies were 5.2 GB, held for the rest of the process after the package was built."""
     sig = ep.graph_signature
+    own = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
     written = set(sig.buffers_to_mutate.values())
     specs = sig.input_specs
     for i, spec in enumerate(specs):
-        if spec.kind != InputKind.BUFFER or spec.target in written:
+        lifted = spec.kind == InputKind.CONSTANT_TENSOR
+        if not (lifted or spec.kind == InputKind.BUFFER) or spec.target in written:
             continue
-        t = ep.state_dict.get(spec.target) if spec.persistent else ep.constants.get(spec.target)
+        stored = spec.persistent and not lifted
+        t = ep.state_dict.get(spec.target) if stored else ep.constants.get(spec.target)
         if not isinstance(t, torch.Tensor):
             continue
         ep.state_dict[spec.target] = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
-        if not spec.persistent:
+        if not stored:
             ep.constants.pop(spec.target, None)
         specs[i] = InputSpec(kind=InputKind.PARAMETER, arg=spec.arg, target=spec.target)
+    return own
 
 
 def _package_key(ep, options: dict[str, Any], fingerprint: dict[str, Any]) -> str:
@@ -229,11 +226,9 @@ def export_step(fwd, key: tuple, args: tuple, options: dict[str, Any], fingerpri
                    rest + tuple(None if length_dim(t) is None else {**batch, length_dim(t): length} for t in tensors))
     with torch.no_grad(), _torch_internal_notices():
         ep = torch.export.export(module, flat, dynamic_shapes=dynamic, strict=False)
-    _constants_as_buffers(ep)
-    # the model's own tensor objects (the program's weights are lifted from it), before the parameters' wrappers:
-    # given to the package without a copy, and named back to the model by identity (AotStep.saved_form)
-    constants = {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
-    _weights_as_parameters(ep)
+    # the model's own tensor objects: given to the package without a copy, and named back to the model by identity
+    # (AotStep.saved_form)
+    constants = _weights_as_parameters(ep)
     opts = {**options, "aot_inductor.package_constants_in_so": False}
     name = _package_key(ep, opts, fingerprint)
     folder = aot_cache_dir()

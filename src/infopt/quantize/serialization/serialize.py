@@ -50,7 +50,7 @@ from ...core.errors import CheckpointError
 from ...core.save_hook import register_save_preparer
 from ..formats.int4 import Int4Linear
 from ..formats.int8 import CUDA_KERNELS as INT8_CUDA_KERNELS
-from ..formats.int8 import Int8Linear, SharedInt8Embedding, saving_compact
+from ..formats.int8 import Int8Linear, saving_compact
 from ..formats.w8a8 import W8A8Linear
 
 __all__ = ["QUANT_METHOD", "FORMAT_VERSION", "KINDS", "layer_spec", "quantization_config_for", "expected_tensors",
@@ -84,10 +84,9 @@ def layer_spec(module: nn.Module) -> dict[str, Any] | None:
     """The ``modules`` entry of one layer: a dict for an infopt quantized layer, ``{"kind": <class name>}`` for a
     quantized layer of another kind, None for anything else (float layers, norms)."""
     kind = _KIND_OF.get(type(module))
-    if isinstance(module, SharedInt8Embedding):
-        return None  # saved as a float embedding; its head's spec says shares_embedding
     if getattr(type(module), "saves_float_weight", False):
-        return None  # its state dict is a float embedding's (a GGUF block embedding: the rows it decodes)
+        return None  # its state dict is a float embedding's (a shared int8 embedding's head spec says so; a GGUF
+        # block embedding: the rows it decodes)
     if kind is None:
         origin = type(module).__module__
         if origin.startswith(_QUANTIZED_PACKAGES) and not list(module.children()):
