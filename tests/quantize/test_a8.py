@@ -36,6 +36,23 @@ def _pack(n: int, k: int, group: int, seed: int, sym: bool):
     return a8.pack_blocked_int4_sym(codes, scales) if sym else a8.pack_blocked_int4(codes, scales, zeros)
 
 
+def _k_scales(n: int, k: int, seed: int, dead: bool = False):
+    """Q4_K-like two-level scales (``pack_k_scales``) and codes for an ``[n, k]`` weight; ``dead``: some groups with
+    sc 0 and one super-block with d 0 (a group that is its minimum whatever its codes)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    d = (torch.rand(n, groups // 8, generator=g) / 50).half()
+    dmin = (torch.rand(n, groups // 8, generator=g) / 100).half()
+    sc = torch.randint(0, 64, (n, groups), generator=g)
+    m = torch.randint(0, 64, (n, groups), generator=g)
+    if dead:
+        sc[::3, 1] = 0
+        d[5, 0] = 0
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    weight, _ = a8.pack_blocked_int4(codes, torch.ones(n, 1), torch.zeros(n, 1))
+    return weight, a8.pack_k_scales(d, dmin, sc, m)
+
+
 def _float_weight(weight, scale_min):
     codes, scales, zeros = a8.unpack_blocked_int4(weight, scale_min)
     group = codes.shape[1] // scales.shape[1]
@@ -104,6 +121,28 @@ def test_int4_kernel_matches_the_reference(blocks, group, groups, rows, bf16, se
     # the integer products are exact; only the float sums' order differs (and the bf16 output's rounding)
     tol = 8e-3 if bf16 else 2e-6
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@kernel
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 4), supers=st.integers(1, 3), rows=st.integers(1, 9), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int4_kernel_on_q4_k_scales_is_the_fp32_scales_product_bit_for_bit(blocks, supers, rows, bf16, seed):
+    """The a8_k layout's two-level scales: the kernel computes d * sc and -dmin * m in fp32 (exact) per block, so the
+    product is the one over those fp32 scales, bit for bit, and the reference's within the sums' order."""
+    n, k = 16 * blocks, 256 * supers
+    weight, sk = _k_scales(n, k, seed, dead=blocks > 1)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    if bf16:
+        x = x.to(torch.bfloat16)
+    got = torch.ops.infopt.int4_a8_linear(x, weight, sk, 32)
+    assert torch.equal(got, torch.ops.infopt.int4_a8_linear(x, weight, a8.k_scale_min(sk), 32))
+    want = a8.int4_a8_reference(x.float(), weight, sk, 32)
+    tol = 8e-3 if bf16 else 2e-6
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+    fused = torch.ops.infopt.int4_a8_linear_n(x, [weight, weight], [sk, a8.k_scale_min(sk).to(torch.bfloat16)], 32)
+    assert torch.equal(fused[0], got)  # forms mix in one fused call
+    assert torch.equal(fused[1], torch.ops.infopt.int4_a8_linear(x, weight, a8.k_scale_min(sk).to(torch.bfloat16), 32))
 
 
 @kernel
@@ -178,8 +217,11 @@ def test_kernels_refuse_bad_inputs_with_the_reason():
         torch.ops.infopt.int4_a8_linear(torch.randn(1, 32), weight, sm, 32)
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
         torch.ops.infopt.int4_a8_linear(torch.randn(1, 64, dtype=torch.float64), weight, sm, 32)
-    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 \[2, 1, 2, 16\]"):
+    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 or float32 \[2, 1, 2, 16\]"):
         torch.ops.infopt.int4_a8_linear(torch.randn(1, 64), weight, sm, 64)
+    _, sk = _k_scales(32, 256, 0)
+    with pytest.raises(RuntimeError, match=r"or uint8 \[NB, G/8, 320\] \(Q4_K scales, G a multiple of 8\)"):
+        torch.ops.infopt.int4_a8_linear(torch.randn(1, 64), weight, sk, 32)
     with pytest.raises(RuntimeError, match=r"weight must be contiguous uint8 \[out/16, in/4, 64\] \(codes \+ 128\)"):
         torch.ops.infopt.int8_a8_linear(torch.randn(1, 64), weight.view(torch.int8), torch.ones(32), 32)
     w8 = a8.pack_blocked_int8(torch.zeros(32, 64, dtype=torch.int8))
@@ -214,6 +256,22 @@ _PORTABLE_CHECK = textwrap.dedent("""
             y = torch.ops.infopt.int8_a8_linear(x, w8, gs, group)
             r = a8.int8_a8_reference(x, w8, gs, group)
             assert (y - r).abs().max() <= 2e-6 * r.abs().max(), f"int8 group scales, activation group {group}"
+    ck = torch.randint(0, 16, (48, 256), dtype=torch.uint8)
+    wk, _ = a8.pack_blocked_int4(ck, torch.ones(48, 1), torch.zeros(48, 1))
+    sk = a8.pack_k_scales((torch.rand(48, 1) / 50).half(), (torch.rand(48, 1) / 100).half(),
+                          torch.randint(0, 64, (48, 8)), torch.randint(0, 64, (48, 8)))  # Q4_K's two-level scales
+    for rows in (1, 5):
+        x = torch.randn(rows, 256)
+        y, r = torch.ops.infopt.int4_a8_linear(x, wk, sk, 32), a8.int4_a8_reference(x, wk, sk, 32)
+        assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int4, Q4_K scales"
+        assert torch.equal(y, torch.ops.infopt.int4_a8_linear(x, wk, a8.k_scale_min(sk), 32)), "int4, fp32 scales"
+    w6 = a8.pack_blocked_int8(torch.randint(-32, 32, (48, 256), dtype=torch.int8))
+    k6 = a8.pack_k6_scales((torch.rand(48, 1) / 100).half(), torch.randint(-128, 128, (48, 16)))  # Q6_K's scales
+    for rows in (1, 5):
+        x = torch.randn(rows, 256)
+        y, r = torch.ops.infopt.int8_a8_linear(x, w6, k6, 16), a8.int8_a8_reference(x, w6, k6, 16)
+        assert (y - r).abs().max() <= 2e-6 * r.abs().max(), "int8, Q6_K scales"
+        assert torch.equal(y, torch.ops.infopt.int8_a8_linear(x, w6, a8.k6_block_scales(k6), 16)), "int8, fp32"
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(torch.ops.infopt.int4_a8_dense_t(w, sm, 32, dtype),
                            a8.int4_dense_t_reference(w, sm, 32, dtype)), "dense"
@@ -268,12 +326,20 @@ def test_dense_copy_is_the_weight_the_integer_kernel_multiplies():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_of_q4_k_scales_is_the_fp32_scales_copy(dtype):
+    weight, sk = _k_scales(32, 512, 3, dead=True)
+    got = a8.int4_dense_t(weight, sk, 32, dtype)
+    assert torch.equal(got, a8.int4_dense_t(weight, a8.k_scale_min(sk), 32, dtype))
+    assert torch.equal(got, a8.int4_dense_t_reference(weight, sk, 32, dtype))
+
+
 @kernel
 def test_dense_copy_refuses_bad_inputs_with_the_reason():
     weight, sm = a8.pack_blocked_int4(*_int4(32, 64, 32))
     with pytest.raises(RuntimeError, match="dtype must be bfloat16 or float32"):
         torch.ops.infopt.int4_a8_dense_t(weight, sm, 32, torch.float16)
-    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 \[2, 1, 2, 16\]"):
+    with pytest.raises(RuntimeError, match=r"scale_min must be contiguous bfloat16 or float32 \[2, 1, 2, 16\]"):
         torch.ops.infopt.int4_a8_dense_t(weight, sm, 64, torch.float32)
     with pytest.raises(RuntimeError, match="must be a multiple of 8"):
         torch.ops.infopt.int4_a8_dense_t(weight, sm, 12, torch.float32)
@@ -361,6 +427,48 @@ def test_int8_activations_with_group_scales():
     assert all(torch.equal(v, before_sd[k]) for k, v in bad.state_dict().items())
 
 
+@kernel
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_int8_kernel_on_q6_k_scales_is_the_fp32_scales_product_bit_for_bit(rows, bf16):
+    """Q6_K's two-level scales (fp16 d per 256 inputs, int8 sc per 16): the kernel computes d * sc in fp32 (exact)
+    per block, so the product is the one over the blocked fp32 scales, bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 48, 512
+    weight = a8.pack_blocked_int8(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g))
+    k6 = a8.pack_k6_scales((torch.rand(n, k // 256, generator=g) / 100).half(),
+                           torch.randint(-128, 128, (n, k // 16), generator=g))
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16 if bf16 else torch.float32)
+    got = torch.ops.infopt.int8_a8_linear(x, weight, k6, 16)
+    assert torch.equal(got, torch.ops.infopt.int8_a8_linear(x, weight, a8.k6_block_scales(k6), 16))
+    want = a8.int8_a8_reference(x.float(), weight, k6, 16)
+    assert (got.float() - want).abs().max() <= (8e-3 if bf16 else 2e-6) * want.abs().max()
+
+
+def test_int8_group_scales_per_16_that_factor_as_q6_k_are_held_in_that_form():
+    """A group-16 a8 layer whose scales are an fp16 d per 256 inputs times an int8 sc (a GGUF Q6_K file's, however
+    the layer was built) keeps them in that form for the kernel (0.56 bits a weight instead of 2), the same
+    products; other scales stay blocked fp32."""
+    from infopt.quantize.formats.int8_layouts import factor_k6_scales
+
+    d = (torch.rand(32, 2) / 100).half()
+    sc = torch.randint(-128, 128, (32, 32))
+    sc[:, 0] = -128
+    scales = d.float().repeat_interleave(16, 1) * sc.float()
+    codes = torch.randint(-32, 32, (32, 512), dtype=torch.int8)
+    layer = Int8Linear.from_codes(codes, scales, dtype=torch.float32, activations="int8")
+    assert layer.group_size == 16 and layer.wscale.dtype == torch.uint8
+    assert torch.equal(a8.k6_block_scales(layer.wscale), a8.block_scales(scales))
+    got_d, got_sc = factor_k6_scales(scales)
+    assert torch.equal(got_d, d) and torch.equal(got_sc, sc.float())
+    other = Int8Linear.from_codes(codes, scales + 1e-7, dtype=torch.float32, activations="int8")
+    assert other.wscale.dtype == torch.float32 and torch.equal(other.wscale, a8.block_scales(scales + 1e-7))
+    x = torch.randn(2, 512)
+    blocked = Int8Linear.from_codes(codes, scales, dtype=torch.float32, activations="int8")
+    blocked.wscale = a8.block_scales(scales)
+    assert torch.equal(layer(x), blocked(x))
+
+
 def test_a8_layers_save_in_the_portable_layout_and_load_back_identically():
     m = _a8_model()
     sd = m.state_dict()
@@ -413,6 +521,33 @@ def test_save_optimized_and_load_rebuild_a8_layers(tmp_path, symmetric):
     assert down.layout == layout and loaded.lm_head.activations == "int8"
     assert down.scale_min.dtype == (torch.float16 if symmetric else torch.bfloat16)
     assert torch.equal(loaded(ids).logits, m(ids).logits)
+
+
+def test_q4_k_layout_round_trips_through_the_portable_form_exactly():
+    """An a8_k layer's portable form (its state dict: codes, scales d * sc, zero points dmin * m / scale) factors back
+    into the same two-level scales, dead groups (sc 0, and a super-block with d 0) included: a save and a reload
+    multiply by the same weights. Scales that do not factor are refused with the reason."""
+    weight, sk = _k_scales(32, 512, 7, dead=True)
+    layer = Int4Linear.from_packed("a8_k", {"weight_packed": weight, "scale_min": sk}, in_features=512,
+                                   out_features=32, group_size=32)
+    again = Int4Linear(512, 32, 32, bias=False, dtype=torch.float32, layout="a8_k")
+    again.load_state_dict(layer.state_dict())
+    live = a8.scale_min_rows(sk)[0] != 0  # (a dead group comes back as codes 0 with its super-block's d)
+    assert torch.equal(a8.scale_min_rows(again.scale_min)[:, live], a8.scale_min_rows(sk)[:, live])
+    x = torch.randn(3, 512)
+    assert torch.equal(again(x), layer(x))
+    # the weights the kernel multiplies are the two-level scales' exactly
+    codes, _, _ = a8.unpack_blocked_int4(weight, sk)
+    sm = a8.scale_min_rows(sk).repeat_interleave(32, -1)
+    dense = a8.int4_dense_t(again.weight_packed, again.scale_min, 32, torch.float32).t()
+    live = sm[0] != 0
+    assert torch.equal(dense[live], (codes.float() * sm[0] + sm[1])[live])
+    assert torch.equal(dense[~live], sm[1][~live])
+    codes, scales, zeros = _int4(32, 512, 32)
+    with pytest.raises(ValueError, match="Q4_K's two-level scales .* do not factor that way: use the a8 layout"):
+        Int4Linear.from_codes(codes, scales, zeros, group_size=32, layout="a8_k")
+    with pytest.raises(ValueError, match="group_size 32 and in_features divisible by 256"):
+        Int4Linear(96, 32, 32, bias=False, dtype=torch.float32, layout="a8_k")
 
 
 def test_symmetric_layout_takes_symmetric_codes_in_fp16_range_only():

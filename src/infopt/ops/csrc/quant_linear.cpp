@@ -15,6 +15,10 @@
 //   Symmetric codes (every Q4_0 block): scale_min may instead be fp16 scales [N/16, G, 16] alone, w = (code - 8) *
 //   scale: half the scale bytes (4.5 bits a weight instead of 5) and the file's scales kept exactly;
 //   y[m, r] = sum_g scale[r,g] * (sx[m,g] * sum_k code[r,k] q[m,k] - 8 * sxs[m,g]).
+//   scale_min may also be fp32 [N/16, G, 2, 16] (any scales exactly), or a GGUF Q4_K file's two-level scales, uint8
+//   [N/16, G/8, 320] (group 32): per super-group of 8 groups, the 16 rows' fp16 d then fp16 dmin (64 bytes), then
+//   per group the 16 rows' 6-bit sc then m (32 bytes): scale = d * sc, min = -dmin * m, each exact in fp32 and
+//   computed per block of 16 rows into a small fp32 buffer: 4.625 bits a weight, the file's weights exactly.
 //
 // int8_a8_linear(x [M, K], weight uint8 [N/16, K/4, 64], scale fp32 [N] | [N/16, Gw, 16], group)
 //   Weights w = code * scale[r] (symmetric per row), or code * scale[r, gw] per group of K / Gw input channels (a
@@ -26,6 +30,9 @@
 //   scales sum_g (sx[m,g] * scale[r, g / (Ga / Gw)]) * (...). Group scales come blocked as the weight is, a block's
 //   16 rows side by side per group, so each group's are one 64-byte load (a gather from row-major scales, 16 rows
 //   apart, ran the 3B head's decode call at 18 GB/s against 26 for per-row scales).
+//   Or a GGUF Q6_K file's two-level scales, uint8 [N/16, Gw/16, 288]: per super-group of 16 scale groups, the 16
+//   rows' fp16 d (32 bytes), then per group the 16 rows' int8 sc: scale = d * sc, exact in fp32, computed per block
+//   into a small buffer (0.56 bits a weight read instead of 2).
 //
 // int4_a8_dense_t(weight, scale_min, group, dtype) -> bf16 | fp32 [K, N]
 //   The same weights dequantized, transposed, for prompts: many rows run faster as one bf16 GEMM (AMX, AVX512-BF16)
@@ -173,6 +180,7 @@ inline __m256 load_bf16x8(const c10::BFloat16* p) {
   __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
+inline __m256 load_bf16x8(const float* p) { return _mm256_loadu_ps(p); }  // fp32 scales
 inline __m256 load_bf16x8(const c10::Half* p) {  // fp16 scales (the symmetric layout)
 #if defined(__F16C__)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -201,11 +209,66 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// ---- Q4_K's two-level scales -------------------------------------------------------------------------------------
+constexpr int64_t kSuper = 8;                        // groups of 32 per Q4_K super-block
+constexpr int64_t kSuperBytes = 4 * kRows + kSuper * 2 * kRows;  // d, dmin (fp16) then sc, m per group (uint8)
+
+// one block's [G/8, 320] two-level scales -> fp32 [G, 2, 16] (scales, minimums): d * sc and -(dmin * m), exact
+inline void k_scales(const uint8_t* kb, int64_t G, float* out) {
+  for (int64_t s = 0; s < G / kSuper; ++s, kb += kSuperBytes) {
+    const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+    const uint8_t* sc = kb + 4 * kRows;
+#if defined(__AVX512F__)
+    const __m512 d = load16(dd), dm = _mm512_sub_ps(_mm512_setzero_ps(), load16(dd + kRows));
+    for (int64_t j = 0; j < kSuper; ++j, sc += 2 * kRows, out += 2 * kRows) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+      const __m512 b = _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows))));
+      _mm512_storeu_ps(out, _mm512_mul_ps(d, a));
+      _mm512_storeu_ps(out + kRows, _mm512_mul_ps(dm, b));
+    }
+#else
+    float d[kRows], dm[kRows];
+    for (int64_t r = 0; r < kRows; ++r) {
+      d[r] = static_cast<float>(dd[r]);
+      dm[r] = -static_cast<float>(dd[kRows + r]);
+    }
+    for (int64_t j = 0; j < kSuper; ++j, sc += 2 * kRows, out += 2 * kRows) {
+      for (int64_t r = 0; r < kRows; ++r) {
+        out[r] = d[r] * static_cast<float>(sc[r]);
+        out[kRows + r] = dm[r] * static_cast<float>(sc[kRows + r]);
+      }
+    }
+#endif
+  }
+}
+
+// Q6_K's: one block's [Gw/16, 288] scales -> fp32 [Gw, 16], d * sc (exact)
+constexpr int64_t kSuper6 = 16;                      // scale groups (of 16 inputs) per Q6_K super-block
+constexpr int64_t kSuper6Bytes = 2 * kRows + kSuper6 * kRows;
+inline void k6_scales(const uint8_t* kb, int64_t Gw, float* out) {
+  for (int64_t s = 0; s < Gw / kSuper6; ++s, kb += kSuper6Bytes) {
+    const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(kb + 2 * kRows);
+#if defined(__AVX512F__)
+    const __m512 d = load16(dd);
+    for (int64_t j = 0; j < kSuper6; ++j, sc += kRows, out += kRows)
+      _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
+#else
+    float d[kRows];
+    for (int64_t r = 0; r < kRows; ++r) d[r] = static_cast<float>(dd[r]);
+    for (int64_t j = 0; j < kSuper6; ++j, sc += kRows, out += kRows)
+      for (int64_t r = 0; r < kRows; ++r) out[r] = d[r] * static_cast<float>(sc[r]);
+#endif
+  }
+}
+
 // ---- int4 weights ------------------------------------------------------------------------------------------------
 // One block of 16 output rows against MR activation rows; acc [MR][16] fp32.
 
-// S = c10::BFloat16: scale_min [G, 2, 16] per block (scales then minimums); S = c10::Half: scales [G, 16] of
-// symmetric codes (minimum -8 x scale)
+// S = c10::BFloat16 or float: scale_min [G, 2, 16] per block (scales then minimums); S = c10::Half: scales [G, 16]
+// of symmetric codes (minimum -8 x scale)
 template <int MR, typename S>
 void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0, int64_t K,
                 int64_t group, float* acc) {
@@ -577,14 +640,18 @@ std::vector<at::Tensor> run_blocks(const at::Tensor& x, const std::vector<int64_
   return ys;
 }
 
-// bf16 [NB, G, 2, 16] (scales, minimums) or fp16 [NB, G, 16] (scales of symmetric codes)
-void check_scale_min(const at::Tensor& scale_min, int64_t NB, int64_t G, const char* op) {
-  const bool sym = scale_min.scalar_type() == at::kHalf && scale_min.sizes() == at::IntArrayRef({NB, G, kRows});
-  const bool asym = scale_min.scalar_type() == at::kBFloat16 && scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows});
-  TORCH_CHECK((sym || asym) && scale_min.is_contiguous() && scale_min.device().is_cpu(), op,
-              ": scale_min must be contiguous bfloat16 [", NB, ", ", G, ", 2, 16] or float16 [", NB, ", ", G,
-              ", 16] (symmetric codes) on the CPU, got ", scale_min.scalar_type(), " ", scale_min.sizes(), " on ",
-              scale_min.device());
+// bf16 or fp32 [NB, G, 2, 16] (scales, minimums), fp16 [NB, G, 16] (scales of symmetric codes), or uint8
+// [NB, G/8, 320] (Q4_K's two-level scales, where `k_form` allows them)
+void check_scale_min(const at::Tensor& scale_min, int64_t NB, int64_t G, const char* op, bool k_form = false) {
+  const auto t = scale_min.scalar_type();
+  const bool sym = t == at::kHalf && scale_min.sizes() == at::IntArrayRef({NB, G, kRows});
+  const bool asym = (t == at::kBFloat16 || t == at::kFloat) && scale_min.sizes() == at::IntArrayRef({NB, G, 2, kRows});
+  const bool k = k_form && t == at::kByte && G % kSuper == 0 &&
+                 scale_min.sizes() == at::IntArrayRef({NB, G / kSuper, kSuperBytes});
+  TORCH_CHECK((sym || asym || k) && scale_min.is_contiguous() && scale_min.device().is_cpu(), op,
+              ": scale_min must be contiguous bfloat16 or float32 [", NB, ", ", G, ", 2, 16], float16 [", NB, ", ", G,
+              ", 16] (symmetric codes)", k_form ? " or uint8 [NB, G/8, 320] (Q4_K scales, G a multiple of 8)" : "",
+              " on the CPU, got ", scale_min.scalar_type(), " ", scale_min.sizes(), " on ", scale_min.device());
 }
 
 std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList weights, at::TensorList scale_mins,
@@ -600,7 +667,7 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
   std::vector<int64_t> Ns;
   std::vector<const uint8_t*> ws;
   std::vector<const void*> sms;
-  std::vector<bool> sym;
+  std::vector<at::ScalarType> kinds;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& weight = weights[i];
     const at::Tensor& scale_min = scale_mins[i];
@@ -609,31 +676,33 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
                 op, ": weight must be contiguous uint8 [out/16, ", K / 8, ", 64] on the CPU, got ",
                 weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
     const int64_t NB = weight.size(0);
-    check_scale_min(scale_min, NB, G, op);
+    check_scale_min(scale_min, NB, G, op, /*k_form=*/group == 32);
     Ns.push_back(NB * kRows);
     ws.push_back(weight.data_ptr<uint8_t>());
     sms.push_back(scale_min.data_ptr());
-    sym.push_back(scale_min.scalar_type() == at::kHalf);
+    kinds.push_back(scale_min.scalar_type());
   }
   const Activations& a = quantize(x, group);
   const std::vector<const float*> no_scale(weights.size(), nullptr);
   return run_blocks(x, Ns, no_scale, [&](int64_t i, int64_t nb, int64_t m0, int64_t mr, float* acc) {
     const uint8_t* wb = ws[i] + nb * (K / 8) * 64;
-    if (sym[i]) {
-      const c10::Half* sb = static_cast<const c10::Half*>(sms[i]) + nb * G * kRows;
+    auto blocks = [&](const auto* sb) {
       switch (mr) {
         case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
         case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
         case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
         default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
       }
-    } else {
-      const c10::BFloat16* sb = static_cast<const c10::BFloat16*>(sms[i]) + nb * G * 2 * kRows;
-      switch (mr) {
-        case 1: int4_block<1>(wb, sb, a, m0, K, group, acc); break;
-        case 2: int4_block<2>(wb, sb, a, m0, K, group, acc); break;
-        case 3: int4_block<3>(wb, sb, a, m0, K, group, acc); break;
-        default: int4_block<4>(wb, sb, a, m0, K, group, acc); break;
+    };
+    switch (kinds[i]) {
+      case at::kHalf: blocks(static_cast<const c10::Half*>(sms[i]) + nb * G * kRows); break;
+      case at::kBFloat16: blocks(static_cast<const c10::BFloat16*>(sms[i]) + nb * G * 2 * kRows); break;
+      case at::kFloat: blocks(static_cast<const float*>(sms[i]) + nb * G * 2 * kRows); break;
+      default: {  // Q4_K's two-level scales, made fp32 for this block (once per pass of up to 4 rows)
+        thread_local std::vector<float> buf;
+        buf.resize(G * 2 * kRows);
+        k_scales(static_cast<const uint8_t*>(sms[i]) + nb * (G / kSuper) * kSuperBytes, G, buf.data());
+        blocks(static_cast<const float*>(buf.data()));
       }
     }
   });
@@ -653,22 +722,32 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
   at::Tensor x = x_.contiguous();
   check_x(x, K, group, op);
   const int64_t G = K / group;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  ((scale.dim() == 1 && scale.size(0) == N) ||
-                   (scale.dim() == 3 && scale.size(0) == NB && scale.size(2) == kRows)),
-              op, ": scale must be contiguous float32 [", N, "] or blocked [", NB, ", groups, 16], got ",
-              scale.scalar_type(), " ", scale.sizes());
-  const int64_t Gw = scale.dim() == 3 ? scale.size(1) : 0;  // 0: one scale per row
+  const bool k6 = scale.scalar_type() == at::kByte;  // Q6_K's two-level scales
+  TORCH_CHECK(scale.is_contiguous() &&
+                  ((!k6 && scale.scalar_type() == at::kFloat &&
+                    ((scale.dim() == 1 && scale.size(0) == N) ||
+                     (scale.dim() == 3 && scale.size(0) == NB && scale.size(2) == kRows))) ||
+                   (k6 && scale.dim() == 3 && scale.size(0) == NB && scale.size(2) == kSuper6Bytes)),
+              op, ": scale must be contiguous float32 [", N, "] or blocked [", NB, ", groups, 16], or uint8 [", NB,
+              ", groups/16, 288] (Q6_K scales), got ", scale.scalar_type(), " ", scale.sizes());
+  const int64_t Gw = k6 ? scale.size(1) * kSuper6 : scale.dim() == 3 ? scale.size(1) : 0;  // 0: one scale per row
   TORCH_CHECK(Gw == 0 || (Gw > 0 && G % Gw == 0), op, ": scale's ", Gw, " groups per row must each span a whole "
               "number of the ", G, " activation groups of ", group, " input channels");
   TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), op, ": weights must be on the CPU");
   const Activations& a = quantize(x, group);
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const float* sp = k6 ? nullptr : scale.data_ptr<float>();
+  const uint8_t* kp = k6 ? scale.data_ptr<uint8_t>() : nullptr;
   const int64_t per_scale = Gw ? G / Gw : 1;
   return run_blocks(x, {N}, {Gw ? nullptr : sp}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
     const uint8_t* wb = w + nb * (K / 4) * 64;
-    const float* gs = Gw ? sp + nb * Gw * kRows : nullptr;
+    const float* gs = Gw && !k6 ? sp + nb * Gw * kRows : nullptr;
+    if (k6) {  // this block's scales in fp32 (once per pass of up to 4 rows)
+      thread_local std::vector<float> buf;
+      buf.resize(Gw * kRows);
+      k6_scales(kp + nb * (Gw / kSuper6) * kSuper6Bytes, Gw, buf.data());
+      gs = buf.data();
+    }
     switch (mr) {
       case 1: int8_block<1>(wb, a, m0, K, group, acc, gs, per_scale); break;
       case 2: int8_block<2>(wb, a, m0, K, group, acc, gs, per_scale); break;
@@ -702,6 +781,7 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
     });
   };
   if (scale_min.scalar_type() == at::kHalf) run(scale_min.data_ptr<c10::Half>());
+  else if (scale_min.scalar_type() == at::kFloat) run(scale_min.data_ptr<float>());
   else run(scale_min.data_ptr<c10::BFloat16>());
   return out;
 }

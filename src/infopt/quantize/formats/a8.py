@@ -17,13 +17,20 @@ Block layouts (``N`` output rows in blocks of 16, ``K`` inputs, ``G = K // group
   ``r`` of the block, the codes of columns ``8c..8c+3`` (low nibbles) and ``8c+4..8c+7`` (high nibbles).
   ``scale_min`` bf16 ``[N/16, G, 2, 16]``: per group, 16 scales then 16 minimums; ``w = code * scale + min``. For
   symmetric codes (every GGUF Q4_0 block) fp16 scales ``[N/16, G, 16]`` alone (the ``a8_sym`` layout):
-  ``w = (code - 8) * scale``, 4.5 bits a weight instead of 5 and a Q4_0 file's scales kept exactly.
+  ``w = (code - 8) * scale``, 4.5 bits a weight instead of 5 and a Q4_0 file's scales kept exactly. For a GGUF
+  Q4_K file's blocks (group 32, the ``a8_k`` layout) uint8 ``[N/16, G/8, 320]`` (:func:`pack_k_scales`): per
+  super-group of 8 groups the block's 16 fp16 ``d`` and 16 fp16 ``dmin``, then per group its 16 6-bit ``sc`` and 16
+  ``m``; ``scale = d * sc`` and ``min = -dmin * m``, each exact in fp32 (the kernel computes them per block), so the
+  file's weights are kept exactly in 4.625 bits a weight. fp32 ``[N/16, G, 2, 16]`` is taken too (exact scales).
 - int8: ``weight`` uint8 ``[N/16, K/4, 64]``, the codes plus 128 (their sign bits flipped: the unsigned operand of
   the integer dot product, whose offset the activations' own sums undo); chunk ``c`` holds columns ``4c..4c+3`` of
   row ``r`` at bytes ``4r..4r+3``. ``scale`` fp32 ``[N]``, or
   blocked ``[N/16, Gw, 16]`` (:func:`block_scales`) for one scale per row and group of ``K // Gw`` inputs, a multiple
   of ``group`` (a GGUF file's Q8_0 and Q6_K blocks): each activation group's integer dot product is then scaled by
-  its row's scale for that group, the block's 16 rows' scales one vector load.
+  its row's scale for that group, the block's 16 rows' scales one vector load. For a GGUF Q6_K file's blocks (scales
+  per 16 inputs) uint8 ``[N/16, Gw/16, 288]`` instead (:func:`pack_k6_scales`): per super-group of 16 scale groups
+  the block's 16 fp16 ``d``, then per group its 16 int8 ``sc``; ``scale = d * sc``, exact in fp32 (the kernel
+  computes them per block): 0.56 bits a weight read per call instead of 2.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from ...ops import cpp
 from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
-__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
+__all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym",
+           "pack_k_scales", "k_scale_min", "K_SUPER", "pack_k6_scales", "k6_block_scales", "K6_SUPER", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
            "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
@@ -149,12 +157,96 @@ def pack_blocked_int4_sym(codes: torch.Tensor, scales: torch.Tensor) -> tuple[to
     return weight, scales.float().to(torch.float16).reshape(n // ROWS, ROWS, -1).transpose(1, 2).contiguous()
 
 
+K_SUPER = 8
+"""Groups of 32 per super-block of a Q4_K scale (:func:`pack_k_scales`)."""
+
+
+def pack_k_scales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_K's two-level scales in the a8 blocks (module docstring): ``d``, ``dmin`` fp16 ``[N, G/8]`` and ``sc``,
+    ``m`` ``[N, G]`` integers 0..63 -> uint8 ``[N/16, G/8, 320]``; ``w = code * (d * sc) - dmin * m`` per group.
+
+    Example:
+        >>> d, dmin = torch.full((16, 1), 0.5, dtype=torch.float16), torch.full((16, 1), 0.25, dtype=torch.float16)
+        >>> sc, m = torch.arange(8).repeat(16, 1), torch.full((16, 8), 2)
+        >>> sm = k_scale_min(pack_k_scales(d, dmin, sc, m))  # fp32 [N/16, G, 2, 16]
+        >>> sm[0, 3, 0, 0].item(), sm[0, 3, 1, 0].item()
+        (1.5, -0.5)
+    """
+    n, g = sc.shape
+    _check_rows(n)
+    if g % K_SUPER or tuple(d.shape) != (n, g // K_SUPER) or tuple(dmin.shape) != (n, g // K_SUPER):
+        raise ValueError(f"pack_k_scales: sc/m [{n}, {g}] need d/dmin [{n}, {g // K_SUPER}] and groups in whole "
+                         f"super-blocks of {K_SUPER}, got d {tuple(d.shape)}, dmin {tuple(dmin.shape)}")
+    if int(sc.min()) < 0 or int(sc.max()) > 63 or int(m.min()) < 0 or int(m.max()) > 63:
+        raise ValueError("pack_k_scales: sc and m must be integers 0..63 (Q4_K's 6-bit scales)")
+    nb, s = n // ROWS, g // K_SUPER
+    head = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], 0)  # [2, N, S]
+    head = head.reshape(2, nb, ROWS, s).permute(1, 3, 0, 2).contiguous().view(torch.uint8)  # [nb, S, 2, 32 bytes]
+    body = torch.stack([sc, m], 0).to(torch.uint8).reshape(2, nb, ROWS, s, K_SUPER)
+    body = body.permute(1, 3, 4, 0, 2).contiguous()  # [nb, S, 8, 2, 16]
+    return torch.cat([head.reshape(nb, s, 64), body.reshape(nb, s, 256)], -1).contiguous()
+
+
+def k_scale_min(k: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_k_scales`'s bytes as the fp32 ``scale_min`` ``[N/16, G, 2, 16]`` the kernels also take: ``d * sc``
+    and ``-dmin * m``, exact in fp32 (an fp16 times a 6-bit integer)."""
+    nb, s, _ = k.shape
+    head = k[..., :64].contiguous().view(torch.float16).reshape(nb, s, 2, 1, ROWS).float()  # [nb, S, 2, 1, 16]
+    body = k[..., 64:].reshape(nb, s, K_SUPER, 2, ROWS).float()  # [nb, S, 8, 2, 16]
+    sign = torch.tensor([1.0, -1.0]).view(1, 1, 1, 2, 1)
+    return (head.transpose(2, 3) * sign * body).reshape(nb, s * K_SUPER, 2, ROWS)
+
+
+K6_SUPER = 16
+"""Scale groups (of 16 inputs) per super-block of a Q6_K scale (:func:`pack_k6_scales`)."""
+
+
+def pack_k6_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """Q6_K's two-level scales in the int8 layout's blocks (module docstring): ``d`` fp16 ``[N, Gw/16]`` and ``sc``
+    ``[N, Gw]`` integers -128..127 -> uint8 ``[N/16, Gw/16, 288]``; the scale of group ``j`` is ``d * sc_j``.
+
+    Example:
+        >>> d, sc = torch.full((16, 1), 0.5, dtype=torch.float16), torch.arange(-8, 8).repeat(16, 1)
+        >>> k6_block_scales(pack_k6_scales(d, sc))[0, :3, 0].tolist()
+        [-4.0, -3.5, -3.0]
+    """
+    n, g = sc.shape
+    _check_rows(n)
+    if g % K6_SUPER or tuple(d.shape) != (n, g // K6_SUPER):
+        raise ValueError(f"pack_k6_scales: sc [{n}, {g}] needs d [{n}, {g // K6_SUPER}] and groups in whole "
+                         f"super-blocks of {K6_SUPER}, got d {tuple(d.shape)}")
+    if int(sc.min()) < -128 or int(sc.max()) > 127:
+        raise ValueError("pack_k6_scales: sc must be integers -128..127 (Q6_K's 8-bit scales)")
+    nb, s = n // ROWS, g // K6_SUPER
+    head = d.to(torch.float16).reshape(nb, ROWS, s).transpose(1, 2).contiguous().view(torch.uint8)  # [nb, S, 32]
+    body = sc.to(torch.int8).reshape(nb, ROWS, s, K6_SUPER).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    return torch.cat([head, body.reshape(nb, s, K6_SUPER * ROWS)], -1).contiguous()
+
+
+def k6_block_scales(k: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_k6_scales`'s bytes as the blocked fp32 scales ``[N/16, Gw, 16]`` (:func:`block_scales`) they
+    stand for, ``d * sc``, exact in fp32."""
+    nb, s, _ = k.shape
+    d = k[..., :2 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)  # [nb, S, 1, 16]
+    sc = k[..., 2 * ROWS:].contiguous().view(torch.int8).reshape(nb, s, K6_SUPER, ROWS).float()
+    return (d * sc).reshape(nb, s * K6_SUPER, ROWS)
+
+
 def scale_min_rows(scale_min: torch.Tensor) -> torch.Tensor:
-    """``[2, N, G]`` fp32 row-major scales and minimums of either form of ``scale_min`` (module docstring)."""
+    """``[2, N, G]`` fp32 row-major scales and minimums of any form of ``scale_min`` (module docstring)."""
+    if scale_min.dtype == torch.uint8:  # Q4_K's two-level scales
+        scale_min = k_scale_min(scale_min)
     if scale_min.dim() == 3:  # symmetric: fp16 scales, minimum -8 x scale
         scale = scale_min.float().transpose(1, 2).reshape(-1, scale_min.shape[1])
         return torch.stack([scale, -8.0 * scale])
     return scale_min.float().permute(2, 0, 3, 1).reshape(2, scale_min.shape[0] * ROWS, -1)
+
+
+def _unit_sc(k: torch.Tensor) -> torch.Tensor:
+    # Q4_K scale bytes with every sc set to 1: k_scale_min of it gives each group its super-block's d
+    k = k.clone()
+    k[..., 64:].view(*k.shape[:2], K_SUPER, 2, ROWS)[:, :, :, 0] = 1
+    return k
 
 
 def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,9 +256,17 @@ def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[
     b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
     codes = torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
     sm = scale_min_rows(scale_min)  # [2, N, G]
-    if scale_min.dim() == 3:
+    if scale_min.dim() == 3 and scale_min.dtype != torch.uint8:
         return codes, sm[0].clone(), torch.full_like(sm[0], 8.0)
-    return codes, sm[0].clone(), -sm[1] / sm[0]
+    scale, low = sm[0].clone(), sm[1]
+    dead = scale == 0  # (Q4_K's sc = 0) the group is its minimum whatever its codes: codes 0, the super-block's d as
+    # the scale (1 where d is 0 too), so that the portable form keeps (code - zero) * scale = min
+    if bool(dead.any()):
+        codes = codes.view(*scale.shape, -1).masked_fill(dead.unsqueeze(-1), 0).view(codes.shape)
+        d = k_scale_min(_unit_sc(scale_min))[:, :, 0].transpose(1, 2).reshape(scale.shape) \
+            if scale_min.dtype == torch.uint8 else torch.zeros_like(scale)
+        scale = torch.where(dead, torch.where(d == 0, torch.ones_like(d), d), scale)
+    return codes, scale, -low / scale
 
 
 def pack_blocked_int8(codes: torch.Tensor) -> torch.Tensor:
@@ -241,6 +341,8 @@ def int8_a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     """:func:`int8_a8_linear` in torch operations (any device): ``x [M, K]`` -> ``[M, N]`` in ``x.dtype``."""
     q, sx = quantize_activations(x, group)
     dots = _group_dots(q, unpack_blocked_int8(weight), group)  # [M, N, G]
+    if scale.dtype == torch.uint8:  # Q6_K's two-level scales
+        scale = k6_block_scales(scale)
     if scale.dim() == 3:  # blocked: one scale per row and weight group, over whole activation groups
         scale = unblock_scales(scale)
         sw = scale.float().repeat_interleave(dots.shape[-1] // scale.shape[1], dim=1)  # [N, G]
@@ -355,6 +457,8 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
         >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))
         (torch.Size([64, 32]), torch.bfloat16, True)
     """
+    if scale_min.dtype == torch.uint8:  # Q4_K's two-level scales: the fp32 ones they stand for, exactly
+        scale_min = k_scale_min(scale_min)
     if weight.device.type == "cpu" and available():
         _count("int4_a8_dense_t")
         return torch.ops.infopt.int4_a8_dense_t(weight, scale_min, group, dtype)

@@ -20,9 +20,10 @@ from ...ops.triton_gemv import GEMV_MAX_ROWS, w4_dequantize, w4_gemv
 from . import a8
 from .primitives import dequantize, pack_int4, unpack_int4
 
-__all__ = ["Int4Layout", "LAYOUTS", "BUFFERS", "A8_LAYOUTS", "cuda_inner_k_tiles", "symmetric", "A8_PROMPT_MIN_ROWS"]
+__all__ = ["Int4Layout", "LAYOUTS", "BUFFERS", "A8_LAYOUTS", "cuda_inner_k_tiles", "symmetric", "factor_k_scales",
+           "A8_PROMPT_MIN_ROWS"]
 
-A8_LAYOUTS = ("a8", "a8_sym")
+A8_LAYOUTS = ("a8", "a8_sym", "a8_k")
 """The layouts multiplied on int8 activations (:mod:`infopt.quantize.formats.a8`'s kernels)."""
 
 A8_PROMPT_MIN_ROWS = 64
@@ -61,7 +62,7 @@ class Int4Layout:
 
     Example:
         >>> sorted(LAYOUTS)
-        ['a8', 'a8_sym', 'cpu_int4pack', 'cuda_tinygemm', 'gemv', 'plain']
+        ['a8', 'a8_k', 'a8_sym', 'cpu_int4pack', 'cuda_tinygemm', 'gemv', 'plain']
         >>> LAYOUTS["gemv"].concatenates, LAYOUTS["cpu_int4pack"].concatenates
         (True, False)
     """
@@ -184,6 +185,97 @@ class A8Sym(A8):
         return {"weight_packed": weight, "scale_min": scale16}
 
 
+class A8K(A8):
+    """:class:`A8` for a GGUF Q4_K file's blocks: the codes as :class:`A8` packs them, and Q4_K's two-level scales
+    (an fp16 ``d`` and ``dmin`` per row and super-block of 8 groups, a 6-bit ``sc`` and ``m`` per group:
+    ``w = code * (d * sc) - dmin * m``) as they are, ``scale_min`` uint8 ``[N/16, G/8, 320]``
+    (:func:`infopt.quantize.formats.a8.pack_k_scales`). The kernels compute each group's fp32 scale and minimum
+    from them exactly, so the layer multiplies by the file's very weights (:class:`A8` rounds Q4_K's scales, which
+    hold up to 17 significant bits, to bf16) and reads 4.625 bits a weight instead of 5. Group 32 and ``in_features``
+    a multiple of 256. Built from a file's blocks (``load_quantized``) or from portable codes whose scales factor
+    exactly that way (a saved ``a8_k`` layer's, :func:`factor_k_scales`)."""
+
+    name = "a8_k"
+
+    def fits(self, out_features, in_features, group_size):
+        if out_features % a8.ROWS or group_size != 32 or in_features % (32 * a8.K_SUPER):
+            return (f"the a8_k layout needs out_features divisible by {a8.ROWS}, group_size 32 and in_features "
+                    f"divisible by {32 * a8.K_SUPER}, got {out_features}, {group_size} and {in_features}")
+        return None
+
+    def empty(self, out_features, in_features, group_size, device):
+        blocks, supers = out_features // a8.ROWS, in_features // (32 * a8.K_SUPER)
+        return {"weight_packed": torch.zeros(blocks, in_features // 8, 64, dtype=torch.uint8, device=device),
+                "scale_min": torch.zeros(blocks, supers, 320, dtype=torch.uint8, device=device)}
+
+    def pack(self, layer, qweight, scales, zeros, codes):
+        factors = factor_k_scales(scales, zeros)
+        if factors is None:
+            raise ValueError("the a8_k layout holds Q4_K's two-level scales (fp16 d x 6-bit sc per group of 32, per "
+                             "256 inputs), and this weight's scales and zero points do not factor that way: use "
+                             "the a8 layout")
+        codes = unpack_int4(qweight) if codes is None else codes
+        weight, _ = a8.pack_blocked_int4(codes, torch.ones_like(scales[:, :1]), torch.zeros_like(scales[:, :1]))
+        return {"weight_packed": weight, "scale_min": a8.pack_k_scales(*factors)}
+
+
+def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).float() == t
+
+
+def _factor(values: torch.Tensor, exact) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # values [N, S, 8] >= 0 -> (unit fp16 [N, S], multiples 0..63 [N, S, 8]) with exact(unit, multiples) true per
+    # super-block, trying each super-block's largest value as 63, 62, ... 1 units; None where some block has none
+    top = values.amax(-1)
+    unit = torch.zeros_like(top)
+    mult = torch.zeros_like(values)
+    found = top == 0
+    for c in range(63, 0, -1):
+        u = (top / c).to(torch.float16).float()
+        q = torch.round(values / torch.where(u == 0, torch.ones_like(u), u).unsqueeze(-1))
+        ok = ~found & (u > 0) & _fp16_exact(u) & ((q >= 0) & (q <= 63)).all(-1) & exact(u, q)
+        unit = torch.where(ok, u, unit)
+        mult = torch.where(ok.unsqueeze(-1), q, mult)
+        found |= ok
+        if bool(found.all()):
+            return unit, mult
+    return None
+
+
+def factor_k_scales(scales: torch.Tensor, zeros: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Portable int4 scales and zero points ``[N, G]`` (group 32) as Q4_K's two-level scales ``(d, dmin, sc, m)``
+    (fp16 ``[N, G/8]``, integers ``[N, G]``) that give them back exactly (``d * sc == scale`` and
+    ``dmin * m / (d * sc) == zero`` in fp32, as :class:`A8K` unpacks), or None where there are none: what a saved
+    ``a8_k`` layer reloads through. Only non-negative scales and minimums factor (Q4_K's are).
+
+    Example:
+        >>> d = torch.tensor([[0.5, 0.25]]).repeat_interleave(8, 1)
+        >>> sc, m = torch.arange(1, 17.).view(1, 16), torch.full((1, 16), 3.0)
+        >>> scales, zeros = d * sc, (0.125 * m) / (d * sc)
+        >>> d16, dmin, sc2, m2 = factor_k_scales(scales, zeros)
+        >>> bool(torch.equal(d16.float().repeat_interleave(8, 1) * sc2, scales))
+        True
+        >>> factor_k_scales(torch.full((1, 8), 0.1), torch.zeros(1, 8)) is None
+        True
+    """
+    n, g = scales.shape
+    if g % a8.K_SUPER or bool((scales <= 0).any()) or bool((zeros < 0).any()):
+        return None
+    sv = scales.float().reshape(n, -1, a8.K_SUPER)
+    zv = zeros.float().reshape(n, -1, a8.K_SUPER)
+    got = _factor(sv, lambda u, q: (u.unsqueeze(-1) * q == sv).all(-1))
+    if got is None:
+        return None
+    d, sc = got
+    low = zv * sv  # dmin * m, up to the rounding of the zero point
+    mins = _factor(low, lambda u, q: ((u.unsqueeze(-1) * q) / sv == zv).all(-1))
+    if mins is None:
+        return None
+    dmin, m = mins
+    return d.to(torch.float16), dmin.to(torch.float16), sc.reshape(n, g), m.reshape(n, g)
+
+
 def symmetric(zeros: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether codes with these zero points and scales fit :class:`A8Sym` without loss beyond fp16 rounding of the
     scales: every zero point 8 and every nonzero scale inside fp16's normal range (smaller ones would lose bits).
@@ -295,7 +387,7 @@ class CudaTinygemm(_Int4Pack):
         return torch._weight_int4pack_mm(x, packed, group_size, scale_offset)
 
 
-LAYOUTS: dict[str, Int4Layout] = {layout.name: layout for layout in (Plain(), A8(), A8Sym(), Gemv(), CpuInt4Pack(),
+LAYOUTS: dict[str, Int4Layout] = {layout.name: layout for layout in (Plain(), A8(), A8Sym(), A8K(), Gemv(), CpuInt4Pack(),
                                                                      CudaTinygemm())}
 """Every layout by name (``Int4Linear.layout``)."""
 

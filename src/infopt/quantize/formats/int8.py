@@ -288,11 +288,13 @@ class Int8Linear(KeepsFormat):
         return new
 
     @classmethod
-    def from_a8(cls, weight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> Int8Linear:
+    def from_a8(cls, weight: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32,
+                k6: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8Linear:
         """Build an ``activations="int8"`` layer from its block-layout weight computed elsewhere (a GGUF file's Q8_0
         blocks transcoded at load: :func:`infopt.quantize.community.gguf_blocks.a8_int8`): ``weight`` uint8
         ``[out/16, in/4, 64]`` (codes plus 128), ``scales`` fp32 ``[out]`` or ``[out, G]`` (per group of ``in // G``
-        inputs); no bias."""
+        inputs); no bias. ``k6``: the two levels ``(d, sc)`` of Q6_K scales ``scales`` is the product of (the kernel
+        reads them in that form, which the layer would otherwise find by factoring ``scales``)."""
         out_f, in_f = weight.shape[0] * a8.ROWS, weight.shape[1] * 4
         group = None if scales.dim() != 2 or not scales.shape[1] or in_f % scales.shape[1] else in_f // scales.shape[1]
         new = cls(in_f, out_f, bias=False, dtype=dtype, compute_dtype=_auto_compute_dtype(dtype, weight.device),
@@ -303,7 +305,10 @@ class Int8Linear(KeepsFormat):
                 raise ValueError(f"Int8Linear.from_a8: {name} must be {want[name].dtype} {tuple(want[name].shape)}, "
                                  f"got {t.dtype} {tuple(t.shape)}")
             setattr(new, name, t)
-        LAYOUTS["a8"].scales_set(new)
+        if k6 is not None and group == 16:
+            new.register_buffer("wscale", a8.pack_k6_scales(*k6), persistent=False)
+        else:
+            LAYOUTS["a8"].scales_set(new)
         return new
 
     @property
@@ -407,6 +412,8 @@ class SharedInt8Embedding(KeepsFormat):
     (113 MB of fp32 for the default model's 97 MiB in memory), and every loader that can rebuild the head can rebuild
     it.
     """
+
+    saves_float_weight = True  # serialization: no quantized spec (its head's says shares_embedding)
 
     def __init__(self, head: Int8Linear, embedding: nn.Embedding):
         super().__init__()

@@ -42,7 +42,7 @@ def filled_next():
 def _alloc(*shape, dtype, device) -> torch.Tensor:
     return (torch.empty if _FILLED_NEXT.get() else torch.zeros)(*shape, dtype=dtype, device=device)
 
-__all__ = ["Int8Layout", "LAYOUTS", "BY_ACTIVATIONS", "act_group"]
+__all__ = ["Int8Layout", "LAYOUTS", "BY_ACTIVATIONS", "act_group", "factor_k6_scales"]
 
 # Triton's CPU interpreter (tests): CPU layers take the Triton ops' routes, as CUDA layers do (read once, at import)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -215,7 +215,10 @@ class A8(Int8Layout):
     number of activation groups, applied to each group's dot products) are read from a blocked copy of
     ``weight_scale``, ``wscale`` fp32 ``[out/16, in/group_size, 16]`` (:func:`~infopt.quantize.formats.a8.block_scales`:
     one vector load per group, where a gather from the row-major scales was the kernel's bottleneck), kept in step by
-    :meth:`scales_set` and not saved."""
+    :meth:`scales_set` and not saved. Scales per 16 inputs that are a GGUF Q6_K file's (an fp16 ``d`` per 256 inputs
+    times an int8 ``sc`` per 16, :func:`factor_k6_scales`) are kept in that form instead, uint8 ``[out/16, in/256,
+    288]`` (:func:`~infopt.quantize.formats.a8.pack_k6_scales`): the kernel computes the same fp32 scales from them,
+    and a call reads 0.56 bits a weight of scales instead of 2."""
 
     name, activations, buffers, saves_buffers, concatenates = "a8", "int8", ("weight_a8",), False, False
 
@@ -233,8 +236,12 @@ class A8(Int8Layout):
         return {"weight_a8": _alloc(blocks, in_features // 4, 4 * a8.ROWS, dtype=torch.uint8, device=device)}
 
     def scales_set(self, layer):
-        if layer.group_size is not None:
-            layer.register_buffer("wscale", a8.block_scales(layer.weight_scale), persistent=False)
+        if layer.group_size is None:
+            return
+        k6 = factor_k6_scales(layer.weight_scale) if layer.group_size == 16 and not layer.weight_scale.is_meta \
+            else None
+        layer.register_buffer("wscale", a8.block_scales(layer.weight_scale) if k6 is None else a8.pack_k6_scales(*k6),
+                              persistent=False)
 
     def set_codes(self, layer, codes):
         layer.weight_a8 = a8.pack_blocked_int8(codes.to(layer.weight_a8.device))
@@ -250,6 +257,38 @@ class A8(Int8Layout):
     def matmul(self, layer, x):
         scale = layer.weight_scale if layer.group_size is None else layer.wscale
         return "int8_a8_linear", a8.int8_a8_linear(x, layer.weight_a8, scale, layer.act_group)
+
+
+def factor_k6_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Group scales ``[N, Gw]`` (per 16 inputs) as Q6_K's two-level scales ``(d, sc)``, fp16 ``[N, Gw/16]`` and
+    integers -128..127 ``[N, Gw]`` with ``d * sc == scale`` exactly in fp32, or None where they do not factor so (or
+    ``N`` is not a whole number of blocks). Tries each super-block's largest magnitude as 128, 127, ... units (a Q6_K
+    quantizer gives it -128 or 127: one or two tries).
+
+    Example:
+        >>> d, sc = factor_k6_scales(torch.tensor([[0.5, -1.0] * 8] * 16))
+        >>> d[0].tolist(), sc[0, :2].tolist()
+        ([0.0078125], [64.0, -128.0])
+        >>> factor_k6_scales(torch.full((16, 16), 0.1)) is None
+        True
+    """
+    n, g = scales.shape
+    if g % a8.K6_SUPER or n % a8.ROWS or scales.dtype != torch.float32 or not bool(torch.isfinite(scales).all()):
+        return None
+    v = scales.reshape(n, -1, a8.K6_SUPER)
+    top = v.abs().amax(-1)
+    unit, mult = torch.zeros_like(top), torch.zeros_like(v)
+    found = top == 0  # all zero: d 0, sc 0
+    for c in range(128, 0, -1):
+        u = (top / c).to(torch.float16).float()
+        q = torch.round(v / torch.where(u == 0, torch.ones_like(u), u).unsqueeze(-1))
+        ok = ~found & (u > 0) & (u.to(torch.float16).float() == u) & ((q >= -128) & (q <= 127)).all(-1) & \
+            (u.unsqueeze(-1) * q == v).all(-1)
+        unit, mult = torch.where(ok, u, unit), torch.where(ok.unsqueeze(-1), q, mult)
+        found |= ok
+        if bool(found.all()):
+            return unit.to(torch.float16), mult.reshape(n, g)
+    return None
 
 
 LAYOUTS: dict[str, Int8Layout] = {layout.name: layout for layout in (Plain(), A8())}
