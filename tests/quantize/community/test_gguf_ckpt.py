@@ -78,6 +78,43 @@ def test_gguf_types_load_exactly(tmp_path, case):
     assert tok is not None and tok.convert_tokens_to_ids("<|im_end|>") == VOCAB - 1
 
 
+@pytest.mark.parametrize("case", ["q4_0-embd_q8_0", "q4_k_m-head_q6_k"])
+def test_int8_activation_layers_hold_the_files_weights_exactly(tmp_path, case):
+    """With ``activations="auto"`` the weights the kernels multiply are the file's, bit for bit: Q4_0's fp16 scales
+    (a8_sym), Q4_K's two-level scales (a8_k: d * sc and dmin * m computed in fp32, exact), Q6_K's group scales."""
+    from gguf import GGUFReader, dequantize
+
+    from infopt.quantize.formats import a8
+
+    if a8.resolve("auto", "cpu") != "int8":
+        pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
+    types = CASES[case]
+    path = _write(tmp_path, types)
+    fast, _ = load_quantized(path, tokenizer=False, activations="auto")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+
+    def file_weight(name):
+        t = tensors[name]
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).astype("float32")).reshape(
+            *reversed([int(d) for d in t.shape]))
+
+    for i, layer in enumerate(fast.model.layers):
+        up, down = layer.mlp.up_proj, layer.mlp.down_proj
+        assert up.layout == {"Q4_0": "a8_sym", "Q4_K": "a8_k"}[types["default"]]
+        held = a8.int4_dense_t(up.weight_packed, up.scale_min, 32, torch.float32).t()
+        assert torch.equal(held, file_weight(f"blk.{i}.ffn_up.weight"))
+        if types.get("ffn_down") == "Q6_K":  # its two-level scales as the file holds them
+            assert down.wscale.dtype == torch.uint8
+            assert torch.equal(down.dequantize().float(), file_weight(f"blk.{i}.ffn_down.weight"))
+    # saved (the portable codes, scales and zero points) and loaded back: the same layouts and the same weights
+    from transformers import AutoModelForCausalLM
+
+    fast.save_pretrained(tmp_path / "saved")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert again.model.layers[0].mlp.up_proj.layout == fast.model.layers[0].mlp.up_proj.layout
+    assert torch.equal(_logits(again, IDS), _logits(fast, IDS))
+
+
 def test_qwen2_with_biases_and_no_qk_permutation(tmp_path):
     path = _write(tmp_path, {"default": "Q4_K", "token_embd": "Q8_0"}, arch="qwen2")
     model, _ = load_quantized(path, reference=True, tokenizer=False)
@@ -180,24 +217,27 @@ def test_device_argument_packs_for_the_devices_kernel(tmp_path, device):
 def test_cpu_fast_layers_transcoded_from_llama_cpp_files_are_the_decoded_ones(tmp_path, monkeypatch, case):
     """Files as llama.cpp writes them (group scales, dead groups, Q4_K super-blocks, llama's permuted q/k rows):
     ``activations="auto"`` builds the same layers through the C++ transcoder as through decoding, bit for bit."""
-    from infopt.quantize.community import gguf_ckpt
+    from infopt.quantize.community import gguf_blocks, gguf_ckpt
     from infopt.quantize.formats import a8
 
     if a8.resolve("auto", "cpu") != "int8":
         pytest.skip("the a8 layouts need the C++ kernel with AVX512-VNNI or AVX2")
     path = _write(tmp_path, CASES[case])
-    written, real = [], gguf_ckpt.a8_int4
-    monkeypatch.setattr(gguf_ckpt, "a8_int4", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
+    written, real = [], gguf_blocks.a8_int4
+    for module in (gguf_ckpt, gguf_blocks):  # (gguf_blocks': the codes of Q4_K's a8_k layers)
+        monkeypatch.setattr(module, "a8_int4", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
     fast, _ = load_quantized(path, tokenizer=False, activations="auto")
     kind = CASES[case]["default"]
     int4 = sum(kind == CASES[case].get(n, kind) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                           "ffn_up", "ffn_down"))
     assert len(written) == int4 * SHAPES["num_layers"] and None not in written  # each int4 linear transcoded once
-    monkeypatch.setattr(gguf_ckpt, "a8_int4", lambda *a, **k: None)
+    for module in (gguf_ckpt, gguf_blocks):
+        monkeypatch.setattr(module, "a8_int4", lambda *a, **k: None)
     monkeypatch.setattr(gguf_ckpt, "a8_int8", lambda *a: None)
     slow, _ = load_quantized(path, tokenizer=False, activations="auto")
-    # Q4_0's symmetric codes keep their fp16 scales alone (a8_sym); Q4_1 and Q4_K need a minimum too (a8)
-    assert fast.model.layers[0].self_attn.q_proj.layout == ("a8_sym" if kind == "Q4_0" else "a8")
+    # Q4_0's symmetric codes keep their fp16 scales alone (a8_sym), Q4_K its two-level scales (a8_k); Q4_1 needs a
+    # minimum too (a8)
+    assert fast.model.layers[0].self_attn.q_proj.layout == {"Q4_0": "a8_sym", "Q4_K": "a8_k"}.get(kind, "a8")
     got, want = dict(fast.named_buffers()), dict(slow.named_buffers())
     assert got.keys() == want.keys()
     for name, t in want.items():

@@ -30,7 +30,7 @@ import torch
 from ..formats import a8
 
 __all__ = ["BLOCKS", "Int4Blocks", "Int8Blocks", "A8_INT4", "decode_int4", "decode_int8", "dequantize_blocks",
-           "a8_int4", "a8_int8", "A8_INT8", "q8_0_scales", "q6_k_scales", "decode_q4_0"]
+           "a8_int4", "a8_k_int4", "a8_int8", "A8_INT8", "q8_0_scales", "q6_k_scales", "q6_k_parts", "decode_q4_0"]
 
 # ggml type name -> (weights per block, bytes per block)
 BLOCKS: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -195,6 +195,43 @@ def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, s
     return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), 3 if symmetric else A8_INT4[kind], perm)
 
 
+def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K bytes ``[R, in / 256 * 144]`` into the ``a8_k`` layout (:class:`~infopt.quantize.formats.int4_layouts.A8K`):
+    ``(weight, scale_min)``, the codes as the a8 layout packs them and the blocks' two-level scales as they are
+    (:func:`~infopt.quantize.formats.a8.pack_k_scales`), row ``i`` from the file's row ``perm[i]``: every weight
+    exactly the file's. The codes through the C++ transcoder where it is built.
+
+    Example:
+        >>> import numpy as np
+        >>> from gguf import GGMLQuantizationType, dequantize
+        >>> rng = np.random.default_rng(0)
+        >>> raw = rng.integers(0, 256, (16, 144), dtype=np.uint8)
+        >>> raw[:, :4] = np.array([0.01, 0.002], np.float16).view(np.uint8)  # d, dmin
+        >>> weight, sm = a8_k_int4(torch.from_numpy(raw))
+        >>> codes, _, _ = a8.unpack_blocked_int4(weight, sm)
+        >>> s = a8.scale_min_rows(sm).repeat_interleave(32, -1)  # [2, R, in]: the kernels' scale and minimum
+        >>> bool(torch.equal(codes.float() * s[0] + s[1], torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K))))
+        True
+    """
+    b = _blocks(raw, "Q4_K")
+    rows = b.shape[0]
+    packed = a8_int4(raw, "Q4_K", perm)
+    if packed is not None:
+        weight = packed[0]
+    else:
+        codes, _, _ = decode_int4(raw, "Q4_K")
+        if perm is not None:
+            codes = codes[perm]
+        weight, _ = a8.pack_blocked_int4(codes, torch.ones(rows, 1), torch.zeros(rows, 1))
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [R, B]
+    dmin = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+    sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8]
+    sc, mn = sc.reshape(rows, -1), mn.reshape(rows, -1)
+    if perm is not None:
+        d, dmin, sc, mn = d[perm], dmin[perm], sc[perm], mn[perm]
+    return weight, a8.pack_k_scales(d, dmin, sc, mn)
+
+
 A8_INT8 = {"Q8_0": 0, "Q6_K": 1}
 """Types the C++ transcoder writes straight into the a8 int8 layout (:func:`a8_int8`), with its kind numbers."""
 
@@ -217,8 +254,16 @@ def q8_0_scales(raw: torch.Tensor) -> torch.Tensor:
 
 def q6_k_scales(raw: torch.Tensor) -> torch.Tensor:
     """The fp32 scales ``[R, in / 16]`` of Q6_K bytes (``d * sc_j``, exact in fp32), without reading their codes."""
+    d, sc = q6_k_parts(raw)
+    return (d.float().repeat_interleave(16, 1) * sc.float()).reshape(sc.shape)
+
+
+def q6_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two levels of Q6_K bytes' scales: ``d`` fp16 ``[R, in / 256]`` and ``sc`` int8 ``[R, in / 16]``."""
     b = _blocks(raw, "Q6_K")
-    return (_half(b, 208).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(b.shape[0], -1)
+    rows = b.shape[0]
+    return b[..., 208:210].contiguous().view(torch.float16).reshape(rows, -1), \
+        b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
 
 
 def dequantize_blocks(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:

@@ -69,11 +69,12 @@ from .gguf_blocks import (
     Int8Blocks,
     a8_int4,
     a8_int8,
+    a8_k_int4,
     decode_int4,
     decode_int8,
     decode_q4_0,
     dequantize_blocks,
-    q6_k_scales,
+    q6_k_parts,
     q8_0_scales,
 )
 from .gguf_embedding import BlockEmbedding
@@ -348,6 +349,10 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
     types, shapes the layouts do not take, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
+    if kind == "Q4_K" and INT4_LAYOUTS["a8_k"].fits(rows, in_f, 32) is None:  # the file's two-level scales as they are
+        weight, scale_min = a8_k_int4(raw, perm)
+        return Int4Linear.from_packed("a8_k", {"weight_packed": weight, "scale_min": scale_min}, in_features=in_f,
+                                      out_features=rows, group_size=32, dtype=opts.dtype)
     if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
         layout = "a8_sym" if kind == "Q4_0" else "a8"  # Q4_0's codes are symmetric: its fp16 scales kept alone
         packed = a8_int4(raw, kind, perm, symmetric=layout == "a8_sym")
@@ -355,12 +360,15 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
             layout, {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
             group_size=32, dtype=opts.dtype)
     if kind in A8_INT8 and INT8_LAYOUTS["a8"].fits(rows, in_f, 32 if kind == "Q8_0" else 16) is None:
-        scales = q8_0_scales(raw) if kind == "Q8_0" else q6_k_scales(raw)
+        k6 = q6_k_parts(raw) if kind == "Q6_K" else None  # (d, sc): kept as they are, the layer need not factor
+        scales = q8_0_scales(raw) if kind == "Q8_0" else (k6[0].float().repeat_interleave(16, 1) * k6[1].float())
         if perm is not None:
             scales = scales[perm]
+            k6 = None if k6 is None else (k6[0][perm], k6[1][perm])
         scales = per_channel_if_uniform(scales)  # as int8_layer does
         weight = a8_int8(raw, perm, kind)
-        return None if weight is None else Int8Linear.from_a8(weight, scales, dtype=opts.dtype)
+        return None if weight is None else Int8Linear.from_a8(weight, scales, dtype=opts.dtype,
+                                                              k6=k6 if scales.dim() == 2 else None)
     return None
 
 
