@@ -18,7 +18,7 @@
 //   scale_min may also be fp32 [N/16, G, 2, 16] (any scales exactly), or a GGUF Q4_K file's two-level scales, uint8
 //   [N/16, G/8, 320] (group 32): per super-group of 8 groups, the 16 rows' fp16 d then fp16 dmin (64 bytes), then
 //   per group the 16 rows' 6-bit sc then m (32 bytes): scale = d * sc, min = -dmin * m, each exact in fp32 and
-//   computed per block of 16 rows into a small fp32 buffer: 4.625 bits a weight, the file's weights exactly.
+//   computed per group as the scales are read: 4.625 bits a weight, the file's weights exactly.
 //
 // int8_a8_linear(x [M, K], weight uint8 [N/16, K/4, 64], scale fp32 [N] | [N/16, Gw, 16], group)
 //   Weights w = code * scale[r] (symmetric per row), or code * scale[r, gw] per group of K / Gw input channels (a
@@ -31,8 +31,8 @@
 //   16 rows side by side per group, so each group's are one 64-byte load (a gather from row-major scales, 16 rows
 //   apart, ran the 3B head's decode call at 18 GB/s against 26 for per-row scales).
 //   Or a GGUF Q6_K file's two-level scales, uint8 [N/16, Gw/16, 288]: per super-group of 16 scale groups, the 16
-//   rows' fp16 d (32 bytes), then per group the 16 rows' int8 sc: scale = d * sc, exact in fp32, computed per block
-//   into a small buffer (0.56 bits a weight read instead of 2).
+//   rows' fp16 d (32 bytes), then per group the 16 rows' int8 sc: scale = d * sc, exact in fp32, computed per group
+//   as they are read (0.56 bits a weight read instead of 2).
 //
 // int4_a8_dense_t(weight, scale_min, group, dtype) -> bf16 | fp32 [K, N]
 //   The same weights dequantized, transposed, for prompts: many rows run faster as one bf16 GEMM (AMX, AVX512-BF16)
@@ -209,71 +209,23 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// ---- Q4_K's two-level scales -------------------------------------------------------------------------------------
-constexpr int64_t kSuper = 8;                        // groups of 32 per Q4_K super-block
+// ---- GGUF two-level scales (Q4_K, Q6_K) ---------------------------------------------------------------------------
+constexpr int64_t kSuper = 8;                                    // groups of 32 per Q4_K super-block
 constexpr int64_t kSuperBytes = 4 * kRows + kSuper * 2 * kRows;  // d, dmin (fp16) then sc, m per group (uint8)
-
-// one block's [G/8, 320] two-level scales -> fp32 [G, 2, 16] (scales, minimums): d * sc and -(dmin * m), exact
-inline void k_scales(const uint8_t* kb, int64_t G, float* out) {
-  for (int64_t s = 0; s < G / kSuper; ++s, kb += kSuperBytes) {
-    const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
-    const uint8_t* sc = kb + 4 * kRows;
-#if defined(__AVX512F__)
-    const __m512 d = load16(dd), dm = _mm512_sub_ps(_mm512_setzero_ps(), load16(dd + kRows));
-    for (int64_t j = 0; j < kSuper; ++j, sc += 2 * kRows, out += 2 * kRows) {
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
-      const __m512 b = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows))));
-      _mm512_storeu_ps(out, _mm512_mul_ps(d, a));
-      _mm512_storeu_ps(out + kRows, _mm512_mul_ps(dm, b));
-    }
-#else
-    float d[kRows], dm[kRows];
-    for (int64_t r = 0; r < kRows; ++r) {
-      d[r] = static_cast<float>(dd[r]);
-      dm[r] = -static_cast<float>(dd[kRows + r]);
-    }
-    for (int64_t j = 0; j < kSuper; ++j, sc += 2 * kRows, out += 2 * kRows) {
-      for (int64_t r = 0; r < kRows; ++r) {
-        out[r] = d[r] * static_cast<float>(sc[r]);
-        out[kRows + r] = dm[r] * static_cast<float>(sc[kRows + r]);
-      }
-    }
-#endif
-  }
-}
-
-// Q6_K's: one block's [Gw/16, 288] scales -> fp32 [Gw, 16], d * sc (exact)
-constexpr int64_t kSuper6 = 16;                      // scale groups (of 16 inputs) per Q6_K super-block
-constexpr int64_t kSuper6Bytes = 2 * kRows + kSuper6 * kRows;
-inline void k6_scales(const uint8_t* kb, int64_t Gw, float* out) {
-  for (int64_t s = 0; s < Gw / kSuper6; ++s, kb += kSuper6Bytes) {
-    const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(kb + 2 * kRows);
-#if defined(__AVX512F__)
-    const __m512 d = load16(dd);
-    for (int64_t j = 0; j < kSuper6; ++j, sc += kRows, out += kRows)
-      _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
-#else
-    float d[kRows];
-    for (int64_t r = 0; r < kRows; ++r) d[r] = static_cast<float>(dd[r]);
-    for (int64_t j = 0; j < kSuper6; ++j, sc += kRows, out += kRows)
-      for (int64_t r = 0; r < kRows; ++r) out[r] = d[r] * static_cast<float>(sc[r]);
-#endif
-  }
-}
+constexpr int64_t kSuper6 = 16;                                  // scale groups (of 16 inputs) per Q6_K super-block
+constexpr int64_t kSuper6Bytes = 2 * kRows + kSuper6 * kRows;    // d (fp16) then sc per group (int8)
 
 // ---- int4 weights ------------------------------------------------------------------------------------------------
 // One block of 16 output rows against MR activation rows; acc [MR][16] fp32.
 
 // S = c10::BFloat16 or float: scale_min [G, 2, 16] per block (scales then minimums); S = c10::Half: scales [G, 16]
-// of symmetric codes (minimum -8 x scale)
+// of symmetric codes (minimum -8 x scale); S = uint8_t: Q4_K's two-level scales [G/8, 320] (group 32)
 template <int MR, typename S>
 void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0, int64_t K,
                 int64_t group, float* acc) {
   constexpr bool kSym = std::is_same_v<S, c10::Half>;
-  constexpr int64_t kPer = kSym ? kRows : 2 * kRows;  // scale values per group
+  constexpr bool kK = std::is_same_v<S, uint8_t>;
+  constexpr int64_t kPer = kK ? kSuperBytes / kSuper : kSym ? kRows : 2 * kRows;  // scale values (bytes) per group
   const int64_t G = K / group;
   const int64_t chunks = group / 8;
   const int8_t* xq = a.q.data() + m0 * K;
@@ -300,7 +252,20 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
         hi_acc[m] = _mm512_dpbusd_epi32(hi_acc[m], hi, _mm512_set1_epi32(load4(xm + 4)));
       }
     }
-    const __m512 scale = load16(sm + g * kPer);
+    __m512 scale, mn;
+    if constexpr (kK) {  // d * sc and -dmin * m, exact in fp32
+      const uint8_t* kb = sm + (g / kSuper) * kSuperBytes;
+      const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
+      const __m512 d = load16(reinterpret_cast<const c10::Half*>(kb));
+      const __m512 dm = load16(reinterpret_cast<const c10::Half*>(kb) + kRows);
+      scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(sc)))));
+      mn = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dm), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows)))));
+    } else {
+      scale = load16(sm + g * kPer);
+      mn = kSym ? scale : load16(sm + g * kPer + kRows);
+    }
     if constexpr (kSym) {
       for (int m = 0; m < MR; ++m) {
         const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
@@ -308,7 +273,6 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
         out[m] = _mm512_fmadd_ps(scale, t, out[m]);
       }
     } else {
-      const __m512 mn = load16(sm + g * kPer + kRows);
       for (int m = 0; m < MR; ++m) {
         const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[m], hi_acc[m]));
         out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * G + g]), out[m]);
@@ -342,7 +306,20 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
       w += 64;
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = load_bf16x8(sm + g * kPer + 8 * h);
+      __m256 scale, mn;
+      if constexpr (kK) {  // d * sc and -dmin * m, exact in fp32
+        const uint8_t* kb = sm + (g / kSuper) * kSuperBytes;
+        const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows + 8 * h;
+        const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb) + 8 * h;
+        scale = _mm256_mul_ps(load_bf16x8(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+        mn = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), load_bf16x8(dd + kRows)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + kRows)))));
+      } else {
+        scale = load_bf16x8(sm + g * kPer + 8 * h);
+        mn = kSym ? scale : load_bf16x8(sm + g * kPer + kRows + 8 * h);
+      }
       if constexpr (kSym) {
         for (int m = 0; m < MR; ++m) {
           const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
@@ -350,7 +327,6 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
           out[m][h] = _mm256_fmadd_ps(scale, t, out[m][h]);
         }
       } else {
-        const __m256 mn = load_bf16x8(sm + g * kPer + kRows + 8 * h);
         for (int m = 0; m < MR; ++m) {
           const __m256 d = _mm256_cvtepi32_ps(iacc[m][h]);
           out[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxs[m * G + g]), out[m][h]);
@@ -376,12 +352,21 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
     }
     for (int m = 0; m < MR; ++m) {
       for (int r = 0; r < kRows; ++r) {
-        const float scale = static_cast<float>(sm[g * kPer + r]);
+        float scale, mn;
+        if constexpr (kK) {  // d * sc and -dmin * m, exact in fp32
+          const uint8_t* kb = sm + (g / kSuper) * kSuperBytes;
+          const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
+          const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+          scale = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+          mn = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
+        } else {
+          scale = static_cast<float>(sm[g * kPer + r]);
+          mn = kSym ? 0.f : static_cast<float>(sm[g * kPer + kRows + r]);
+        }
         if constexpr (kSym) {
           const float t = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g], -8.f * sxs[m * G + g]);
           out[m][r] = std::fma(scale, t, out[m][r]);
         } else {
-          const float mn = static_cast<float>(sm[g * kPer + kRows + r]);
           out[m][r] = std::fma(mn, sxs[m * G + g], out[m][r]);
           out[m][r] = std::fma(static_cast<float>(iacc[m][r]), scale * sx[m * G + g], out[m][r]);
         }
@@ -395,10 +380,10 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
 // ---- int8 weights ------------------------------------------------------------------------------------------------
 
 // gs: with group scales, the block's [Gw, 16] scales, and per_scale activation groups per scale group; nullptr:
-// per-row scales, applied by the caller.
+// per-row scales, applied by the caller. k6: instead of gs, the block's Q6_K two-level scales [Gw/16, 288].
 template <int MR>
 void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, int64_t group, float* acc,
-                const float* gs = nullptr, int64_t per_scale = 1) {
+                const float* gs = nullptr, int64_t per_scale = 1, const uint8_t* k6 = nullptr) {
   const int64_t G = K / group;
   const int64_t chunks = group / 4;
   const int8_t* xq = a.q.data() + m0 * K;
@@ -429,7 +414,16 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
         ia[m] = _mm512_dpbusd_epi32(ia[m], v0, _mm512_set1_epi32(load4(xg + m * K + 4 * c)));
     }
     // per-row scales: 1 here (sx * 1 is sx, bit for bit), applied by the caller
-    const __m512 sw = gs != nullptr ? _mm512_loadu_ps(gs + (g / per_scale) * kRows) : _mm512_set1_ps(1.f);
+    __m512 sw;
+    if (k6 != nullptr) {  // d * sc, exact in fp32
+      const int64_t gi = g / per_scale;
+      const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
+      sw = _mm512_mul_ps(load16(reinterpret_cast<const c10::Half*>(kb)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                             reinterpret_cast<const __m128i*>(kb + 2 * kRows + (gi % kSuper6) * kRows)))));
+    } else {
+      sw = gs != nullptr ? _mm512_loadu_ps(gs + (g / per_scale) * kRows) : _mm512_set1_ps(1.f);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512i bias = _mm512_set1_epi32(qsum[m * G + g] * 128);  // the codes' + 128, times the activations
       const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(ia[m], ib[m]), bias));
@@ -467,7 +461,16 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
       w += 64;
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 sw = gs != nullptr ? _mm256_loadu_ps(gs + (g / per_scale) * kRows + 8 * h) : _mm256_set1_ps(1.f);
+      __m256 sw;
+      if (k6 != nullptr) {  // d * sc, exact in fp32
+        const int64_t gi = g / per_scale;
+        const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
+        sw = _mm256_mul_ps(load_bf16x8(reinterpret_cast<const c10::Half*>(kb) + 8 * h),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                               reinterpret_cast<const __m128i*>(kb + 2 * kRows + (gi % kSuper6) * kRows + 8 * h)))));
+      } else {
+        sw = gs != nullptr ? _mm256_loadu_ps(gs + (g / per_scale) * kRows + 8 * h) : _mm256_set1_ps(1.f);
+      }
       for (int m = 0; m < MR; ++m)
         out[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][h]), _mm256_mul_ps(_mm256_set1_ps(sx[m * G + g]), sw),
                                     out[m][h]);
@@ -487,10 +490,20 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
             iacc[m][r] += static_cast<int32_t>(static_cast<int8_t>(w[4 * r + j] ^ 0x80u)) * xg[m * K + 4 * c + j];
       w += 64;
     }
+    float sw[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      if (k6 != nullptr) {  // d * sc, exact in fp32
+        const int64_t gi = g / per_scale;
+        const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
+        sw[r] = static_cast<float>(reinterpret_cast<const c10::Half*>(kb)[r]) *
+                static_cast<float>(reinterpret_cast<const int8_t*>(kb + 2 * kRows + (gi % kSuper6) * kRows)[r]);
+      } else {
+        sw[r] = gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f;
+      }
+    }
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < kRows; ++r)
-        out[m][r] = std::fma(static_cast<float>(iacc[m][r]),
-                             sx[m * G + g] * (gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f), out[m][r]);
+        out[m][r] = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g] * sw[r], out[m][r]);
   }
   (void)qsum;
   for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kRows, out[m], sizeof(out[m]));
@@ -698,12 +711,7 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
       case at::kHalf: blocks(static_cast<const c10::Half*>(sms[i]) + nb * G * kRows); break;
       case at::kBFloat16: blocks(static_cast<const c10::BFloat16*>(sms[i]) + nb * G * 2 * kRows); break;
       case at::kFloat: blocks(static_cast<const float*>(sms[i]) + nb * G * 2 * kRows); break;
-      default: {  // Q4_K's two-level scales, made fp32 for this block (once per pass of up to 4 rows)
-        thread_local std::vector<float> buf;
-        buf.resize(G * 2 * kRows);
-        k_scales(static_cast<const uint8_t*>(sms[i]) + nb * (G / kSuper) * kSuperBytes, G, buf.data());
-        blocks(static_cast<const float*>(buf.data()));
-      }
+      default: blocks(static_cast<const uint8_t*>(sms[i]) + nb * (G / kSuper) * kSuperBytes);  // Q4_K's
     }
   });
 }
@@ -742,17 +750,12 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
   return run_blocks(x, {N}, {Gw ? nullptr : sp}, [&](int64_t, int64_t nb, int64_t m0, int64_t mr, float* acc) {
     const uint8_t* wb = w + nb * (K / 4) * 64;
     const float* gs = Gw && !k6 ? sp + nb * Gw * kRows : nullptr;
-    if (k6) {  // this block's scales in fp32 (once per pass of up to 4 rows)
-      thread_local std::vector<float> buf;
-      buf.resize(Gw * kRows);
-      k6_scales(kp + nb * (Gw / kSuper6) * kSuper6Bytes, Gw, buf.data());
-      gs = buf.data();
-    }
+    const uint8_t* kb = k6 ? kp + nb * (Gw / kSuper6) * kSuper6Bytes : nullptr;
     switch (mr) {
-      case 1: int8_block<1>(wb, a, m0, K, group, acc, gs, per_scale); break;
-      case 2: int8_block<2>(wb, a, m0, K, group, acc, gs, per_scale); break;
-      case 3: int8_block<3>(wb, a, m0, K, group, acc, gs, per_scale); break;
-      default: int8_block<4>(wb, a, m0, K, group, acc, gs, per_scale); break;
+      case 1: int8_block<1>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+      case 2: int8_block<2>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+      case 3: int8_block<3>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+      default: int8_block<4>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
     }
   })[0];
 }

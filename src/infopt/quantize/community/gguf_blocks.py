@@ -1,10 +1,10 @@
-"""GGUF (llama.cpp) quantized blocks read into infopt's layer formats, exactly, without a dequantized copy.
+"""GGUF (llama.cpp) quantized blocks read into infopt's layer formats without a dequantized copy.
 
 Each function takes the raw bytes of a ``[rows, in]`` tensor as uint8 ``[rows, in / block * block_bytes]``
 (what ``gguf.GGUFReader`` maps) and returns codes with their group scales (and zero points):
 
 =========  ====================================================  =========================================
-type       ggml's formula, per block                              infopt layout (exact)
+type       ggml's formula, per block                              infopt layout
 =========  ====================================================  =========================================
 Q4_0       32 weights: ``d * (q - 8)``, q 4-bit, d fp16            int4 group 32: scale d, zero 8
 Q4_1       32 weights: ``d * q + m``, d and m fp16                 int4 group 32: scale d, zero ``-m / d``
@@ -18,6 +18,11 @@ Q6_K       256 = 16 x 16: ``d * sc_j * (q - 32)``, q 6-bit,        int8 group 16
 A group whose scale is zero holds one value, 0 (Q4_0), ``m`` (Q4_1) or ``-dmin * m_j`` (Q4_K), whatever its codes: it
 gets codes 0, scale ``|value| / 8`` and zero ``-8 * sign(value)`` (or scale 1, zero 0 when the value is 0), so
 the int4 layout, which needs a scale to recover its zero point, keeps it.
+
+The decoded codes are the file's and the scales and zero points give its weights in fp32 up to float rounding (the
+zero point is a quotient). A kernel layout that holds bf16 scales rounds them (Q4_0's, Q4_1's and Q4_K's on the
+float-activation kernels); the int8-activation layouts keep them as the file does: Q4_0's fp16 scales (``a8_sym``,
+:func:`a8_int4`), Q4_K's two levels (``a8_k``, :func:`a8_k_int4`), Q6_K's two levels (:func:`q6_k_parts`).
 
 Byte layouts follow ggml's ``block_q4_0``, ``block_q4_1``, ``block_q8_0``, ``block_q4_K`` and ``block_q6_K``
 (``ggml-common.h``); the tests check every type against ``gguf.quants.dequantize``.

@@ -124,8 +124,10 @@ def load_quantized(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
       :class:`~infopt.quantize.Int4Linear`, 8 bits -> :class:`~infopt.quantize.Int8Linear`;
     - AWQ GEMM folders (``quant_method: awq``, ``version: gemm``) -> ``Int4Linear``;
     - GGUF files: Q4_0, Q4_1, Q4_K -> ``Int4Linear`` (group 32), Q8_0 -> ``Int8Linear`` (group 32), Q6_K ->
-      ``Int8Linear`` (group 16), F32/F16/BF16 dense. Each maps exactly: the layers compute with the very
-      weights the file holds (up to the kernels' bf16 activations).
+      ``Int8Linear`` (group 16), F32/F16/BF16 dense. The codes map exactly, and so do the scales of Q8_0 and
+      Q6_K, and with ``activations="int8"`` (``"auto"`` on CPUs with the kernels) those of Q4_0 and Q4_K too: the
+      layers compute with the very weights the file holds. The float-activation int4 kernels hold bf16 scales and
+      round the file's (lossy: up to 0.4% of a group's scale); ``reference=True`` keeps them in fp32.
 
     The model is built with empty weights and each quantized layer filled from the file's codes; no dense copy
     of a quantized matrix is made (embeddings and norms are dense in ``dtype``). Neither gptqmodel, auto-gptq nor
