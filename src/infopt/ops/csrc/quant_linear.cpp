@@ -380,8 +380,8 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
 // ---- int8 weights ------------------------------------------------------------------------------------------------
 
 // gs: with group scales, the block's [Gw, 16] scales, and per_scale activation groups per scale group; nullptr:
-// per-row scales, applied by the caller. k6: instead of gs, the block's Q6_K two-level scales [Gw/16, 288].
-template <int MR>
+// per-row scales, applied by the caller. K6: k6, the block's Q6_K two-level scales [Gw/16, 288], instead of gs.
+template <int MR, bool K6 = false>
 void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, int64_t group, float* acc,
                 const float* gs = nullptr, int64_t per_scale = 1, const uint8_t* k6 = nullptr) {
   const int64_t G = K / group;
@@ -415,7 +415,7 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
     }
     // per-row scales: 1 here (sx * 1 is sx, bit for bit), applied by the caller
     __m512 sw;
-    if (k6 != nullptr) {  // d * sc, exact in fp32
+    if constexpr (K6) {  // d * sc, exact in fp32
       const int64_t gi = g / per_scale;
       const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
       sw = _mm512_mul_ps(load16(reinterpret_cast<const c10::Half*>(kb)),
@@ -462,7 +462,7 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
     }
     for (int h = 0; h < 2; ++h) {
       __m256 sw;
-      if (k6 != nullptr) {  // d * sc, exact in fp32
+      if constexpr (K6) {  // d * sc, exact in fp32
         const int64_t gi = g / per_scale;
         const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
         sw = _mm256_mul_ps(load_bf16x8(reinterpret_cast<const c10::Half*>(kb) + 8 * h),
@@ -492,7 +492,7 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
     }
     float sw[kRows];
     for (int r = 0; r < kRows; ++r) {
-      if (k6 != nullptr) {  // d * sc, exact in fp32
+      if constexpr (K6) {  // d * sc, exact in fp32
         const int64_t gi = g / per_scale;
         const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
         sw[r] = static_cast<float>(reinterpret_cast<const c10::Half*>(kb)[r]) *
@@ -751,12 +751,17 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
     const uint8_t* wb = w + nb * (K / 4) * 64;
     const float* gs = Gw && !k6 ? sp + nb * Gw * kRows : nullptr;
     const uint8_t* kb = k6 ? kp + nb * (Gw / kSuper6) * kSuper6Bytes : nullptr;
-    switch (mr) {
-      case 1: int8_block<1>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
-      case 2: int8_block<2>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
-      case 3: int8_block<3>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
-      default: int8_block<4>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
-    }
+    auto blocks = [&](auto k6_tag) {
+      constexpr bool kK6 = decltype(k6_tag)::value;
+      switch (mr) {
+        case 1: int8_block<1, kK6>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+        case 2: int8_block<2, kK6>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+        case 3: int8_block<3, kK6>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+        default: int8_block<4, kK6>(wb, a, m0, K, group, acc, gs, per_scale, kb); break;
+      }
+    };
+    if (kb != nullptr) blocks(std::true_type{});
+    else blocks(std::false_type{});
   })[0];
 }
 
