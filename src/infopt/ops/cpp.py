@@ -203,10 +203,14 @@ _FAKES: dict[str, dict] = {
 
 
 def _int4_from_ggml_fake(raw: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-    block_bytes, groups = ((18, 1), (20, 1), (144, 8))[kind]  # Q4_0, Q4_1, Q4_K: bytes and groups of 32 per block
+    # Q4_0, Q4_1, Q4_K, Q4_0 symmetric, Q4_K two-level: bytes and groups of 32 per block
+    block_bytes, groups = ((18, 1), (20, 1), (144, 8), (18, 1), (144, 8))[kind]
     g = raw.shape[1] // block_bytes * groups
-    return (raw.new_empty(raw.shape[0] // ROWS, g * 4, 64),
-            raw.new_empty(raw.shape[0] // ROWS, g, 2, ROWS, dtype=torch.bfloat16))
+    rows = raw.shape[0] // ROWS
+    scales = (raw.new_empty(rows, g, ROWS, dtype=torch.float16) if kind == 3 else
+              raw.new_empty(rows, g // 8, 320) if kind == 4 else
+              raw.new_empty(rows, g, 2, ROWS, dtype=torch.bfloat16))
+    return raw.new_empty(rows, g * 4, 64), scales
 
 
 def _int8_from_ggml_fake(raw: torch.Tensor, kind: int) -> torch.Tensor:

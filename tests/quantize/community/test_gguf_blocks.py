@@ -171,9 +171,13 @@ def test_transcoders_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="whole number of 20-byte blocks"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 1, None)
     with pytest.raises(RuntimeError, match="kind must be 0"):
+        ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 5, None)
+    with pytest.raises(RuntimeError, match="whole number of 144-byte blocks"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 4, None)
     with pytest.raises(ValueError, match="symmetric=True takes Q4_0 blocks only, got Q4_1"):
         a8_int4(torch.zeros(16, 20, dtype=torch.uint8), "Q4_1", symmetric=True)
+    with pytest.raises(ValueError, match="two_level=True takes Q4_K blocks only, got Q4_0"):
+        a8_int4(torch.zeros(16, 18, dtype=torch.uint8), "Q4_0", two_level=True)
     with pytest.raises(RuntimeError, match="is not a row"):
         ops.int4_a8_from_ggml(torch.zeros(16, 18, dtype=torch.uint8), 0, torch.full((16,), 16))
     with pytest.raises(RuntimeError, match="perm must be"):

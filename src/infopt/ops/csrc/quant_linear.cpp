@@ -1137,8 +1137,9 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
 // int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
-//   256) | 3 (Q4_0 into the symmetric layout), perm int64 [N]?) -> (weight uint8 [N/16, K/8, 64], scale_min bf16
-//   [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32, 16])
+//   256) | 3 (Q4_0 into the symmetric layout) | 4 (Q4_K into the a8_k layout), perm int64 [N]?) -> (weight uint8
+//   [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32,
+//   16]; kind 4: the blocks' two levels of scales as they are, uint8 [N/16, K/256, 320])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
 //   kind) -> weight uint8 [N/16, K/4, 64] (codes + 128)
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
@@ -1209,17 +1210,19 @@ inline void k4_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
 std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
                                                      const std::optional<at::Tensor>& perm) {
   const char* op = "int4_a8_from_ggml";
-  TORCH_CHECK(kind >= 0 && kind <= 3, op, ": kind must be 0 (Q4_0), 1 (Q4_1), 2 (Q4_K) or 3 (Q4_0, symmetric), got ",
-              kind);
-  const bool sym = kind == 3;
+  TORCH_CHECK(kind >= 0 && kind <= 4, op, ": kind must be 0 (Q4_0), 1 (Q4_1), 2 (Q4_K), 3 (Q4_0, symmetric) or 4 "
+              "(Q4_K, two-level scales), got ", kind);
+  const bool sym = kind == 3, two_level = kind == 4;
   if (sym) kind = 0;  // the same blocks; only the scales are written differently
+  if (two_level) kind = 2;
   const int64_t B = kind == 0 ? 18 : kind == 1 ? 20 : 144, per_block = kind == 2 ? 8 : 1;  // bytes, groups
   check_raw(raw, B, op);
   const int64_t N = raw.size(0), G = raw.size(1) / B * per_block, K = G * 32, NB = N / kRows, row_bytes = raw.size(1);
   const int64_t* pp = checked_perm(perm, N, op);
   at::Tensor weight = at::empty({NB, K / 8, 64}, raw.options());
-  at::Tensor scale_min = sym ? at::empty({NB, G, kRows}, raw.options().dtype(at::kHalf))
-                             : at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
+  at::Tensor scale_min = sym         ? at::empty({NB, G, kRows}, raw.options().dtype(at::kHalf))
+                         : two_level ? at::empty({NB, G / kSuper, kSuperBytes}, raw.options())
+                                     : at::empty({NB, G, 2, kRows}, raw.options().dtype(at::kBFloat16));
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* wp = weight.data_ptr<uint8_t>();
   uint16_t* sm = reinterpret_cast<uint16_t*>(scale_min.data_ptr());
@@ -1230,7 +1233,8 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
     const uint8_t* rows[kRows];
     alignas(64) uint32_t chunks[4][kRows];
     alignas(64) float scale_raw[kRows], offset[kRows];
-    alignas(64) uint16_t d16[kRows];  // kind 3: the blocks' fp16 scales
+    alignas(64) uint16_t d16[kRows], dmin16[kRows];  // kinds 3 and 4: the blocks' fp16 scales
+    alignas(16) uint8_t sc6[kRows], mn6[kRows];        // kind 4: the sub-block's 6-bit scales and minimums
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
@@ -1246,6 +1250,10 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
             const int64_t j = g % 8;
             int sc, mn;
             k4_scale_min(blk + 4, j, sc, mn);
+            std::memcpy(&d16[r], blk, 2);
+            std::memcpy(&dmin16[r], blk + 2, 2);
+            sc6[r] = static_cast<uint8_t>(sc);
+            mn6[r] = static_cast<uint8_t>(mn);
             scale_raw[r] = half_at(blk) * static_cast<float>(sc);
             offset[r] = -(half_at(blk + 2) * static_cast<float>(mn));
             const uint8_t* q = blk + 16 + 32 * (j / 2);
@@ -1274,6 +1282,16 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
         std::memcpy(dst, chunks, sizeof(chunks));
         if (sym) {  // w = (code - 8) * d exactly as the file has it (a dead group: every weight 0)
           std::memcpy(sm + (b * G + g) * kRows, d16, sizeof(d16));
+          continue;
+        }
+        if (two_level) {  // d, dmin once per super-block, then this group's sc and m, as the file has them
+          uint8_t* kb = reinterpret_cast<uint8_t*>(sm) + (b * (G / kSuper) + g / kSuper) * kSuperBytes;
+          if (g % kSuper == 0) {
+            std::memcpy(kb, d16, sizeof(d16));
+            std::memcpy(kb + 2 * kRows, dmin16, sizeof(dmin16));
+          }
+          std::memcpy(kb + 4 * kRows + (g % kSuper) * 2 * kRows, sc6, kRows);
+          std::memcpy(kb + 4 * kRows + (g % kSuper) * 2 * kRows + kRows, mn6, kRows);
           continue;
         }
         // decode_int4's _affine, branch-free over the 16 rows: w = scale * code + offset; a dead group (scale 0) gets

@@ -176,13 +176,14 @@ A8_INT4 = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 """Types the C++ transcoder writes straight into the a8 int4 layout (:func:`a8_int4`), with its kind numbers."""
 
 
-def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, symmetric: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, symmetric: bool = False,
+            two_level: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout,
     ``(weight, scale_min)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row
     ``perm[i]``), in one pass of the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
     where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.
-    ``symmetric`` (Q4_0 only): the ``a8_sym`` layout instead, the blocks' fp16 scales as they are, ``[R/16, G, 16]``.
+    ``symmetric`` (Q4_0 only): the ``a8_sym`` layout instead, the blocks' fp16 scales as they are, ``[R/16, G, 16]``;
+    ``two_level`` (Q4_K only): the ``a8_k`` layout, the blocks' two levels of scales as they are (:func:`a8_k_int4`).
 
     Example:
         >>> import numpy as np
@@ -197,14 +198,18 @@ def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, s
         return None
     if symmetric and kind != "Q4_0":
         raise ValueError(f"a8_int4: symmetric=True takes Q4_0 blocks only, got {kind}")
-    return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), 3 if symmetric else A8_INT4[kind], perm)
+    if two_level and kind != "Q4_K":
+        raise ValueError(f"a8_int4: two_level=True takes Q4_K blocks only, got {kind}")
+    return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), 3 if symmetric else 4 if two_level else A8_INT4[kind],
+                                              perm)
 
 
 def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K bytes ``[R, in / 256 * 144]`` into the ``a8_k`` layout (:class:`~infopt.quantize.formats.int4_layouts.A8K`):
     ``(weight, scale_min)``, the codes as the a8 layout packs them and the blocks' two-level scales as they are
     (:func:`~infopt.quantize.formats.a8.pack_k_scales`), row ``i`` from the file's row ``perm[i]``: every weight
-    exactly the file's. The codes through the C++ transcoder where it is built.
+    exactly the file's. Through the C++ transcoder in one pass where it is built, else torch operations (the same
+    bytes).
 
     Example:
         >>> import numpy as np
@@ -220,14 +225,13 @@ def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torc
     """
     b = _blocks(raw, "Q4_K")
     rows = b.shape[0]
-    packed = a8_int4(raw, "Q4_K", perm)
+    packed = a8_int4(raw, "Q4_K", perm, two_level=True)  # the C++ transcoder, in one pass
     if packed is not None:
-        weight = packed[0]
-    else:
-        codes, _, _ = decode_int4(raw, "Q4_K")
-        if perm is not None:
-            codes = codes[perm]
-        weight, _ = a8.pack_blocked_int4(codes, torch.ones(rows, 1), torch.zeros(rows, 1))
+        return packed
+    codes, _, _ = decode_int4(raw, "Q4_K")  # (torch operations: the codes, and the two levels read as they are)
+    if perm is not None:
+        codes = codes[perm]
+    weight, _ = a8.pack_blocked_int4(codes, torch.ones(rows, 1), torch.zeros(rows, 1))
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [R, B]
     dmin = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
     sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8]
