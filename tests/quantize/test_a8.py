@@ -277,6 +277,8 @@ _PORTABLE_CHECK = textwrap.dedent("""
                            a8.int4_dense_t_reference(w, sm, 32, dtype)), "dense"
         assert torch.equal(torch.ops.infopt.int4_a8_dense_t(ws4, sm16, 32, dtype),
                            a8.int4_dense_t_reference(ws4, sm16, 32, dtype)), "dense, fp16 scales alone"
+        assert torch.equal(torch.ops.infopt.int4_a8_dense_t(wk, sk, 32, dtype),
+                           a8.int4_dense_t_reference(wk, sk, 32, dtype)), "dense, Q4_K scales"
     print(torch.ops.infopt.quant_linear_isa())
 """)
 

@@ -524,10 +524,26 @@ template <typename O, typename S>
 void dense_chunk(const uint8_t* w, const S* sm, int64_t K, int64_t group, int64_t NB, int64_t c, O* out) {
   constexpr bool kBf16 = std::is_same_v<O, uint16_t>;
   constexpr bool kSym = std::is_same_v<S, c10::Half>;  // scales alone, minimum -8 x scale (exact in fp32)
+  constexpr bool kK = std::is_same_v<S, uint8_t>;       // Q4_K's two levels (group 32): d * sc, -dmin * m
   constexpr int64_t kPer = kSym ? kRows : 2 * kRows;
   const int64_t G = K / group, N = NB * kRows;
   for (int64_t b = 0; b < NB; ++b) {
-    const S* sg = sm + (b * G + 8 * c / group) * kPer;
+    alignas(64) float kbuf[2 * kRows];
+    const auto* sg = [&] {
+      if constexpr (kK) {
+        const int64_t g = 8 * c / group;
+        const uint8_t* kb = sm + (b * (G / kSuper) + g / kSuper) * kSuperBytes;
+        const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
+        const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+        for (int64_t r = 0; r < kRows; ++r) {
+          kbuf[r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+          kbuf[kRows + r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
+        }
+        return static_cast<const float*>(kbuf);
+      } else {
+        return sm + (b * G + 8 * c / group) * kPer;
+      }
+    }();
     const uint8_t* wc = w + (b * (K / 8) + c) * 64;
     O* o = out + 8 * c * N + b * kRows;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -711,7 +727,27 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
       case at::kHalf: blocks(static_cast<const c10::Half*>(sms[i]) + nb * G * kRows); break;
       case at::kBFloat16: blocks(static_cast<const c10::BFloat16*>(sms[i]) + nb * G * 2 * kRows); break;
       case at::kFloat: blocks(static_cast<const float*>(sms[i]) + nb * G * 2 * kRows); break;
-      default: blocks(static_cast<const uint8_t*>(sms[i]) + nb * (G / kSuper) * kSuperBytes);  // Q4_K's
+      default: {  // Q4_K's two levels: computed per group in one pass; over several, once per block, at the first
+        const uint8_t* kb = static_cast<const uint8_t*>(sms[i]) + nb * (G / kSuper) * kSuperBytes;
+        if (x.size(0) <= kMR) {
+          blocks(kb);
+          break;
+        }
+        thread_local std::vector<float> buf;
+        if (m0 == 0) {
+          buf.resize(G * 2 * kRows);
+          for (int64_t g = 0; g < G; ++g) {
+            const uint8_t* sb = kb + (g / kSuper) * kSuperBytes;
+            const c10::Half* dd = reinterpret_cast<const c10::Half*>(sb);
+            const uint8_t* sc = sb + 4 * kRows + (g % kSuper) * 2 * kRows;
+            for (int64_t r = 0; r < kRows; ++r) {
+              buf[(2 * g) * kRows + r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+              buf[(2 * g + 1) * kRows + r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
+            }
+          }
+        }
+        blocks(static_cast<const float*>(buf.data()));
+      }
     }
   });
 }
@@ -751,6 +787,20 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
     const uint8_t* wb = w + nb * (K / 4) * 64;
     const float* gs = Gw && !k6 ? sp + nb * Gw * kRows : nullptr;
     const uint8_t* kb = k6 ? kp + nb * (Gw / kSuper6) * kSuper6Bytes : nullptr;
+    if (kb != nullptr && x.size(0) > kMR) {  // several passes over this block: its fp32 scales once, at the first
+      thread_local std::vector<float> buf;
+      if (m0 == 0) {
+        buf.resize(Gw * kRows);
+        for (int64_t gi = 0; gi < Gw; ++gi) {
+          const uint8_t* sb = kb + (gi / kSuper6) * kSuper6Bytes;
+          const c10::Half* dd = reinterpret_cast<const c10::Half*>(sb);
+          const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 2 * kRows + (gi % kSuper6) * kRows);
+          for (int64_t r = 0; r < kRows; ++r) buf[gi * kRows + r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+        }
+      }
+      gs = buf.data();
+      kb = nullptr;
+    }
     auto blocks = [&](auto k6_tag) {
       constexpr bool kK6 = decltype(k6_tag)::value;
       switch (mr) {
@@ -776,7 +826,7 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 8 that divides in_features ", K);
   const int64_t G = K / group;
-  check_scale_min(scale_min, NB, G, op);
+  check_scale_min(scale_min, NB, G, op, /*k_form=*/group == 32);
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": dtype must be bfloat16 or float32, got ", dtype);
   at::Tensor out = at::empty({K, N}, weight.options().dtype(dtype));
   const uint8_t* w = weight.data_ptr<uint8_t>();
@@ -790,6 +840,7 @@ at::Tensor int4_a8_dense_t(const at::Tensor& weight, const at::Tensor& scale_min
   };
   if (scale_min.scalar_type() == at::kHalf) run(scale_min.data_ptr<c10::Half>());
   else if (scale_min.scalar_type() == at::kFloat) run(scale_min.data_ptr<float>());
+  else if (scale_min.scalar_type() == at::kByte) run(scale_min.data_ptr<uint8_t>());
   else run(scale_min.data_ptr<c10::BFloat16>());
   return out;
 }

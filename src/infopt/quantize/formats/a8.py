@@ -457,8 +457,6 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
         >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))
         (torch.Size([64, 32]), torch.bfloat16, True)
     """
-    if scale_min.dtype == torch.uint8:  # Q4_K's two-level scales: the fp32 ones they stand for, exactly
-        scale_min = k_scale_min(scale_min)
     if weight.device.type == "cpu" and available():
         _count("int4_a8_dense_t")
         return torch.ops.infopt.int4_a8_dense_t(weight, scale_min, group, dtype)
