@@ -766,3 +766,14 @@ def test_int8_layer_with_float32_compute_keeps_fp32_activations_on_the_kernel():
     assert _int8_f32_calls(grouped, x) == 1  # per-group scales: decode rows on the kernel, not a weight per call
     exact = x.double() @ want_w.double().t() + lin.bias.double()
     assert (layer(x).double() - exact).abs().max() < (bf16(x).double() - exact).abs().max() / 10
+
+
+def test_every_a8_layout_counts_as_int8_activations():
+    """``bound.int8_activations`` spells the a8 layouts' names (an import would close a loop): it must know each."""
+    from types import SimpleNamespace
+
+    from infopt.quantize.bound import int8_activations
+    from infopt.quantize.formats.int4_layouts import A8_LAYOUTS
+
+    assert all(int8_activations(SimpleNamespace(layout=name)) for name in A8_LAYOUTS)
+    assert not int8_activations(SimpleNamespace(layout="plain"))

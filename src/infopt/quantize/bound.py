@@ -46,7 +46,6 @@ from .api import (
     target_config,
 )
 from .calibration.data import calibration_ids
-from .formats.int4_layouts import A8_LAYOUTS
 
 __all__ = ["BOUND_TOKENS", "BoundFit", "HoldsBound", "fit_bound", "int8_activations"]
 
@@ -124,7 +123,8 @@ class HoldsBound:
 
 def int8_activations(layer: nn.Module) -> bool:
     """Whether a quantized layer quantizes its activations to int8 (an ``a8`` layout)."""
-    return getattr(layer, "layout", None) in A8_LAYOUTS or getattr(layer, "activations", None) == "int8"
+    # (formats.int4_layouts.A8_LAYOUTS: formats imports this module, so the names are spelled here)
+    return getattr(layer, "layout", None) in ("a8", "a8_sym", "a8_k") or getattr(layer, "activations", None) == "int8"
 
 
 def _in_rows(fn, x: torch.Tensor) -> torch.Tensor:
