@@ -535,10 +535,19 @@ void dense_chunk(const uint8_t* w, const S* sm, int64_t K, int64_t group, int64_
         const uint8_t* kb = sm + (b * (G / kSuper) + g / kSuper) * kSuperBytes;
         const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
         const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+#if defined(__AVX512F__)
+        _mm512_store_ps(kbuf, _mm512_mul_ps(load16(dd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
+        _mm512_store_ps(kbuf + kRows,
+                        _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), load16(dd + kRows)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows))))));
+#else
         for (int64_t r = 0; r < kRows; ++r) {
           kbuf[r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
           kbuf[kRows + r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
         }
+#endif
         return static_cast<const float*>(kbuf);
       } else {
         return sm + (b * G + 8 * c / group) * kPer;
