@@ -232,8 +232,7 @@ def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torc
     if perm is not None:
         codes = codes[perm]
     weight, _ = a8.pack_blocked_int4(codes, torch.ones(rows, 1), torch.zeros(rows, 1))
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)  # [R, B]
-    dmin = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+    d, dmin = _half(b, 0), _half(b, 2)  # [R, B]
     sc, mn = _k4_scales(b[..., 4:16])  # [R, B, 8]
     sc, mn = sc.reshape(rows, -1), mn.reshape(rows, -1)
     if perm is not None:

@@ -75,6 +75,7 @@ from .gguf_blocks import (
     decode_q4_0,
     dequantize_blocks,
     q6_k_parts,
+    q6_k_scales,
     q8_0_scales,
 )
 from .gguf_embedding import BlockEmbedding
@@ -361,7 +362,7 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
             group_size=32, dtype=opts.dtype)
     if kind in A8_INT8 and INT8_LAYOUTS["a8"].fits(rows, in_f, 32 if kind == "Q8_0" else 16) is None:
         k6 = q6_k_parts(raw) if kind == "Q6_K" else None  # (d, sc): kept as they are, the layer need not factor
-        scales = q8_0_scales(raw) if kind == "Q8_0" else (k6[0].float().repeat_interleave(16, 1) * k6[1].float())
+        scales = q8_0_scales(raw) if kind == "Q8_0" else q6_k_scales(raw)
         if perm is not None:
             scales = scales[perm]
             k6 = None if k6 is None else (k6[0][perm], k6[1][perm])

@@ -43,7 +43,7 @@ from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym",
-           "pack_k_scales", "k_scale_min", "K_SUPER", "pack_k6_scales", "k6_block_scales", "K6_SUPER", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
+           "pack_k_scales", "k_scale_min", "K_SUPER", "factor_two_level", "pack_k6_scales", "k6_block_scales", "K6_SUPER", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
            "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "int4_dense_t_reference", "int8_f32_linear", "ROWS", "KERNELS", "kernel_calls"]
@@ -230,6 +230,26 @@ def k6_block_scales(k: torch.Tensor) -> torch.Tensor:
     d = k[..., :2 * ROWS].contiguous().view(torch.float16).float().unsqueeze(2)  # [nb, S, 1, 16]
     sc = k[..., 2 * ROWS:].contiguous().view(torch.int8).reshape(nb, s, K6_SUPER, ROWS).float()
     return (d * sc).reshape(nb, s * K6_SUPER, ROWS)
+
+
+def factor_two_level(values: torch.Tensor, most: int, low: int, exact) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Values ``[N, S, k]`` as ``unit * multiple`` per super-block of ``k``: ``(unit fp32 [N, S], multiples [N, S,
+    k])``, each unit an fp16 value and each multiple an integer in ``low..most`` with ``exact(unit, multiples)`` true
+    for its super-block (``[N, S]`` bools), or None where some super-block has none. Tries each super-block's largest
+    magnitude as ``most``, ``most - 1``, ... 1 units (a GGUF quantizer gives it the top one or close to it); an
+    all-zero super-block is unit 0. How a layer's scales are found to be a Q4_K or Q6_K file's two levels."""
+    top = values.abs().amax(-1)
+    unit, mult = torch.zeros_like(top), torch.zeros_like(values)
+    found = top == 0
+    for c in range(most, 0, -1):
+        u = (top / c).to(torch.float16).float()
+        q = torch.round(values / torch.where(u == 0, torch.ones_like(u), u).unsqueeze(-1))
+        ok = ~found & (u > 0) & (u.to(torch.float16).float() == u) & ((q >= low) & (q <= most)).all(-1) & exact(u, q)
+        unit, mult = torch.where(ok, u, unit), torch.where(ok.unsqueeze(-1), q, mult)
+        found |= ok
+        if bool(found.all()):
+            return unit, mult
+    return None
 
 
 def scale_min_rows(scale_min: torch.Tensor) -> torch.Tensor:

@@ -219,29 +219,6 @@ class A8K(A8):
         return {"weight_packed": weight, "scale_min": a8.pack_k_scales(*factors)}
 
 
-def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float16).float() == t
-
-
-def _factor(values: torch.Tensor, exact) -> tuple[torch.Tensor, torch.Tensor] | None:
-    # values [N, S, 8] >= 0 -> (unit fp16 [N, S], multiples 0..63 [N, S, 8]) with exact(unit, multiples) true per
-    # super-block, trying each super-block's largest value as 63, 62, ... 1 units; None where some block has none
-    top = values.amax(-1)
-    unit = torch.zeros_like(top)
-    mult = torch.zeros_like(values)
-    found = top == 0
-    for c in range(63, 0, -1):
-        u = (top / c).to(torch.float16).float()
-        q = torch.round(values / torch.where(u == 0, torch.ones_like(u), u).unsqueeze(-1))
-        ok = ~found & (u > 0) & _fp16_exact(u) & ((q >= 0) & (q <= 63)).all(-1) & exact(u, q)
-        unit = torch.where(ok, u, unit)
-        mult = torch.where(ok.unsqueeze(-1), q, mult)
-        found |= ok
-        if bool(found.all()):
-            return unit, mult
-    return None
-
-
 def factor_k_scales(scales: torch.Tensor, zeros: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Portable int4 scales and zero points ``[N, G]`` (group 32) as Q4_K's two-level scales ``(d, dmin, sc, m)``
@@ -264,12 +241,12 @@ def factor_k_scales(scales: torch.Tensor, zeros: torch.Tensor
         return None
     sv = scales.float().reshape(n, -1, a8.K_SUPER)
     zv = zeros.float().reshape(n, -1, a8.K_SUPER)
-    got = _factor(sv, lambda u, q: (u.unsqueeze(-1) * q == sv).all(-1))
+    got = a8.factor_two_level(sv, 63, 0, lambda u, q: (u.unsqueeze(-1) * q == sv).all(-1))
     if got is None:
         return None
     d, sc = got
     low = zv * sv  # dmin * m, up to the rounding of the zero point
-    mins = _factor(low, lambda u, q: ((u.unsqueeze(-1) * q) / sv == zv).all(-1))
+    mins = a8.factor_two_level(low, 63, 0, lambda u, q: ((u.unsqueeze(-1) * q) / sv == zv).all(-1))
     if mins is None:
         return None
     dmin, m = mins

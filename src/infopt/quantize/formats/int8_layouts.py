@@ -276,19 +276,9 @@ def factor_k6_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     if g % a8.K6_SUPER or n % a8.ROWS or scales.dtype != torch.float32 or not bool(torch.isfinite(scales).all()):
         return None
     v = scales.reshape(n, -1, a8.K6_SUPER)
-    top = v.abs().amax(-1)
-    unit, mult = torch.zeros_like(top), torch.zeros_like(v)
-    found = top == 0  # all zero: d 0, sc 0
-    for c in range(128, 0, -1):
-        u = (top / c).to(torch.float16).float()
-        q = torch.round(v / torch.where(u == 0, torch.ones_like(u), u).unsqueeze(-1))
-        ok = ~found & (u > 0) & (u.to(torch.float16).float() == u) & ((q >= -128) & (q <= 127)).all(-1) & \
-            (u.unsqueeze(-1) * q == v).all(-1)
-        unit, mult = torch.where(ok, u, unit), torch.where(ok.unsqueeze(-1), q, mult)
-        found |= ok
-        if bool(found.all()):
-            return unit.to(torch.float16), mult.reshape(n, g)
-    return None
+    # (multiples up to 128 units: -128 is an int8 sc, and a magnitude of 128 units is found as the top one)
+    got = a8.factor_two_level(v, 128, -128, lambda u, q: ((q <= 127).all(-1) & (u.unsqueeze(-1) * q == v).all(-1)))
+    return None if got is None else (got[0].to(torch.float16), got[1].reshape(n, g))
 
 
 LAYOUTS: dict[str, Int8Layout] = {layout.name: layout for layout in (Plain(), A8())}
