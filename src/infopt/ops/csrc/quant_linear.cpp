@@ -215,6 +215,34 @@ constexpr int64_t kSuperBytes = 4 * kRows + kSuper * 2 * kRows;  // d, dmin (fp1
 constexpr int64_t kSuper6 = 16;                                  // scale groups (of 16 inputs) per Q6_K super-block
 constexpr int64_t kSuper6Bytes = 2 * kRows + kSuper6 * kRows;    // d (fp16) then sc per group (int8)
 
+// The 16 rows' fp32 scales and minimums of group g from a block's Q4_K bytes: d * sc and -dmin * m, exact. (The
+// decode kernels' SIMD paths compute the same in registers.)
+inline void k4_group_scales(const uint8_t* kblock, int64_t g, float* scale, float* mn) {
+  const uint8_t* kb = kblock + (g / kSuper) * kSuperBytes;
+  const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
+  const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(scale, _mm512_mul_ps(load16(dd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
+  _mm512_storeu_ps(mn, _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), load16(dd + kRows)),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows))))));
+#else
+  for (int64_t r = 0; r < kRows; ++r) {
+    scale[r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+    mn[r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
+  }
+#endif
+}
+
+// The 16 rows' fp32 scales of scale group gi from a block's Q6_K scale bytes: d * sc, exact
+inline void k6_group_scales(const uint8_t* kblock, int64_t gi, float* scale) {
+  const uint8_t* kb = kblock + (gi / kSuper6) * kSuper6Bytes;
+  const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(kb + 2 * kRows + (gi % kSuper6) * kRows);
+  for (int64_t r = 0; r < kRows; ++r) scale[r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
+}
+
 // ---- int4 weights ------------------------------------------------------------------------------------------------
 // One block of 16 output rows against MR activation rows; acc [MR][16] fp32.
 
@@ -350,15 +378,14 @@ void int4_block(const uint8_t* w, const S* sm, const Activations& a, int64_t m0,
       }
       w += 64;
     }
+    float ks[kRows], kmn[kRows];
+    if constexpr (kK) k4_group_scales(sm, g, ks, kmn);
     for (int m = 0; m < MR; ++m) {
       for (int r = 0; r < kRows; ++r) {
         float scale, mn;
-        if constexpr (kK) {  // d * sc and -dmin * m, exact in fp32
-          const uint8_t* kb = sm + (g / kSuper) * kSuperBytes;
-          const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
-          const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
-          scale = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
-          mn = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
+        if constexpr (kK) {
+          scale = ks[r];
+          mn = kmn[r];
         } else {
           scale = static_cast<float>(sm[g * kPer + r]);
           mn = kSym ? 0.f : static_cast<float>(sm[g * kPer + kRows + r]);
@@ -491,16 +518,9 @@ void int8_block(const uint8_t* w, const Activations& a, int64_t m0, int64_t K, i
       w += 64;
     }
     float sw[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      if constexpr (K6) {  // d * sc, exact in fp32
-        const int64_t gi = g / per_scale;
-        const uint8_t* kb = k6 + (gi / kSuper6) * kSuper6Bytes;
-        sw[r] = static_cast<float>(reinterpret_cast<const c10::Half*>(kb)[r]) *
-                static_cast<float>(reinterpret_cast<const int8_t*>(kb + 2 * kRows + (gi % kSuper6) * kRows)[r]);
-      } else {
-        sw[r] = gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f;
-      }
-    }
+    if constexpr (K6) k6_group_scales(k6, g / per_scale, sw);
+    else
+      for (int r = 0; r < kRows; ++r) sw[r] = gs != nullptr ? gs[(g / per_scale) * kRows + r] : 1.f;
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < kRows; ++r)
         out[m][r] = std::fma(static_cast<float>(iacc[m][r]), sx[m * G + g] * sw[r], out[m][r]);
@@ -531,23 +551,7 @@ void dense_chunk(const uint8_t* w, const S* sm, int64_t K, int64_t group, int64_
     alignas(64) float kbuf[2 * kRows];
     const auto* sg = [&] {
       if constexpr (kK) {
-        const int64_t g = 8 * c / group;
-        const uint8_t* kb = sm + (b * (G / kSuper) + g / kSuper) * kSuperBytes;
-        const uint8_t* sc = kb + 4 * kRows + (g % kSuper) * 2 * kRows;
-        const c10::Half* dd = reinterpret_cast<const c10::Half*>(kb);
-#if defined(__AVX512F__)
-        _mm512_store_ps(kbuf, _mm512_mul_ps(load16(dd), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
-        _mm512_store_ps(kbuf + kRows,
-                        _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), load16(dd + kRows)),
-                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows))))));
-#else
-        for (int64_t r = 0; r < kRows; ++r) {
-          kbuf[r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
-          kbuf[kRows + r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
-        }
-#endif
+        k4_group_scales(sm + b * (G / kSuper) * kSuperBytes, 8 * c / group, kbuf, kbuf + kRows);
         return static_cast<const float*>(kbuf);
       } else {
         return sm + (b * G + 8 * c / group) * kPer;
@@ -745,15 +749,7 @@ std::vector<at::Tensor> int4_a8_linear_n(const at::Tensor& x_, at::TensorList we
         thread_local std::vector<float> buf;
         if (m0 == 0) {
           buf.resize(G * 2 * kRows);
-          for (int64_t g = 0; g < G; ++g) {
-            const uint8_t* sb = kb + (g / kSuper) * kSuperBytes;
-            const c10::Half* dd = reinterpret_cast<const c10::Half*>(sb);
-            const uint8_t* sc = sb + 4 * kRows + (g % kSuper) * 2 * kRows;
-            for (int64_t r = 0; r < kRows; ++r) {
-              buf[(2 * g) * kRows + r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
-              buf[(2 * g + 1) * kRows + r] = -static_cast<float>(dd[kRows + r]) * static_cast<float>(sc[kRows + r]);
-            }
-          }
+          for (int64_t g = 0; g < G; ++g) k4_group_scales(kb, g, &buf[2 * g * kRows], &buf[(2 * g + 1) * kRows]);
         }
         blocks(static_cast<const float*>(buf.data()));
       }
@@ -800,12 +796,7 @@ at::Tensor int8_a8_linear(const at::Tensor& x_, const at::Tensor& weight, const 
       thread_local std::vector<float> buf;
       if (m0 == 0) {
         buf.resize(Gw * kRows);
-        for (int64_t gi = 0; gi < Gw; ++gi) {
-          const uint8_t* sb = kb + (gi / kSuper6) * kSuper6Bytes;
-          const c10::Half* dd = reinterpret_cast<const c10::Half*>(sb);
-          const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 2 * kRows + (gi % kSuper6) * kRows);
-          for (int64_t r = 0; r < kRows; ++r) buf[gi * kRows + r] = static_cast<float>(dd[r]) * static_cast<float>(sc[r]);
-        }
+        for (int64_t gi = 0; gi < Gw; ++gi) k6_group_scales(kb, gi, &buf[gi * kRows]);
       }
       gs = buf.data();
       kb = nullptr;
