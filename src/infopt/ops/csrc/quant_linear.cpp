@@ -1188,11 +1188,13 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
 // int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
-//   256) | 3 (Q4_0 into the symmetric layout) | 4 (Q4_K into the a8_k layout), perm int64 [N]?) -> (weight uint8
+//   256) | 3 (Q4_0 into the symmetric layout) | 4 (Q4_K into the a8_k layout), perm int64 [N]?, serial) -> (weight uint8
 //   [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32,
 //   16]; kind 4: the blocks' two levels of scales as they are, uint8 [N/16, K/256, 320])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
-//   kind) -> weight uint8 [N/16, K/4, 64] (codes + 128)
+//   kind, serial) -> weight uint8 [N/16, K/4, 64] (codes + 128)
+//   serial: on the calling thread only (a loader transcoding several tensors at once on threads of its own), else
+//   on torch's threads.
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
 //   numbers of infopt.quantize.community.gguf_blocks.decode_int4 / decode_int8 followed by
 //   infopt.quantize.formats.a8.pack_blocked_int4 / pack_blocked_int8, bit for bit (the tests compare them), in one
@@ -1259,7 +1261,7 @@ inline void k4_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
 }
 
 std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
-                                                     const std::optional<at::Tensor>& perm) {
+                                                     const std::optional<at::Tensor>& perm, bool serial) {
   const char* op = "int4_a8_from_ggml";
   TORCH_CHECK(kind >= 0 && kind <= 4, op, ": kind must be 0 (Q4_0), 1 (Q4_1), 2 (Q4_K), 3 (Q4_0, symmetric) or 4 "
               "(Q4_K, two-level scales), got ", kind);
@@ -1280,7 +1282,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
   // one group of a block's 16 rows at a time: its four 64-byte chunks are written whole, and the scales' arithmetic
   // runs over the 16 rows as one vector loop
-  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, NB, serial ? std::max<int64_t>(NB, 1) : 8, [&](int64_t b0, int64_t b1) {
     const uint8_t* rows[kRows];
     alignas(64) uint32_t chunks[4][kRows];
     alignas(64) float scale_raw[kRows], offset[kRows];
@@ -1364,57 +1366,58 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   return {weight, scale_min};
 }
 
-inline void biased4(uint8_t* dst, const void* codes) {  // four int8 codes, + 128 each (the sign bits flipped)
-  const uint32_t w = word_at(static_cast<const uint8_t*>(codes)) ^ 0x80808080u;
-  std::memcpy(dst, &w, 4);
-}
-
-// One Q6_K row's codes (q - 32) into out [K]: per block of 256, half h of 128 weights reads ql bytes 64h..64h+63
-// (low nibbles: weights 0..63 of the half, high: 64..127) and qh bytes 32h..32h+31 (bit pairs 0, 2, 4, 6: the high
-// two bits of weights 0..31, 32..63, 64..95, 96..127)
-void q6_k_codes(const uint8_t* row, int64_t K, int8_t* out) {
-  for (int64_t blk = 0; blk < K / 256; ++blk) {
-    const uint8_t* b = row + blk * 210;
-    for (int64_t h = 0; h < 2; ++h) {
-      const uint8_t* ql = b + 64 * h;
-      const uint8_t* qh = b + 128 + 32 * h;
-      int8_t* o = out + blk * 256 + 128 * h;
-      for (int64_t i = 0; i < 4; ++i)
-        for (int64_t l = 0; l < 32; ++l) {
-          const int q = ((ql[(i % 2) * 32 + l] >> (4 * (i / 2))) & 0x0F) | (((qh[l] >> (2 * i)) & 3) << 4);
-          o[32 * i + l] = static_cast<int8_t>(q - 32);
-        }
-    }
+// One Q6_K block's 256 codes as the a8 layout holds them, q - 32 + 128 = q + 96, into out [256]: half h of 128
+// weights reads ql bytes 64h..64h+63 (low nibbles: weights 0..63 of the half, high: 64..127) and qh bytes
+// 32h..32h+31 (bit pairs 0, 2, 4, 6: the high two bits of weights 0..31, 32..63, 64..95, 96..127)
+inline void q6_k_biased(const uint8_t* b, uint8_t* out) {
+  for (int64_t h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    uint8_t* o = out + 128 * h;
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t l = 0; l < 32; ++l)
+        o[32 * i + l] = static_cast<uint8_t>(
+            (((ql[(i % 2) * 32 + l] >> (4 * (i / 2))) & 0x0F) | (((qh[l] >> (2 * i)) & 3) << 4)) + 96);
   }
 }
 
-at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm, int64_t kind) {
+at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm, int64_t kind, bool serial) {
   const char* op = "int8_a8_from_ggml";
   TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q8_0) or 1 (Q6_K), got ", kind);
-  const int64_t B = kind == 0 ? 34 : 210, per_block = kind == 0 ? 32 : 256;  // bytes and weights per block
+  const int64_t B = kind == 0 ? 34 : 210, W = kind == 0 ? 32 : 256;  // bytes and weights per block
   check_raw(raw, B, op);
-  const int64_t N = raw.size(0), K = raw.size(1) / B * per_block, NB = N / kRows, row_bytes = raw.size(1);
+  const int64_t N = raw.size(0), K = raw.size(1) / B * W, NB = N / kRows, row_bytes = raw.size(1);
   const int64_t* pp = checked_perm(perm, N, op);
   at::Tensor weight = at::empty({NB, K / 4, 64}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* wp = weight.data_ptr<uint8_t>();
-  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    std::vector<int8_t> codes(kind == 1 ? K : 0);
-    for (int64_t b = b0; b < b1; ++b)
+  // one ggml block of the 16 rows at a time: each row's codes (+ 128) into a buffer, then the buffer's 4-byte words
+  // transposed into the block's whole 64-byte chunks (16 rows x 4 inputs each)
+  at::parallel_for(0, NB, serial ? std::max<int64_t>(NB, 1) : 8, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint8_t buf[kRows][256];
+    const uint8_t* rows[kRows];
+    for (int64_t b = b0; b < b1; ++b) {
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t n = b * kRows + r;
-        const uint8_t* row = src + (pp ? pp[n] : n) * row_bytes;
-        uint8_t* dst = wp + b * (K / 4) * 64 + 4 * r;
-        if (kind == 1) {
-          q6_k_codes(row, K, codes.data());
-          for (int64_t c = 0; c < K / 4; ++c) biased4(dst + c * 64, codes.data() + 4 * c);
-          continue;
+        rows[r] = src + (pp ? pp[n] : n) * row_bytes;
+      }
+      uint8_t* dst = wp + b * (K / 4) * 64;
+      for (int64_t blk = 0; blk < K / W; ++blk) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint8_t* q = rows[r] + blk * B;
+          if (kind == 1) {
+            q6_k_biased(q, buf[r]);
+          } else {
+            for (int64_t l = 0; l < 32; ++l) buf[r][l] = static_cast<uint8_t>(q[2 + l] ^ 0x80u);  // int8 + 128
+          }
         }
-        for (int64_t blk = 0; blk < K / 32; ++blk) {
-          const uint8_t* q = row + blk * 34 + 2;
-          for (int64_t c = 0; c < 8; ++c) biased4(dst + (blk * 8 + c) * 64, q + 4 * c);
+        alignas(64) uint32_t line[kRows];
+        for (int64_t c = 0; c < W / 4; ++c) {
+          for (int64_t r = 0; r < kRows; ++r) std::memcpy(&line[r], &buf[r][4 * c], 4);
+          std::memcpy(dst + (blk * (W / 4) + c) * 64, line, 64);
         }
       }
+    }
   });
   return weight;
 }
@@ -1437,8 +1440,8 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm) -> (Tensor, Tensor)");
-  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int kind=0) -> Tensor");
+  m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm, bool serial=False) -> (Tensor, Tensor)");
+  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int kind=0, bool serial=False) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 

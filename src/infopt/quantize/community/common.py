@@ -98,7 +98,9 @@ def per_channel_if_uniform(scales: torch.Tensor) -> torch.Tensor:
         >>> tuple(per_channel_if_uniform(torch.tensor([[2.0, 1.0], [3.0, 3.0]])).shape)
         (2, 2)
     """
-    if scales.dim() == 2 and bool((scales == scales[:, :1]).all()):
+    if scales.dim() != 2 or (scales.shape[1] > 1 and not bool((scales[:, 1] == scales[:, 0]).all())):
+        return scales  # (the second column first: a file's own group scales differ there, and the check ends)
+    if bool((scales == scales[:, :1]).all()):
         return scales[:, 0].contiguous()
     return scales
 
