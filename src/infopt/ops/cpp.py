@@ -196,8 +196,8 @@ _FAKES: dict[str, dict] = {
             weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
-        "int4_a8_from_ggml": lambda raw, kind, perm, serial=False: _int4_from_ggml_fake(raw, kind),
-        "int8_a8_from_ggml": lambda raw, perm, kind=0, serial=False: _int8_from_ggml_fake(raw, kind),
+        "int4_a8_from_ggml": lambda raw, kind, perm: _int4_from_ggml_fake(raw, kind),
+        "int8_a8_from_ggml": lambda raw, perm, kind=0: _int8_from_ggml_fake(raw, kind),
     },
 }
 

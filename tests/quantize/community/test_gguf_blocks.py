@@ -104,9 +104,8 @@ def _perm(rows: int, seed: int, permute: bool) -> torch.Tensor | None:
 @kernel
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["Q4_0", "Q4_1", "Q4_K"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 4),
-       seed=st.integers(0, 2**16), specials=st.booleans(), permute=st.booleans(), serial=st.booleans())
-def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, specials, permute,
-                                                        serial):
+       seed=st.integers(0, 2**16), specials=st.booleans(), permute=st.booleans())
+def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, specials, permute):
     rows = 16 * blocks_of_rows
     raw = _file_blocks(kind, rows, per_row, seed, specials)
     perm = _perm(rows, seed, permute)
@@ -114,7 +113,7 @@ def test_int4_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, pe
     if perm is not None:
         codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
     want = a8.pack_blocked_int4(codes, scales, zeros)
-    got = a8_int4(raw, kind, perm, serial=serial)  # serial: on this thread alone (a loader's own threads)
+    got = a8_int4(raw, kind, perm)
     assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))  # bits: -0.0 and +0.0 differ
@@ -149,15 +148,15 @@ def test_q4_0_transcoder_keeps_the_files_scales_bit_for_bit(blocks_of_rows, per_
 @kernel
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["Q8_0", "Q6_K"]), blocks_of_rows=st.integers(1, 3), per_row=st.integers(1, 6),
-       seed=st.integers(0, 2**16), permute=st.booleans(), serial=st.booleans())
-def test_int8_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, permute, serial):
+       seed=st.integers(0, 2**16), permute=st.booleans())
+def test_int8_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, per_row, seed, permute):
     rows = 16 * blocks_of_rows
     raw = _file_blocks(kind, rows, per_row, seed, specials=kind == "Q6_K")
     perm = _perm(rows, seed, permute)
     codes, scales, _ = decode_int8(raw, kind)
     if perm is not None:
         codes = codes[perm]
-    got = a8_int8(raw, perm, kind, serial=serial)
+    got = a8_int8(raw, perm, kind)
     assert got.dtype == torch.uint8 and torch.equal(got, a8.pack_blocked_int8(codes))
     # the scales read apart from the codes are decode_int8's (Q6_K's also from its two levels read once)
     reads = [q8_0_scales(raw)] if kind == "Q8_0" else [q6_k_scales(raw), q6_k_scales(raw, q6_k_parts(raw))]
@@ -167,21 +166,25 @@ def test_int8_transcoder_writes_the_decoded_layers_bits(kind, blocks_of_rows, pe
 
 @kernel
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
-def test_transcoders_write_the_same_bytes_on_one_thread_and_on_torchs(kind):
+def test_transcoders_write_the_same_bytes_on_one_thread_and_on_several(kind):
     """Enough blocks of rows (24) that torch's threads split them: the same bytes as one thread writes."""
     raw = _file_blocks(kind, 16 * 24, 2, seed=3, specials=True)
     perm = _perm(16 * 24, 3, True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(2, threads))
-    try:
+
+    def transcode():
         if kind in ("Q8_0", "Q6_K"):
-            assert torch.equal(a8_int8(raw, perm, kind, serial=True), a8_int8(raw, perm, kind))
-        else:
-            one, pool = a8_int4(raw, kind, perm, two_level=kind == "Q4_K", serial=True), a8_int4(
-                raw, kind, perm, two_level=kind == "Q4_K")
-            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(one, pool, strict=True))
+            return [a8_int8(raw, perm, kind)]
+        return [t.view(torch.uint8) for t in a8_int4(raw, kind, perm, two_level=kind == "Q4_K")]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = transcode()
+        torch.set_num_threads(max(2, threads))
+        several = transcode()
     finally:
         torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, several, strict=True))
 
 
 @kernel

@@ -233,7 +233,7 @@ def test_cpu_fast_layers_transcoded_from_llama_cpp_files_are_the_decoded_ones(tm
     assert len(written) == int4 * SHAPES["num_layers"] and None not in written  # each int4 linear transcoded once
     for module in (gguf_ckpt, gguf_blocks):
         monkeypatch.setattr(module, "a8_int4", lambda *a, **k: None)
-    monkeypatch.setattr(gguf_ckpt, "a8_int8", lambda *a, **k: None)
+    monkeypatch.setattr(gguf_ckpt, "a8_int8", lambda *a: None)
     slow, _ = load_quantized(path, tokenizer=False, activations="auto")
     # Q4_0's symmetric codes keep their fp16 scales alone (a8_sym), Q4_K its two-level scales (a8_k); Q4_1 needs a
     # minimum too (a8)

@@ -443,7 +443,7 @@ def test_a_failure_on_the_transcoding_thread_reaches_the_caller_and_the_thread_e
     infopt.optimize(model, [Int4WeightOnly(group_size=32, symmetric=True, activations="auto")])
     infopt.export_gguf(model, tmp_path / "m.gguf", type="Q4_0")
 
-    def broken(raw, kind, perm=None, symmetric=False, serial=False):
+    def broken(raw, kind, perm=None, symmetric=False):
         raise RuntimeError("transcoder broke on " + kind)
 
     monkeypatch.setattr(gguf_ckpt, "a8_int4", broken)

@@ -1188,13 +1188,11 @@ at::Tensor int8_f32_linear(const at::Tensor& x_, const at::Tensor& weight, const
 
 // ---- ggml blocks into the a8 layouts, at load time --------------------------------------------------------------
 // int4_a8_from_ggml(raw uint8 [N, bytes], kind 0 (Q4_0, 18-byte blocks of 32) | 1 (Q4_1, 20 of 32) | 2 (Q4_K, 144 of
-//   256) | 3 (Q4_0 into the symmetric layout) | 4 (Q4_K into the a8_k layout), perm int64 [N]?, serial) -> (weight uint8
+//   256) | 3 (Q4_0 into the symmetric layout) | 4 (Q4_K into the a8_k layout), perm int64 [N]?) -> (weight uint8
 //   [N/16, K/8, 64], scale_min bf16 [N/16, K/32, 2, 16]; kind 3: the blocks' fp16 scales as they are, [N/16, K/32,
 //   16]; kind 4: the blocks' two levels of scales as they are, uint8 [N/16, K/256, 320])
 // int8_a8_from_ggml(raw uint8 [N, K/32 * 34] (kind 0, Q8_0) | [N, K/256 * 210] (kind 1, Q6_K), perm int64 [N]?,
-//   kind, serial) -> weight uint8 [N/16, K/4, 64] (codes + 128)
-//   serial: on the calling thread only (a loader transcoding several tensors at once on threads of its own), else
-//   on torch's threads.
+//   kind) -> weight uint8 [N/16, K/4, 64] (codes + 128)
 //   A GGUF file's blocks straight into the a8 layouts (row n of the result is row perm[n] of the file), with the
 //   numbers of infopt.quantize.community.gguf_blocks.decode_int4 / decode_int8 followed by
 //   infopt.quantize.formats.a8.pack_blocked_int4 / pack_blocked_int8, bit for bit (the tests compare them), in one
@@ -1261,7 +1259,7 @@ inline void k4_scale_min(const uint8_t* s, int64_t j, int& sc, int& mn) {
 }
 
 std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int64_t kind,
-                                                     const std::optional<at::Tensor>& perm, bool serial) {
+                                                     const std::optional<at::Tensor>& perm) {
   const char* op = "int4_a8_from_ggml";
   TORCH_CHECK(kind >= 0 && kind <= 4, op, ": kind must be 0 (Q4_0), 1 (Q4_1), 2 (Q4_K), 3 (Q4_0, symmetric) or 4 "
               "(Q4_K, two-level scales), got ", kind);
@@ -1282,7 +1280,7 @@ std::tuple<at::Tensor, at::Tensor> int4_a8_from_ggml(const at::Tensor& raw, int6
   constexpr uint32_t kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
   // one group of a block's 16 rows at a time: its four 64-byte chunks are written whole, and the scales' arithmetic
   // runs over the 16 rows as one vector loop
-  at::parallel_for(0, NB, serial ? std::max<int64_t>(NB, 1) : 8, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
     const uint8_t* rows[kRows];
     alignas(64) uint32_t chunks[4][kRows];
     alignas(64) float scale_raw[kRows], offset[kRows];
@@ -1381,7 +1379,7 @@ inline void q6_k_biased(const uint8_t* b, uint8_t* out) {
   }
 }
 
-at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm, int64_t kind, bool serial) {
+at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tensor>& perm, int64_t kind) {
   const char* op = "int8_a8_from_ggml";
   TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (Q8_0) or 1 (Q6_K), got ", kind);
   const int64_t B = kind == 0 ? 34 : 210, W = kind == 0 ? 32 : 256;  // bytes and weights per block
@@ -1393,7 +1391,7 @@ at::Tensor int8_a8_from_ggml(const at::Tensor& raw, const std::optional<at::Tens
   uint8_t* wp = weight.data_ptr<uint8_t>();
   // one ggml block of the 16 rows at a time: each row's codes (+ 128) into a buffer, then the buffer's 4-byte words
   // transposed into the block's whole 64-byte chunks (16 rows x 4 inputs each)
-  at::parallel_for(0, NB, serial ? std::max<int64_t>(NB, 1) : 8, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
     alignas(64) uint8_t buf[kRows][256];
     const uint8_t* rows[kRows];
     for (int64_t b = b0; b < b1; ++b) {
@@ -1440,8 +1438,8 @@ TORCH_LIBRARY_FRAGMENT(infopt, m) {
   m.def("int4_a8_dense_t(Tensor weight, Tensor scale_min, int group, ScalarType dtype) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor");
   m.def("int8_f32_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm, bool serial=False) -> (Tensor, Tensor)");
-  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int kind=0, bool serial=False) -> Tensor");
+  m.def("int4_a8_from_ggml(Tensor raw, int kind, Tensor? perm) -> (Tensor, Tensor)");
+  m.def("int8_a8_from_ggml(Tensor raw, Tensor? perm, int kind=0) -> Tensor");
   m.def("quant_linear_isa() -> str", &quant_linear_isa);
 }
 

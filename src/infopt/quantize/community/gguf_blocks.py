@@ -177,15 +177,13 @@ A8_INT4 = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
 
 
 def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, symmetric: bool = False,
-            two_level: bool = False, serial: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+            two_level: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q4_0 / Q4_1 / Q4_K bytes ``[R, in / weights per block * bytes]`` straight into the a8 int4 layout,
     ``(weight, scale_min)`` of :func:`infopt.quantize.formats.a8.pack_blocked_int4` (row ``i`` from the file's row
     ``perm[i]``), in one pass of the C++ kernel: bit for bit :func:`decode_int4` then ``pack_blocked_int4``, without their decoded copies. None
     where the C++ kernels are not built (the caller takes that path instead) or ``kind`` is another type.
     ``symmetric`` (Q4_0 only): the ``a8_sym`` layout instead, the blocks' fp16 scales as they are, ``[R/16, G, 16]``;
     ``two_level`` (Q4_K only): the ``a8_k`` layout, the blocks' two levels of scales as they are (:func:`a8_k_int4`).
-    ``serial``: on the calling thread alone, not torch's threads (a loader transcoding several tensors at once on
-    threads of its own).
 
     Example:
         >>> import numpy as np
@@ -203,16 +201,15 @@ def a8_int4(raw: torch.Tensor, kind: str, perm: torch.Tensor | None = None, *, s
     if two_level and kind != "Q4_K":
         raise ValueError(f"a8_int4: two_level=True takes Q4_K blocks only, got {kind}")
     return torch.ops.infopt.int4_a8_from_ggml(raw.contiguous(), 3 if symmetric else 4 if two_level else A8_INT4[kind],
-                                              perm, serial)
+                                              perm)
 
 
-def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None, *,
-              serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K bytes ``[R, in / 256 * 144]`` into the ``a8_k`` layout (:class:`~infopt.quantize.formats.int4_layouts.A8K`):
     ``(weight, scale_min)``, the codes as the a8 layout packs them and the blocks' two-level scales as they are
     (:func:`~infopt.quantize.formats.a8.pack_k_scales`), row ``i`` from the file's row ``perm[i]``: every weight
-    exactly the file's. Through the C++ transcoder in one pass where it is built (``serial``: as :func:`a8_int4`),
-    else torch operations (the same bytes).
+    exactly the file's. Through the C++ transcoder in one pass where it is built, else torch operations (the same
+    bytes).
 
     Example:
         >>> import numpy as np
@@ -228,7 +225,7 @@ def a8_k_int4(raw: torch.Tensor, perm: torch.Tensor | None = None, *,
     """
     b = _blocks(raw, "Q4_K")
     rows = b.shape[0]
-    packed = a8_int4(raw, "Q4_K", perm, two_level=True, serial=serial)  # the C++ transcoder, in one pass
+    packed = a8_int4(raw, "Q4_K", perm, two_level=True)  # the C++ transcoder, in one pass
     if packed is not None:
         return packed
     codes, _, _ = decode_int4(raw, "Q4_K")  # (torch operations: the codes, and the two levels read as they are)
@@ -247,16 +244,15 @@ A8_INT8 = {"Q8_0": 0, "Q6_K": 1}
 """Types the C++ transcoder writes straight into the a8 int8 layout (:func:`a8_int8`), with its kind numbers."""
 
 
-def a8_int8(raw: torch.Tensor, perm: torch.Tensor | None = None, kind: str = "Q8_0", *,
-            serial: bool = False) -> torch.Tensor | None:
+def a8_int8(raw: torch.Tensor, perm: torch.Tensor | None = None, kind: str = "Q8_0") -> torch.Tensor | None:
     """Q8_0 bytes ``[R, in / 32 * 34]`` (or Q6_K, ``[R, in / 256 * 210]``) straight into the a8 int8 layout, the
     weight of :func:`infopt.quantize.formats.a8.pack_blocked_int8` (row ``i`` from the file's row ``perm[i]``): bit
     for bit :func:`decode_int8` then ``pack_blocked_int8``, in one pass of the C++ kernel. None where the C++ kernels
     are not built. The scales are the caller's (:func:`q8_0_scales`, :func:`q6_k_scales`: ``decode_int8``'s, without
-    reading the codes). ``serial``: as :func:`a8_int4`."""
+    reading the codes)."""
     if not a8.available():
         return None
-    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, A8_INT8[kind], serial)
+    return torch.ops.infopt.int8_a8_from_ggml(raw.contiguous(), perm, A8_INT8[kind])
 
 
 def q8_0_scales(raw: torch.Tensor) -> torch.Tensor:

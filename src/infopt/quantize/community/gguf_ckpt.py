@@ -22,8 +22,8 @@ tokenizer from transformers' GGUF tokenizer conversion, and the model is built w
 
 With ``activations="int8"`` (``cpu-fast``'s layers), Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks go through a C++ transcoder
 straight into the layers' a8 layouts (:func:`_transcoded`), on background threads that start as soon as the file's
-header is read (:class:`_Ahead`): they work while this thread imports and builds the model's classes (about 2 s of
-transformers' own imports), which they need no part of, and this thread joins them once it has built the model.
+header is read (:class:`_Ahead`): they work while this thread imports and builds the model's classes (about 3 s of
+transformers' own imports), which they need no part of.
 
 A large F32/F16 tensor already in the model's dtype (an untied embedding the export wrote dense: 2.1 GB at Llama 3.1
 8B) is not copied: the parameter is a copy-on-write mapping of the file's bytes (:func:`_mapped`, ``mmap=True``, the
@@ -37,9 +37,8 @@ from __future__ import annotations
 import logging
 import mmap
 import sys
-import threading
 import warnings
-from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -343,22 +342,21 @@ def _name_map(model: nn.Module, arch: str, num_layers: int, processor, source: s
 
 
 def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.Tensor | None,
-                opts: LoadOptions, serial: bool = False) -> nn.Module | None:
+                opts: LoadOptions) -> nn.Module | None:
     """``cpu-fast``'s layer for Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K blocks, written by the C++ transcoder straight into
     the a8 layouts (:func:`~infopt.quantize.community.gguf_blocks.a8_int4`, ``a8_int8``): the layer :func:`int4_layer`
     / :func:`int8_layer` build from the decoded codes, bit for bit, in one pass over the file's bytes (Q8_0 and Q6_K
     scales that differ within a row stay per group of 32 and 16). None where it does not apply (other activations or
-    types, shapes the layouts do not take, no C++ kernels): the caller decodes as usual. ``serial``: the transcoder
-    on this thread alone (:class:`_Ahead`'s threads)."""
+    types, shapes the layouts do not take, no C++ kernels): the caller decodes as usual."""
     if opts.activations != "int8":
         return None
     if kind == "Q4_K" and INT4_LAYOUTS["a8_k"].fits(rows, in_f, 32) is None:  # the file's two-level scales as they are
-        weight, scale_min = a8_k_int4(raw, perm, serial=serial)
+        weight, scale_min = a8_k_int4(raw, perm)
         return Int4Linear.from_packed("a8_k", {"weight_packed": weight, "scale_min": scale_min}, in_features=in_f,
                                       out_features=rows, group_size=32, dtype=opts.dtype)
     if kind in A8_INT4 and INT4_LAYOUTS["a8"].fits(rows, in_f, 32) is None:
         layout = "a8_sym" if kind == "Q4_0" else "a8"  # Q4_0's codes are symmetric: its fp16 scales kept alone
-        packed = a8_int4(raw, kind, perm, symmetric=layout == "a8_sym", serial=serial)
+        packed = a8_int4(raw, kind, perm, symmetric=layout == "a8_sym")
         return None if packed is None else Int4Linear.from_packed(
             layout, {"weight_packed": packed[0], "scale_min": packed[1]}, in_features=in_f, out_features=rows,
             group_size=32, dtype=opts.dtype)
@@ -369,42 +367,32 @@ def _transcoded(raw: torch.Tensor, kind: str, rows: int, in_f: int, perm: torch.
             scales = scales[perm]
             k6 = None if k6 is None else (k6[0][perm], k6[1][perm])
         scales = per_channel_if_uniform(scales)  # as int8_layer does
-        weight = a8_int8(raw, perm, kind, serial=serial)
+        weight = a8_int8(raw, perm, kind)
         return None if weight is None else Int8Linear.from_a8(weight, scales, dtype=opts.dtype,
                                                               k6=k6 if scales.dim() == 2 else None)
     return None
 
 
 class _Ahead:
-    """The layers :func:`_transcoded` builds, computed in file order on background threads while the loader's thread
-    imports and builds the model (about 2 s of transformers' imports, which the transcoder needs no part of; it
-    releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K ``blk.*.weight`` tensors (every linear of a
-    decoder layer), and the token embedding in Q8_0 or Q6_K where the head is tied to it (``cpu-fast``'s shared int8
-    head); not q and k, whose rows may need the permutation only the tensor processor says (the loader's thread
-    transcodes them when it meets them). A tensor that is no linear after all, or whose shape does not fit the model's
-    layer, is only wasted work: the loader checks each before it takes it, and a layer it does not take is dropped.
-    Each tensor's file pages are released once transcoded (:func:`_release`), so the resident set holds what a load in
-    order holds; a tensor that finds no layer (None) keeps them, to be decoded.
-
-    Each transcode runs on one thread (``serial``), so the cores are shared out, not fought over: one thread fewer
-    than torch's works while the loader's thread imports (two threads each running torch's whole pool slowed those
-    imports by half, 1.6 s to 2.4 s at Llama-3.2-3B's shapes on 2 cores); once the loader's thread asks for a layer
-    not yet built it works too, on the next tensor in the queue, instead of waiting.
+    """The layers :func:`_transcoded` builds, computed on background threads (as many as torch's) in file order while
+    the loader's thread imports and builds the model (the C++ transcoder releases the GIL). Taken are the 2-D Q4_0 / Q4_1 / Q4_K /
+    Q8_0 / Q6_K ``blk.*.weight`` tensors (every linear of a decoder layer), and the token embedding in Q8_0 or Q6_K
+    where the head is tied to it (``cpu-fast``'s shared int8 head); not q and k, whose rows may need the permutation
+    only the tensor processor says (the loader's thread transcodes them when it meets them). A tensor that is no linear after all, or
+    whose shape does not fit the model's layer, is only wasted work: the loader checks each before it takes it, and a
+    layer it does not take is dropped. Each tensor's file pages are released once transcoded (:func:`_release`), so
+    the resident set holds what a load in order holds; a tensor that finds no layer (None) keeps them, to be decoded.
     """
 
     KINDS = (*A8_INT4, *A8_INT8)
 
     def __init__(self, reader, opts: LoadOptions, tied: bool):
-        self._reader, self._opts = reader, opts
-        # the views are made here: _raw's warning filter is not for two threads at once
-        self._queue = deque((t.name, t, _raw(t)) for t in reader.tensors if self._takes(t, tied))
-        self._names = {name for name, _, _ in self._queue}
-        self._done: dict[str, tuple[nn.Module | None, BaseException | None]] = {}
-        self._cond = threading.Condition()
-        self._workers = [threading.Thread(target=self._work, name=f"infopt-gguf-{i}", daemon=True)
-                         for i in range(max(1, torch.get_num_threads() - 1) if self._queue else 0)]
-        for w in self._workers:
-            w.start()
+        # one worker a thread torch may use: once the imports are done the loader's thread only waits for them
+        self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="infopt-gguf")
+        self._jobs: dict[str, Future] = {}
+        for t in reader.tensors:
+            if self._takes(t, tied):  # the views made here: _raw's warning filter is not for two threads at once
+                self._jobs[t.name] = self._pool.submit(self._build, reader, t, _raw(t), opts)
 
     @classmethod
     def _takes(cls, t, tied: bool) -> bool:
@@ -416,54 +404,24 @@ class _Ahead:
         return name.startswith("blk.") and name.endswith(".weight") and ".attn_q." not in name and \
             ".attn_k." not in name
 
-    def _next(self):
-        with self._cond:
-            return self._queue.popleft() if self._queue else None
-
-    def _run(self, name: str, t, raw: torch.Tensor) -> None:
-        layer, error = None, None
-        try:
-            rows, in_f = (int(d) for d in reversed(t.shape.tolist()))
-            layer = _transcoded(raw.view(rows, -1), t.tensor_type.name, rows, in_f, None, self._opts, serial=True)
-            if layer is not None:
-                _release(self._reader, t)
-        except BaseException as err:  # raised again on the loader's thread, by take
-            error = err
-        with self._cond:
-            self._done[name] = (layer, error)
-            self._cond.notify_all()
-
-    def _work(self) -> None:
-        while (job := self._next()) is not None:
-            self._run(*job)
+    @staticmethod
+    def _build(reader, t, raw: torch.Tensor, opts: LoadOptions) -> nn.Module | None:
+        rows, in_f = (int(d) for d in reversed(t.shape.tolist()))
+        layer = _transcoded(raw.view(rows, -1), t.tensor_type.name, rows, in_f, None, opts)
+        if layer is not None:
+            _release(reader, t)
+        return layer
 
     def take(self, t) -> tuple[bool, nn.Module | None]:
-        """``(taken, layer)``: whether tensor ``t`` was taken, and its layer (None where :func:`_transcoded` found
-        none, so the caller decodes without asking it again). Until it is built, this thread transcodes the queue's
-        next tensors too. Raises what transcoding it raised."""
-        if t.name not in self._names:
-            return False, None
-        self._names.discard(t.name)
-        while True:
-            with self._cond:
-                if t.name in self._done:
-                    layer, error = self._done.pop(t.name)
-                    if error is not None:
-                        raise error
-                    return True, layer
-                job = self._queue.popleft() if self._queue else None
-                if job is None:  # the last ones are being built: wait for this one
-                    self._cond.wait_for(lambda: t.name in self._done)
-                    continue
-            self._run(*job)
+        """``(taken, layer)``: whether tensor ``t`` was taken, and its layer (waiting for it; None where
+        :func:`_transcoded` found none, so the caller decodes without asking it again). Raises what transcoding it
+        raised."""
+        job = self._jobs.pop(t.name, None)
+        return (False, None) if job is None else (True, job.result())
 
     def close(self) -> None:
-        """Stop: what was not started is dropped, what runs is waited for."""
-        with self._cond:
-            self._queue.clear()
-        for w in self._workers:
-            w.join()
-        self._done.clear()
+        """Stop: what was not started is cancelled, what runs is waited for."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _quantized_linear(t, kind: str, module: nn.Linear, perm: torch.Tensor | None, opts: LoadOptions,
