@@ -3,11 +3,14 @@ since the process started at the end of each stage (imports, ``load_quantized``,
 compile cache, a first and a second 4-token ``generate``), one line each, with the resident set then.
 
 Usage: python benchmarks/studies/load_stages.py SIZE [--workdir /tmp/infopt-scaling] [--max-length 4608]
-[--file-type Q4_0-llama] [--no-mmap] [--dense-embedding]
+[--file-type Q4_0-llama] [--no-mmap] [--dense-embedding] [--imports-first]
 
 ``--no-mmap`` loads with ``load_quantized(mmap=False)`` (large dense tensors copied, not mapped);
 ``--dense-embedding`` decodes an untied quantized token embedding dense (the loader before ``BlockEmbedding``):
-each against the default, for A/B runs.
+each against the default, for A/B runs. ``--imports-first`` imports the transformers code ``load_quantized`` would
+import (its model classes, its GGUF tables) as a stage of its own before it, so the ``load_quantized`` stage is the
+file's own work: what any library built on torch and transformers pays before it reads a weight, apart from what
+infopt adds.
 
 SIZE names a file ``benchmarks/cpu_scaling.py prepare`` wrote (``SIZE.gguf`` and ``SIZE.prompts.json`` in the work
 folder). Run it twice: the first run may build the compile step's package. Run on a quiet machine.
@@ -35,6 +38,7 @@ def main() -> None:
     p.add_argument("--file-type", default="Q4_0", help="Q4_0: SIZE.gguf; another: SIZE.FILE_TYPE.gguf")
     p.add_argument("--no-mmap", action="store_true")
     p.add_argument("--dense-embedding", action="store_true")
+    p.add_argument("--imports-first", action="store_true")
     args = p.parse_args()
     import torch
     stage("import torch")
@@ -48,6 +52,18 @@ def main() -> None:
 
         gguf_ckpt._block_embedding = lambda *a: None
     suffix = "" if args.file_type == "Q4_0" else f".{args.file_type}"
+    if args.imports_first:
+        import importlib
+
+        from infopt.models import _real_size_config
+
+        kind = _real_size_config(args.size).model_type  # e.g. "llama", "qwen2", "gemma3_text"
+        package = kind.removesuffix("_text")
+        for name in ("transformers.modeling_utils", "transformers.modeling_gguf_pytorch_utils",
+                     f"transformers.models.{package}.configuration_{package}",
+                     f"transformers.models.{package}.modeling_{package}"):
+            importlib.import_module(name)
+        stage(f"import transformers' {package} model classes and GGUF tables")
     model, _ = infopt.load_quantized(work / f"{args.size}{suffix}.gguf", activations="auto", tokenizer=False,
                                      mmap=not args.no_mmap)
     stage("load_quantized")
