@@ -10,7 +10,7 @@ operator                           declared in                      kernel
 ``paged_attention``                :mod:`infopt.ops.cpp`            C++ (``csrc/paged_attention.cpp``, CPU)
 ``int4_a8_linear``, ``_n``,        :mod:`infopt.ops.cpp`            C++ (``csrc/quant_linear.cpp``, CPU): int4 and
 ``int8_a8_linear``,                                                 int8 weights x int8 or fp32 activations,
-``int4_a8_dense_t``,                                                W8A8, int4 dequantized for prompts,
+``int4_a8_dense_t``, ``_out``,                                      W8A8, int4 dequantized for prompts,
 ``int8_f32_linear``, ``w8a8_linear``,                               GGUF blocks transcoded into the a8 layouts
 ``int4_a8_from_ggml``,
 ``int8_a8_from_ggml``
@@ -40,6 +40,7 @@ OPERATORS: dict[str, str] = {
     "int4_a8_linear_n": "infopt.ops.cpp",
     "int8_a8_linear": "infopt.ops.cpp",
     "int4_a8_dense_t": "infopt.ops.cpp",
+    "int4_a8_dense_t_out": "infopt.ops.cpp",
     "int8_f32_linear": "infopt.ops.cpp",
     "w8a8_linear": "infopt.ops.cpp",
     "int4_a8_from_ggml": "infopt.ops.cpp",

@@ -194,6 +194,7 @@ _FAKES: dict[str, dict] = {
         "int8_a8_linear": lambda x, weight, scale, group: x.new_empty(x.shape[0], weight.shape[0] * ROWS),
         "int4_a8_dense_t": lambda weight, scale_min, group, dtype: weight.new_empty(
             weight.shape[1] * 8, weight.shape[0] * ROWS, dtype=dtype),
+        "int4_a8_dense_t_out": lambda weight, scale_min, group, out: None,
         "int8_f32_linear": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
         "w8a8_linear": lambda x, weight, weight_scale, bias: x.new_empty(x.shape[0], weight.shape[0]),
         "int4_a8_from_ggml": lambda raw, kind, perm: _int4_from_ggml_fake(raw, kind),

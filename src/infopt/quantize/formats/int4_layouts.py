@@ -153,7 +153,13 @@ class A8(Int4Layout):
 
     def matmul(self, layer, x, rows, fast_bf16):
         if rows >= A8_PROMPT_MIN_ROWS and fast_bf16:  # prompts: one bf16 GEMM over the weight dequantized for the call
-            w_t = a8.int4_dense_t(layer.weight_packed, layer.scale_min, layer.group_size, torch.bfloat16)
+            k, n = layer.in_features, layer.out_features
+            # into a buffer kept for the next layer (new pages cost more than the dequantization), unless autograd
+            # would keep it as the product's operand or a graph is being traced
+            keep = x.device.type == "cpu" and not torch.compiler.is_compiling() and not (
+                torch.is_grad_enabled() and x.requires_grad)
+            w_t = a8.int4_dense_t(layer.weight_packed, layer.scale_min, layer.group_size, torch.bfloat16,
+                                  out=a8.dense_scratch(k, n, torch.bfloat16) if keep else None)
             return "a8_prompt", torch.matmul(x.to(torch.bfloat16), w_t).to(x.dtype)
         return "a8", a8.int4_a8_linear(x, layer.weight_packed, layer.scale_min, layer.group_size)
 
