@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -319,6 +320,26 @@ def test_dense_copy_is_the_reference_bit_for_bit(blocks, group, groups, bf16, se
     got = a8.int4_dense_t(weight, sm, group, dtype)
     assert got.dtype == dtype and got.shape == (group * groups, 16 * blocks) and got.is_contiguous()
     assert torch.equal(got, a8.int4_dense_t_reference(weight, sm, group, dtype))
+    # into a kept buffer (a8.dense_scratch): the same bits, the buffer itself returned, whatever it held before
+    out = a8.dense_scratch(group * groups, 16 * blocks, dtype).fill_(float("nan"))
+    assert a8.int4_dense_t(weight, sm, group, dtype, out=out) is out and torch.equal(out, got)
+
+
+def test_dense_scratch_is_one_buffer_per_thread_and_dtype_grown_to_the_largest():
+    small = a8.dense_scratch(4, 8, torch.bfloat16)
+    big = a8.dense_scratch(64, 64, torch.bfloat16)
+    again = a8.dense_scratch(4, 8, torch.bfloat16)
+    assert small.shape == again.shape == (4, 8) and big.shape == (64, 64)
+    assert again.data_ptr() == big.data_ptr()  # the grown buffer serves the smaller size too
+    assert a8.dense_scratch(4, 8, torch.float32).data_ptr() != again.data_ptr()
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(a8.dense_scratch(4, 8, torch.bfloat16).data_ptr()))
+    worker.start()
+    worker.join()
+    assert seen[0] != again.data_ptr()
+    with pytest.raises(ValueError, match="out is torch.float32"):
+        a8.int4_dense_t(*a8.pack_blocked_int4(*_int4(16, 32, 32)), 32, torch.bfloat16,
+                        out=torch.empty(32, 16))
 
 
 def test_dense_copy_is_the_weight_the_integer_kernel_multiplies():
@@ -367,6 +388,33 @@ def test_a8_layers_multiply_prompts_by_a_weight_dequantized_per_call(x_dtype, mo
     x = torch.randn(int4.A8_PROMPT_MIN_ROWS + 3, 64, dtype=x_dtype)
     assert torch.equal(layer(x), kernel(x))
     assert {k: v - before[k] for k, v in int4.kernel_calls().items() if v != before[k]} == {"a8_prompt": 1, "a8": 2}
+
+
+@kernel
+def test_a8_prompts_through_the_kept_buffer_stay_right_layer_after_layer_and_under_autograd(monkeypatch):
+    """Two layers of different shapes share the thread's dequantization buffer: each prompt's product is its own
+    weight's; with autograd the product keeps its operand, so the layer takes a buffer of its own, and the gradient
+    is the reference weight's."""
+    from infopt.quantize.formats import int4
+
+    monkeypatch.setattr(int4, "_FAST_BF16", [True])
+    torch.manual_seed(1)
+    first = Int4Linear.from_float(torch.nn.Linear(64, 96, bias=False), group_size=32, layout="a8")
+    second = Int4Linear.from_float(torch.nn.Linear(96, 32, bias=False), group_size=32, layout="a8")
+    want = {m: a8.int4_dense_t_reference(m.weight_packed, m.scale_min, 32) for m in (first, second)}
+    x = torch.randn(int4.A8_PROMPT_MIN_ROWS, 64)
+    with torch.no_grad():
+        h = first(x)
+        assert torch.equal(h, torch.matmul(x.bfloat16(), want[first]).float())
+        assert torch.equal(second(h), torch.matmul(h.bfloat16(), want[second]).float())
+        assert torch.equal(first(x), h)  # the buffer, rewritten by the second layer, rewritten again
+    xg = x.clone().requires_grad_(True)
+    y = first(xg)
+    second(y.detach())  # another layer's prompt between the forward and the backward
+    y.sum().backward()
+    ref = x.clone().requires_grad_(True)
+    torch.matmul(ref.bfloat16(), want[first]).float().sum().backward()
+    assert torch.equal(xg.grad, ref.grad)
 
 
 # -- layers and recipes --------------------------------------------------------------------------------------------
