@@ -153,7 +153,7 @@ class A8(Int4Layout):
 
     def matmul(self, layer, x, rows, fast_bf16):
         if rows >= A8_PROMPT_MIN_ROWS and fast_bf16:  # prompts: one bf16 GEMM over the weight dequantized for the call
-            k, n = layer.in_features, layer.out_features
+            k, n = layer.weight_packed.shape[1] * 8, layer.weight_packed.shape[0] * a8.ROWS  # the [K, N] it writes
             # into a buffer kept for the next layer (new pages cost more than the dequantization), unless autograd
             # would keep it as the product's operand or a graph is being traced
             keep = x.device.type == "cpu" and not torch.compiler.is_compiling() and not (
