@@ -471,7 +471,7 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
     """The int4 block-layout weight dequantized and transposed: ``[K, N]`` in ``dtype`` (bfloat16 or float32),
     ``w = code * scale + min`` by a fused multiply-add in fp32 (then rounded to bf16, ties to even). Prompts
     multiply by it: past a few dozen rows one GEMM over a weight dequantized on the fly beats the integer kernel,
-    and no copy stays resident. ``out``: a contiguous ``[K, N]`` tensor of ``dtype`` to write into and return
+    and no layer keeps a dense copy. ``out``: a contiguous ``[K, N]`` tensor of ``dtype`` to write into and return
     (:func:`dense_scratch`), instead of a new one.
 
     Example:
@@ -481,12 +481,12 @@ def int4_dense_t(weight: torch.Tensor, scale_min: torch.Tensor, group: int,
         >>> wt.shape, wt.dtype, bool(torch.equal(wt, int4_dense_t_reference(weight, sm, 32)))
         (torch.Size([64, 32]), torch.bfloat16, True)
     """
+    if out is not None and out.dtype != dtype:
+        raise ValueError(f"int4_dense_t: out is {out.dtype}, dtype is {dtype}; pass an out of the dtype asked")
     if weight.device.type == "cpu" and available():
         _count("int4_a8_dense_t")
         if out is None:
             return torch.ops.infopt.int4_a8_dense_t(weight, scale_min, group, dtype)
-        if out.dtype != dtype:
-            raise ValueError(f"int4_dense_t: out is {out.dtype}, dtype is {dtype}")
         torch.ops.infopt.int4_a8_dense_t_out(weight, scale_min, group, out)
         return out
     _count("reference")
@@ -505,8 +505,8 @@ def dense_scratch(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     pages to the operating system every time (past glibc's 32 MB a ``malloc`` maps fresh memory), which cost more
     than the dequantization itself where first touches are slow (a [4096, 14336] bf16 copy: 33 ms into a new
     buffer, 6 ms into a kept one, on a 2-core EPYC VM). The price: the largest such weight stays allocated, once
-    per thread that ran a prompt (Llama-3.1-8B's MLP: 117 MB). Only for a result used at once and not kept: not for autograd (a saved operand
-    would be overwritten by the next layer) or a traced graph."""
+    per thread that ran a prompt (Llama-3.1-8B's MLP: 117 MB). Only for a result used at once and not kept: not
+    for autograd (a saved operand would be overwritten by the next layer) or a traced graph."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = {}
