@@ -503,8 +503,8 @@ def dense_scratch(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 
     Why: a prompt's layers each dequantize a weight for one GEMM and drop it, and a new buffer of that size is new
     pages to the operating system every time (past glibc's 32 MB a ``malloc`` maps fresh memory), which cost more
-    than the dequantization itself where first touches are slow (a [4096, 14336] bf16 copy: 33 ms into a new
-    buffer, 6 ms into a kept one, on a 2-core EPYC VM). The price: the largest such weight stays allocated, once
+    than the dequantization itself where first touches are slow (a [4096, 14336] bf16 copy: 35 ms into a new
+    buffer, 4 ms into a kept one, on a 2-core EPYC VM: ``benchmarks/studies/fresh_pages.py``). The price: the largest such weight stays allocated, once
     per thread that ran a prompt (Llama-3.1-8B's MLP: 117 MB). Only for a result used at once and not kept: not
     for autograd (a saved operand would be overwritten by the next layer) or a traced graph."""
     bufs = getattr(_SCRATCH, "bufs", None)
