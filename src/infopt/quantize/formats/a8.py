@@ -506,12 +506,16 @@ def dense_scratch(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     than the dequantization itself where first touches are slow (a [4096, 14336] bf16 copy: 35 ms into a new
     buffer, 4 ms into a kept one, on a 2-core EPYC VM: ``benchmarks/studies/fresh_pages.py``). The price: the largest such weight stays allocated, once
     per thread that ran a prompt (Llama-3.1-8B's MLP: 117 MB). Only for a result used at once and not kept: not
-    for autograd (a saved operand would be overwritten by the next layer) or a traced graph."""
+    for autograd (a saved operand would be overwritten by the next layer) or a traced graph. The buffer is a normal
+    tensor, also when first asked for under ``torch.inference_mode``, so calls in and out of inference mode share it."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = {}
     need = rows * cols
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < need:
-        buf = bufs[dtype] = torch.empty(need, dtype=dtype)
+        # a normal tensor even when the first prompt runs under torch.inference_mode: an inference tensor could not
+        # be written to by a later prompt outside it
+        with torch.inference_mode(False):
+            buf = bufs[dtype] = torch.empty(need, dtype=dtype)
     return buf[:need].view(rows, cols)
