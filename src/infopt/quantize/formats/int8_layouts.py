@@ -63,7 +63,8 @@ def _dequantized_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     rows = max(1, min(n, _CHUNK_WEIGHTS // k))
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < rows * k:
-        buf = _SCRATCH.buf = torch.empty(max(rows * k, _CHUNK_WEIGHTS), dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode alike
+            buf = _SCRATCH.buf = torch.empty(max(rows * k, _CHUNK_WEIGHTS), dtype=torch.float32)
     y_t = torch.empty(n, x.shape[0], dtype=torch.float32)
     xt = x.t()
     for i in range(0, n, rows):
