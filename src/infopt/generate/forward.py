@@ -21,7 +21,7 @@ from ..core.compat import CACHE_KWARG
 from ..ops.scope import in_packed_call, packed_call
 
 __all__ = ["Forward", "takes_logits_to_keep", "static_length", "croppable", "rollback", "full_length_dynamic_cache",
-           "packed_call", "in_packed_call", "head_rows", "mlps_in_slices", "MLP_ROWS", "PROMPT_ROWS", "prompt_chunks"]
+           "packed_call", "in_packed_call", "head_rows", "mlps_in_slices", "MLP_ROWS"]
 
 _TAKES: dict[type, bool] = {}
 
@@ -42,10 +42,6 @@ def head_rows(keep: torch.Tensor) -> torch.Tensor:
 
 MLP_ROWS = 512
 """Tokens an MLP takes at once in a long prompt's forward on a CPU (:func:`mlps_in_slices`)."""
-
-PROMPT_ROWS = 1024
-"""Tokens a long prompt's forward takes at once on a CPU over a full-attention static or dynamic cache
-(:meth:`Forward.prefill`); None: the whole prompt in one forward."""
 
 _NO_MLPS: tuple = ()
 _MLPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -110,47 +106,6 @@ def mlps_in_slices(model: nn.Module, tokens: int, rows: int | None = None):
                 m.forward = prior
 
 
-def prompt_chunks(tokens: int, cache, device: torch.device, rows: int | None = None) -> list[tuple[int, int]]:
-    """The ``(start, end)`` token ranges a prompt of ``tokens`` runs in: chunks of ``rows`` (default
-    :data:`PROMPT_ROWS`), the last one ``rows`` to ``2 * rows - 1`` (no chunk is short enough for a layer to pick
-    another kernel than for the whole prompt: int4's prompt paths start at 8 to 64 rows), on a CPU where every layer of ``cache`` is a
-    full-attention static or dynamic one; otherwise one range, the whole prompt.
-
-    Why: a long prompt's activations ([tokens, hidden] per projection, norm and residual, and the attention's
-    buffers) are each new memory past a few thousand tokens, and new pages cost more than the arithmetic on them
-    (:func:`infopt.quantize.formats.a8.dense_scratch`); chunks keep every activation small enough to be reused.
-    Each chunk attends to the cache the earlier ones filled, which is the same math: every query row reads the same
-    keys and values (the cache's, stored as one forward stores them) in the same order, masked alike (tested bit for
-    bit). Not for caches that evict, quantize or slide as they fill (they would see another prefix than one forward
-    sees), nor on other devices (where one forward is the faster).
-
-    Example:
-        >>> from transformers import DynamicCache
-        >>> from infopt.models import tiny_model
-        >>> cache = DynamicCache(config=tiny_model().config)
-        >>> prompt_chunks(2500, cache, torch.device("cpu"), rows=1024)
-        [(0, 1024), (1024, 2500)]
-        >>> prompt_chunks(2500, cache, torch.device("cpu"), rows=0)  # 0: never in chunks
-        [(0, 2500)]
-    """
-    rows = PROMPT_ROWS if rows is None else rows
-    if not rows or tokens < 2 * rows or device.type != "cpu" or not _chunkable(cache):
-        return [(0, tokens)]
-    starts = list(range(0, tokens - rows, rows))  # the last start leaves rows to 2 * rows - 1 tokens
-    if tokens - starts[-1] >= 2 * rows:
-        starts.append(starts[-1] + rows)
-    return list(zip(starts, [*starts[1:], tokens], strict=True))
-
-
-def _chunkable(cache) -> bool:
-    """Whether every layer of ``cache`` keeps every token as written: transformers' full-attention static and
-    dynamic layers (and their subclasses that only size or round the stored copy, as infopt's static layer does)."""
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(
-        type(layer) is DynamicLayer or (isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer))
-        for layer in layers)
-
-
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """True when ``model.forward`` accepts ``logits_to_keep`` (so only the needed positions reach the head)."""
     t = type(model)
@@ -185,24 +140,11 @@ class Forward:
 
     def prefill(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache, keep: int = 1) -> torch.Tensor:
-        """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions. A long prompt
-        on a CPU runs in chunks (:func:`prompt_chunks`), each after the last on the cache, with the same logits.
-
-        ``attention_mask``: ``[B, W]`` over the cached tokens and the prompt's (``W`` at least the prompt's length),
-        as transformers takes it, or None."""
-        tokens = input_ids.shape[-1]
-        chunks = prompt_chunks(tokens, cache, input_ids.device) if self.keeps else [(0, tokens)]
-        if keep > chunks[-1][1] - chunks[-1][0]:  # the logits asked for reach into an earlier chunk
-            chunks = [(0, tokens)]
-        before = attention_mask.shape[-1] - tokens if attention_mask is not None else 0  # the cached tokens' columns
-        for start, end in chunks:
-            last = end == tokens
-            kw = {"logits_to_keep": keep if last else 1} if self.keeps else {}
-            with mlps_in_slices(self.model, end - start):
-                logits = self.model(input_ids=input_ids[:, start:end],
-                                    position_ids=position_ids[:, start:end] if position_ids is not None else None,
-                                    attention_mask=attention_mask[:, :before + end] if attention_mask is not None
-                                    else None, use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
+        """The prompt's forward: fp32-castable logits ``[B, keep, V]`` of its last ``keep`` positions."""
+        kw = {"logits_to_keep": keep} if self.keeps else {}
+        with mlps_in_slices(self.model, input_ids.shape[-1]):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=True, **{CACHE_KWARG: cache}, **kw).logits
         return logits[:, -keep:]
 
     def drafts(self, batch: int) -> bool:
