@@ -185,8 +185,8 @@ def test_recipes_name_says_when_the_measured_recipe_was_an_earlier_form(tmp_path
             "2026-11-22); other runs, with other cache states: 4.5 s (startup-cpu-fast-warm.json, 2026-11-23)") \
         in comments
     assert "quality: not measured" in comments
-    assert "decode-cpu-fast.json recorded an earlier form of this preset (steps then: quantize; now: quantize, " \
-           "kvcache, compile; quantize.dense_prefill true then, false now; quantize.activations not recorded then, " \
+    assert "decode-cpu-fast.json recorded an earlier form of this preset (steps then: quantize; now: attention, " \
+           "quantize, kvcache, compile; quantize.dense_prefill true then, false now; quantize.activations not recorded then, " \
            "auto now; quantize.share_embedding not recorded then, true now; quantize.max_kl not recorded then, 0.02 " \
            "now)" in comments
 

@@ -216,8 +216,9 @@ PRESETS: dict[str, Preset] = {
         Preset("cpu-fast", "fastest CPU decode: int4 weights (group 32, int8 head that a tied embedding shares; int8 "
                "activations on AVX512-VNNI and AVX2 CPUs) held to KL <= 0.02 (measured when applied; layers that break "
                "it are kept in higher precision and listed in the report), static KV cache in fp16, decode step compiled "
-               "(an AOTInductor package on CPU)",
-               ({"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
+               "(an AOTInductor package on CPU), prompts of 64+ tokens attending in bf16 where the CPU has native bf16",
+               ({"attention": {"backend": "sdpa_gqa", "prompt_dtype": "bfloat16"}},
+                {"quantize": {"method": "int4", "group_size": 32, "include_lm_head": True, "share_embedding": True,
                               "activations": "auto", "max_kl": 0.02}},
                 {"kvcache": {"kind": "static", "dtype": "float16"}},
                 {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": "auto"}})),

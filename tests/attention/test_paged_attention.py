@@ -12,7 +12,7 @@ from infopt.ops import cpp
 
 
 def test_paged_is_a_valid_backend():
-    assert Attention("paged").to_dict() == {"attention": {"backend": "paged"}}
+    assert Attention("paged").to_dict() == {"attention": {"backend": "paged", "prompt_dtype": None}}
     with pytest.raises(RecipeError, match="allowed: eager, sdpa, sdpa_gqa, flash_attention_2, flex, paged"):
         Attention("pagd")
 

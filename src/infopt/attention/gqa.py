@@ -21,7 +21,8 @@ from ..ops import cpp
 from . import paged
 from .registry import register_attention
 
-__all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward", "static_cache_attention", "KV_LEN_KWARG"]
+__all__ = ["GQA_SDPA_IMPL", "register_gqa_sdpa", "gqa_sdpa_forward", "static_cache_attention", "KV_LEN_KWARG",
+           "PROMPT_DTYPE_ATTR", "PROMPT_MIN_ROWS", "prompt_dtype"]
 
 GQA_SDPA_IMPL = "infopt_sdpa_gqa"
 
@@ -29,7 +30,9 @@ GQA_SDPA_IMPL = "infopt_sdpa_gqa"
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs):
-    """An ``AttentionInterface`` function: ``[B, H, q, d]`` query, ``[B, H_kv, k, d]`` key/value.
+    """An ``AttentionInterface`` function: ``[B, H, q, d]`` query, ``[B, H_kv, k, d]`` key/value. A module set to a
+    prompt dtype (:func:`prompt_dtype`) attends in it on long fp32 prompts on a CPU: query, keys and values rounded
+    to it, the kernel's softmax and sums in fp32, the output returned in fp32.
 
     Returns:
         ``([B, q, H, d]`` attention output, None).
@@ -39,23 +42,69 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     kv_len = kwargs.get(KV_LEN_KWARG)
     if kv_len is not None and _static_kernel_ok(module, query, key, value, dropout, kwargs):
         return static_cache_attention(query, key, value, kv_len, scaling, window=_window(module, kwargs)), None
-    if key.dtype != query.dtype:  # a 16-bit static cache (kvcache.Static(dtype=...)) that the kernel does not read
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    dtype = query.dtype
+    low = prompt_dtype(module, query)  # a long prompt's attention in bf16 (Attention(prompt_dtype=...)), or None
+    compute = low or dtype
     groups = getattr(module, "num_key_value_groups", 1)
     if (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)
             or key.shape[-1] != value.shape[-1]):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        if low is not None and kwargs.get("output_attentions", False):
+            compute, low = dtype, None  # weights asked for: the model's own precision
+        query, key, value, attention_mask = _cast(compute, query, key, value, attention_mask)
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, is_causal=is_causal, **kwargs)
+        return (out if low is None else out.to(dtype)), weights
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # as transformers decides it: the causal flag only for a maskless multi-token query
     q_length = query.shape[2]
     is_causal = q_length > 1 and attention_mask is None and is_causal
     if is_causal and key.shape[2] > q_length:  # a maskless prefill into an empty static cache: its slots after the prompt
         key, value = key[:, :, :q_length], value[:, :, :q_length]
+    # (a 16-bit static cache, kvcache.Static(dtype=...), is read as a copy in the compute dtype)
+    query, key, value, attention_mask = _cast(compute, query, key, value, attention_mask)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                          is_causal=is_causal, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    out = out.transpose(1, 2)
+    if low is None:
+        return out.contiguous(), None
+    return torch.empty(out.shape, dtype=dtype, device=out.device).copy_(out), None  # one copy: layout and dtype
+
+
+PROMPT_DTYPE_ATTR = "infopt_prompt_dtype"
+"""The attribute :class:`~infopt.attention.backends.Attention` ``(prompt_dtype=...)`` sets on a model's attention
+modules: the dtype their long prompts attend in (:func:`prompt_dtype`)."""
+
+PROMPT_MIN_ROWS = 64
+"""Query tokens from which a module set to a prompt dtype attends in it (shorter calls, decode and verify steps,
+attend in the model's dtype)."""
+
+
+def prompt_dtype(module: torch.nn.Module, query: torch.Tensor) -> torch.dtype | None:
+    """The dtype this call of ``module`` attends in when it is not the query's: the module's prompt dtype
+    (:data:`PROMPT_DTYPE_ATTR`) for an fp32 query of at least :data:`PROMPT_MIN_ROWS` tokens on a CPU, else None.
+
+    Example:
+        >>> layer = torch.nn.Module()
+        >>> setattr(layer, PROMPT_DTYPE_ATTR, torch.bfloat16)
+        >>> prompt_dtype(layer, torch.zeros(1, 4, 512, 64)), prompt_dtype(layer, torch.zeros(1, 4, 1, 64))
+        (torch.bfloat16, None)
+    """
+    low = getattr(module, PROMPT_DTYPE_ATTR, None)
+    if low is None or query.dtype != torch.float32 or query.device.type != "cpu" or query.shape[2] < PROMPT_MIN_ROWS:
+        return None
+    return low
+
+
+def _cast(dtype: torch.dtype, query, key, value, mask):
+    """The operands in ``dtype`` (an additive float mask too; a boolean one as it is)."""
+    if query.dtype != dtype:
+        query = query.to(dtype)
+    if key.dtype != dtype:
+        key, value = key.to(dtype), value.to(dtype)
+    if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
+        mask = mask.to(dtype)
+    return query, key, value, mask
 
 
 KV_LEN_KWARG = "infopt_kv_len"

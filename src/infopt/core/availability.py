@@ -11,7 +11,7 @@ import torch
 
 from .errors import MissingBackendError
 
-__all__ = ["Backend", "BACKENDS", "is_available", "require", "lazy_import", "cuda_available"]
+__all__ = ["Backend", "BACKENDS", "is_available", "require", "lazy_import", "cuda_available", "fast_bf16_gemm"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,11 @@ def lazy_import(module: str, *, feature: str | None = None) -> ModuleType:
 def cuda_available() -> bool:
     """True when torch sees a CUDA device. Imports torch, never initializes a CUDA context itself."""
     return torch.cuda.is_available()
+
+
+def fast_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), so that a bf16 GEMM beats fp32;
+    elsewhere bf16 GEMMs are emulated and slower than fp32 ones."""
+    cpu = getattr(torch, "cpu", None)
+    probes = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(p() for p in probes if p is not None)

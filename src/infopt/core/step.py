@@ -241,7 +241,7 @@ class StepConfig:
         Example:
             >>> from infopt.attention import Attention
             >>> Attention("eager").to_dict()
-            {'attention': {'backend': 'eager'}}
+            {'attention': {'backend': 'eager', 'prompt_dtype': None}}
         """
         body = {}
         if self.discriminator is not None and self.discriminator not in {f.name for f in dataclasses.fields(self)}:

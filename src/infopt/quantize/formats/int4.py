@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...core.availability import fast_bf16_gemm
 from ...core.errors import IncompatibleModelError, RecipeError
 from ...core.introspect import inspect_model
 from ...core.step import StepConfig, bad_field, register_step
@@ -284,14 +285,6 @@ A8_DENSE_MIN_ROWS = 32
 """The same crossover for the ``a8`` layout, whose integer kernel stays ahead of a bf16 GEMM up to ~32 rows (576x1536
 at 16 rows: 0.056 ms against 0.078; at 32: equal; at 512: 1.5 ms against 0.74, on AMX)."""
 
-def fast_bf16_gemm() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), so that a bf16 GEMM beats fp32;
-    elsewhere bf16 GEMMs are emulated and slower than fp32 ones."""
-    cpu = getattr(torch, "cpu", None)
-    probes = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(p() for p in probes if p is not None)
-
-
 _FAST_BF16 = [fast_bf16_gemm()]
 
 
@@ -485,8 +478,8 @@ class Int4Linear(KeepsFormat):
 
     def enable_dense(self) -> None:
         """Keep the dequantized weight for calls of :data:`DENSE_MIN_ROWS` rows or more: in bf16 on CPUs with native
-        bf16 GEMMs (:func:`fast_bf16_gemm`), else in the layer's dtype (there a bf16 GEMM is emulated, slower than
-        the int4 kernel: :data:`DENSE_FP32_MIN_ROWS`). An ``a8`` layer keeps no copy on such CPUs: its integer
+        bf16 GEMMs (:func:`~infopt.core.availability.fast_bf16_gemm`), else in the layer's dtype (there a bf16 GEMM
+        is emulated, slower than the int4 kernel: :data:`DENSE_FP32_MIN_ROWS`). An ``a8`` layer keeps no copy on such CPUs: its integer
         kernel beats an fp32 GEMM at every row count measured."""
         fast = _FAST_BF16[0] or self._storage_device().type != "cpu"
         if not fast and self.layout in A8_LAYOUTS:

@@ -28,7 +28,7 @@ A8_LAYOUTS = ("a8", "a8_sym", "a8_k")
 
 A8_PROMPT_MIN_ROWS = 64
 """Rows from which an ``a8`` layer without a dense copy, on a CPU with native bf16 GEMMs
-(:func:`~infopt.quantize.formats.int4.fast_bf16_gemm`), dequantizes its weight to bf16 for the call
+(:func:`~infopt.core.availability.fast_bf16_gemm`), dequantizes its weight to bf16 for the call
 (:func:`infopt.quantize.formats.a8.int4_dense_t`) and runs one GEMM instead of the integer kernel (prompts). An
 estimate: the resident copy's crossover (``A8_DENSE_MIN_ROWS``) plus the dequantization's cost, not yet measured on
 such a CPU. Elsewhere the integer kernel keeps every row count: on a 2-core AVX2 EPYC a 576x1536 layer takes 4.6 ms at
