@@ -92,7 +92,9 @@ def test_recipes_fields_one_stage_or_kind(capsys):
     assert out.startswith("kvcache:static  (Static, kind: static)") and "quantize" not in out
     assert main(["recipes", "--fields", "attention"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("attention  (Attention)") and "backend  str  = 'sdpa'" in out
+    assert out.startswith("attention  (Attention)")
+    assert [line.split() for line in out.splitlines()[2:]] == [["backend", "str", "=", "'sdpa'"],
+                                                                ["prompt_dtype", "str", "|", "None", "=", "None"]]
     assert main(["recipes", "--fields", "quantise"]) == 2
     assert "Did you mean 'quantize'?" in capsys.readouterr().err
     assert main(["recipes", "--fields", "quantize:int3"]) == 2

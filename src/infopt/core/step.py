@@ -170,7 +170,7 @@ def describe_fields(cls: type[StepConfig]) -> list[tuple[str, str, str]]:
     Example:
         >>> from infopt.attention import Attention
         >>> describe_fields(Attention)
-        [('backend', 'str', "'sdpa'")]
+        [('backend', 'str', "'sdpa'"), ('prompt_dtype', 'str | None', 'None')]
     """
     out = []
     for f in dataclasses.fields(cls):
