@@ -21,6 +21,7 @@ from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
 from infopt.quantize.formats import a8
 from infopt.quantize.formats.int4 import Int4Linear, quantize_int4_grouped
 from infopt.quantize.formats.int8 import Int8Linear
+from tests.fresh_thread import in_fresh_thread
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 
@@ -417,9 +418,8 @@ def test_a8_prompts_through_the_kept_buffer_stay_right_layer_after_layer_and_und
     assert torch.equal(xg.grad, ref.grad)
 
 
-
 def test_a8_prompts_share_the_kept_buffer_in_and_out_of_inference_mode(monkeypatch):
-    """A first prompt under ``torch.inference_mode`` (pipelines run there) and a later one outside it (``no_grad``):
+    """A first prompt under ``torch.inference_mode`` (as serving code often runs) and a later one outside it (``no_grad``):
     the thread's buffer must stay writable by both, and each product is the reference one. In a new thread, whose
     buffer is new, so the first prompt is the one that makes it."""
     from infopt.quantize.formats import int4
@@ -429,28 +429,21 @@ def test_a8_prompts_share_the_kept_buffer_in_and_out_of_inference_mode(monkeypat
     layer = Int4Linear.from_float(torch.nn.Linear(64, 96, bias=False), group_size=32, layout="a8")
     x = torch.randn(int4.A8_PROMPT_MIN_ROWS, 64)
     want = torch.matmul(x.bfloat16(), a8.int4_dense_t_reference(layer.weight_packed, layer.scale_min, 32)).float()
-    got, errors = [], []
 
     def prompts():
-        try:
-            with torch.inference_mode():
-                got.append(layer(x))
-            # a normal tensor, so plain torch writes (not only the kernel's) work outside inference mode too
-            got.append(a8.dense_scratch(64, 96, torch.bfloat16).is_inference())
-            with torch.no_grad():
-                got.append(layer(x))
-            with torch.inference_mode():
-                got.append(layer(x))
-        except Exception as exc:  # noqa: BLE001 - carried to the test's thread
-            errors.append(exc)
+        with torch.inference_mode():
+            first = layer(x)
+        # a normal tensor, so plain torch writes (not only the kernel's) work outside inference mode too
+        normal = not a8.dense_scratch(64, 96, torch.bfloat16).is_inference()
+        with torch.no_grad():
+            second = layer(x)
+        with torch.inference_mode():
+            third = layer(x)
+        return normal, [first, second, third]
 
-    worker = threading.Thread(target=prompts)
-    worker.start()
-    worker.join()
-    assert not errors, errors
-    assert got[1] is False
-    del got[1]
-    assert len(got) == 3 and all(torch.equal(g, want) for g in got)
+    normal, got = in_fresh_thread(prompts)
+    assert normal and all(torch.equal(g, want) for g in got)
+
 
 # -- layers and recipes --------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from infopt.quantize import Int4WeightOnly, Int8WeightOnly, quantize_
 from infopt.quantize.formats import a8, int4, int8
 from infopt.quantize.formats.int4 import Int4Linear
 from infopt.quantize.formats.int8 import Int8Linear
+from tests.fresh_thread import in_fresh_thread
 
 kernel = pytest.mark.skipif(not a8.available(), reason="the C++ quant_linear kernel cannot be built here")
 IDS = torch.tensor([[1, 17, 400, 23, 9, 1200]])
@@ -109,31 +110,22 @@ def test_int8_fp32_layers_run_the_int8_f32_kernel_not_the_dequantized_weight(mon
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
-
 def test_int8_fp32_chunks_share_their_buffer_in_and_out_of_inference_mode(monkeypatch):
     """Without the extension, the chunked path's per-thread buffer is first made under ``torch.inference_mode``
-    (pipelines run there) and written again outside it: both products are the same. In a new thread, whose buffer is
+    (as serving code often runs) and written again outside it: both products are the same. In a new thread, whose buffer is
     new."""
-    import threading
-
     model = quantize_(tiny_model(), Int8WeightOnly(compute_dtype="float32"))
     monkeypatch.setattr(a8, "available", lambda: False)
-    got, errors = [], []
 
     def calls():
-        try:
-            with torch.inference_mode():
-                got.append(model(IDS).logits)
-            with torch.no_grad():
-                got.append(model(IDS).logits)
-        except Exception as exc:  # noqa: BLE001 - carried to the test's thread
-            errors.append(exc)
+        with torch.inference_mode():
+            first = model(IDS).logits
+        with torch.no_grad():
+            return first, model(IDS).logits
 
-    worker = threading.Thread(target=calls)
-    worker.start()
-    worker.join()
-    assert not errors, errors
-    assert len(got) == 2 and torch.equal(got[0], got[1])
+    first, second = in_fresh_thread(calls)
+    assert torch.equal(first, second)
+
 
 def test_int8_bf16_and_int8_activation_layers_are_counted_on_their_kernels():
     torch.manual_seed(0)
