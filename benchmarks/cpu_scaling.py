@@ -5,7 +5,7 @@ decoder layer at a time, each layer quantized as it is made as ``cpu-fast`` quan
 head shared with a tied embedding, int8 activations where the CPU has the kernel), except that the int4 codes are
 symmetric and every scale is rounded to fp16 first: so llama.cpp's Q4_0 and Q8_0 blocks hold those very weights, and
 ``infopt.export_gguf`` writes them as they are (its report must call every linear exact). infopt then runs the rest of
-``cpu-fast`` (static cache, decode step as an AOTInductor package) and llama.cpp (``llama-cpp-python``, in a venv of
+``cpu-fast`` (its attention step, static cache, decode step as an AOTInductor package) and llama.cpp (``llama-cpp-python``, in a venv of
 its own) runs the exported file, each in its own process, rounds alternating, 2 threads each:
 
 - ``tg``: decode tokens/s after a 32-token prompt (128 new tokens, greedy; llama-bench's tg128);
@@ -152,7 +152,9 @@ def run_infopt(args) -> dict:
     stages = {"built": _rss_now_mb(), "peak_while_building": _peak_rss_mb()}
     length = -(-(longest + NEW_TOKENS + 8) // 256) * 256  # whole 256-slot buckets: one compiled step serves them all
     kv = {} if args.kv_dtype == "model" else {"dtype": args.kv_dtype}
-    infopt.optimize(model, [{"kvcache": {"kind": "static", "max_length": length, **kv}},
+    attention = {} if args.prompt_attention == "model" else {"prompt_dtype": args.prompt_attention}
+    infopt.optimize(model, [{"attention": {"backend": "sdpa_gqa", **attention}},  # cpu-fast's attention step
+                            {"kvcache": {"kind": "static", "max_length": length, **kv}},
                             {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": [1]}}])
     ready = time.perf_counter() - T0
     stages["optimized"] = _rss_now_mb()
@@ -253,7 +255,7 @@ def requantize(args) -> dict:
 def _child(python: str, mode: str, args) -> dict:
     cmd = [python, str(HERE), mode, "--size", args.size_now, "--workdir", args.workdir,
            "--contexts", *map(str, args.contexts), "--infopt-source", args.infopt_source, "--kv-dtype", args.kv_dtype,
-           "--file-type", args.file_type]
+           "--prompt-attention", args.prompt_attention, "--file-type", args.file_type]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if res.returncode:
@@ -367,6 +369,7 @@ def orchestrate(args) -> None:
     result = {"what": what + ", random weights in real checkpoints' shapes, 2 threads each, alternating processes",
               "file_type": args.file_type,
               "infopt_source": args.infopt_source, "infopt_kv_dtype": args.kv_dtype,
+              "infopt_prompt_attention": args.prompt_attention,
               "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                           "date": time.strftime("%Y-%m-%d")},
               "command": " ".join(sys.argv), "sizes": sizes}
@@ -400,6 +403,9 @@ def main() -> None:
     p.add_argument("--kv-dtype", choices=["float16", "model"], default="float16",
                    help="infopt's static KV cache: float16 (cpu-fast's, and llama.cpp's default f16 cache) or the "
                         "model's own fp32")
+    p.add_argument("--prompt-attention", choices=["bfloat16", "model"], default="bfloat16",
+                   help="infopt's prompts of 64+ tokens attend in bfloat16 where the CPU has native bf16 (cpu-fast's "
+                        "attention step) or in the model's fp32")
     args = p.parse_args()
     if args.mode == "run":
         orchestrate(args)
