@@ -76,6 +76,9 @@ _STATIC16 = {"kvcache": {"kind": "static", "dtype": "float16"}}
 # as the cpu-fast preset compiles (an AOTInductor package on CPU where it builds): the variants are measured with the
 # step a user of the preset gets, and cpu-fast stays one of them (int4 g32 auto + static + this)
 _COMPILE = {"compile": {"mode": "default", "aot": "auto", "warmup_batch_sizes": "auto"}}
+# and as its prompts attend (bf16 where the CPU has native bf16): the int4 variants with a compiled step take it too,
+# so cpu-fast is the g32 auto one of its family and a miss there prunes the coarser groups
+_PROMPTS = {"attention": {"backend": "sdpa_gqa", "prompt_dtype": "bfloat16"}}
 
 
 def _int4(group_size: int, activations: str = "auto") -> dict[str, Any]:
@@ -125,7 +128,7 @@ def default_candidates(workload: str = "decode", *, device: str = "cpu", calibra
     # lossy variants: coarser groups later in each family (skipped once a finer one misses the gate)
     for acts in ("auto", "float"):
         for level, g in enumerate((32, 64, 128)):
-            out.append(_c(f"int4-g{g}-{acts}+static+compile", [_int4(g, acts), _STATIC16, _COMPILE],
+            out.append(_c(f"int4-g{g}-{acts}+static+compile", [_PROMPTS, _int4(g, acts), _STATIC16, _COMPILE],
                           family=f"int4-{acts}+static+compile", level=level))
             out.append(_c(f"int4-g{g}-{acts}", [_int4(g, acts)], family=f"int4-{acts}", level=level))
     int8 = {"quantize": {"method": "int8", "include_lm_head": True, "share_embedding": True}}
