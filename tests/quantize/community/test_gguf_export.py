@@ -453,3 +453,73 @@ def test_a_failure_on_the_transcoding_thread_reaches_the_caller_and_the_thread_e
     monkeypatch.undo()
     infopt.load_quantized(tmp_path / "m.gguf", tokenizer=False, activations="auto")
     assert not [t for t in threading.enumerate() if t.name.startswith("infopt-gguf")]
+
+
+K_SHAPES = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, vocab_size=320)  # K blocks: 256 inputs
+Q4_K_M = {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K", "output": "Q6_K"}
+
+
+def _k_values(data: np.ndarray, kind: str) -> np.ndarray:
+    return quants.dequantize(data, Q[kind])
+
+
+def test_a_q4_k_m_file_on_cpu_fasts_layers_exports_its_k_blocks_again(tmp_path):
+    """A Q4_K_M file (Q4_K linears and token embedding, Q6_K ``attn_v``, ``ffn_down`` and head) loaded into
+    ``cpu-fast``'s int8-activation layers, which hold both K types' two levels of scales as the file has them, goes out
+    in the same types: every tensor's weights are the file's, bit for bit, and each linear is reported exact. The
+    bytes are the file's too, except the codes of a Q4_K group whose sub-scale is 0 (they multiply 0; the layer holds
+    them as 0)."""
+    from infopt.quantize.community.gguf_blocks import _k4_scales
+
+    from .writers import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama", **K_SHAPES), Q4_K_M, dead_groups=True)
+    model, _ = infopt.load_quantized(path, tokenizer=False, activations="int8")
+    assert model.model.layers[0].self_attn.q_proj.layout == "a8_k"
+    report = infopt.export_gguf(model, tmp_path / "b.gguf", type="Q8_0")
+    assert report["linears"] == {"Q4_K": 10, "Q6_K": 5} and len(report["exact"]) == 15
+    src, got = _reader(str(path)).tensors, {t.name: t for t in _reader(str(tmp_path / "b.gguf")).tensors}
+    for t in src:
+        kind, again = t.tensor_type.name, got[t.name]
+        assert again.tensor_type.name == kind, t.name
+        a, b = np.array(t.data), np.array(again.data)
+        if kind == "F32":
+            assert np.array_equal(a, b), t.name
+            continue
+        assert np.array_equal(_k_values(a, kind), _k_values(b, kind)), t.name
+        if kind == "Q6_K" or t.name == "token_embd.weight":
+            assert np.array_equal(a, b), t.name
+        else:  # scales and minimums as the file's; codes too wherever no group is dead
+            blocks, blocks2 = a.reshape(-1, 144), b.reshape(-1, 144)
+            assert np.array_equal(blocks[:, :16], blocks2[:, :16]), t.name
+            sc, _ = _k4_scales(torch.from_numpy(blocks[:, 4:16]))  # (the loader's reading of the 6-bit fields)
+            live = (sc != 0).all(1).numpy()
+            assert 0 < live.sum() < len(live), t.name  # the test file has both kinds
+            assert np.array_equal(blocks[live], blocks2[live]), t.name
+
+
+def test_a_q4_k_file_on_the_reference_layers_exports_q4_k_with_its_values(tmp_path):
+    """On the reference layers a Q4_K layer holds fp32 scales ``d * sc`` and zero points ``dmin * m / (d * sc)``,
+    which Q4_1's fp16 fields would round: they are factored back into Q4_K's two levels, so the file written holds
+    the same weights bit for bit (not necessarily the same bytes: another unit can give the same products), and it
+    loads back into the same layers. A layer whose scales do not factor (infopt's own asymmetric int4) is Q4_1,
+    rounded, as before."""
+    from .writers import write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama", **K_SHAPES), {"default": "Q4_K", "token_embd": "F32"},
+                      dead_groups=False)
+    model, _ = infopt.load_quantized(path, tokenizer=False, reference=True)
+    report = infopt.export_gguf(model, tmp_path / "b.gguf")
+    assert report["linears"] == {"Q4_K": 14} and len(report["exact"]) == 14
+    src, got = _reader(str(path)).tensors, {t.name: t for t in _reader(str(tmp_path / "b.gguf")).tensors}
+    for t in src:
+        if t.tensor_type.name == "Q4_K":
+            assert got[t.name].tensor_type.name == "Q4_K", t.name
+            assert np.array_equal(_k_values(np.array(t.data), "Q4_K"), _k_values(np.array(got[t.name].data), "Q4_K"))
+    again, _ = infopt.load_quantized(tmp_path / "b.gguf", tokenizer=False, reference=True)
+    for (name, a), b in zip(model.named_modules(), again.modules(), strict=True):
+        if isinstance(a, Int4Linear):
+            assert all(torch.equal(x, y) for x, y in zip(a._portable(), b._portable(), strict=True)), name
+    own = quantize_(tiny_model("llama", **K_SHAPES), Int4WeightOnly(group_size=32))
+    report = infopt.export_gguf(own, tmp_path / "c.gguf")
+    assert report["linears"] == {"Q4_1": 14} and len(report["rounded"]) == 14

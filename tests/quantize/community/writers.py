@@ -150,21 +150,27 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid Q4_K / Q6_K blocks for a ``[rows, cols]`` tensor (scales small enough for a sane model)."""
+def random_k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, dead: bool = True) -> np.ndarray:
+    """Random but valid Q4_K / Q6_K blocks for a ``[rows, cols]`` tensor (scales small enough for a sane model).
+    ``dead``: Q4_K blocks with every sub-scale 0 (and random ones that happen to be 0); False makes every sub-scale
+    odd."""
     nb = rows * cols // 256
     if kind == "Q4_K":
         blk = rng.integers(0, 256, (nb, 144), dtype=np.uint8)
         blk[:, 0:2] = (rng.random(nb) * 4e-5 + 1e-5).astype(np.float16).view(np.uint8).reshape(nb, 2)
         blk[:, 2:4] = (rng.random(nb) * 4e-5 + 1e-5).astype(np.float16).view(np.uint8).reshape(nb, 2)
-        blk[: nb // 8, 4:16] = 0  # every sub-scale and min 0: groups of one value (0), the zero-scale path
+        if dead:
+            blk[: nb // 8, 4:16] = 0  # every sub-scale and min 0: groups of one value (0), the zero-scale path
+        else:  # bit 0 of sub-scales 0..3 (bytes 4..7) and 4..7 (the low nibbles of bytes 12..15)
+            blk[:, 4:8] |= 1
+            blk[:, 12:16] |= 1
     else:
         blk = rng.integers(0, 256, (nb, 210), dtype=np.uint8)
         blk[:, 208:210] = (rng.random(nb) * 2e-5 + 5e-6).astype(np.float16).view(np.uint8).reshape(nb, 2)
     return blk.reshape(rows, -1)
 
 
-def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+def encode(w: np.ndarray, kind: str, rng: np.random.Generator, dead: bool = True) -> tuple[np.ndarray, object]:
     """``(data, raw_dtype)`` for ``GGUFWriter.add_tensor``."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
@@ -174,7 +180,7 @@ def encode(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarr
     if kind == "F16":
         return w.astype(np.float16), None
     if kind in ("Q4_K", "Q6_K"):
-        return random_k_blocks(w.shape[0], w.shape[1], kind, rng), T[kind]
+        return random_k_blocks(w.shape[0], w.shape[1], kind, rng, dead), T[kind]
     return quants.quantize(w.astype(np.float32), T[kind]), T[kind]
 
 
@@ -185,7 +191,8 @@ def write_gguf(path: Path, model: nn.Module, types: dict[str, str], *, arch: str
     Args:
         types: ggml type per GGUF role (``attn_q``, ..., ``token_embd``, ``output``); ``"default"`` for the rest
             of the linears. An ``output`` entry writes an untied head.
-        dead_groups: give the first 32 weights of each Q4_1 row block a constant value (``d = 0`` blocks).
+        dead_groups: give the first 32 weights of each Q4_1 row block a constant value (``d = 0`` blocks); Q4_K
+            blocks have groups of sub-scale 0 unless it is False.
         drop: GGUF tensor names not to write; reshape: GGUF name -> a wrong ``[rows, cols]`` to write instead.
     """
     import gguf
@@ -221,7 +228,7 @@ def write_gguf(path: Path, model: nn.Module, types: dict[str, str], *, arch: str
         if dead_groups and kind == "Q4_1":
             a = a.copy()
             a[::3, :32] = 0.01
-        data, raw = encode(a, kind, rng)
+        data, raw = encode(a, kind, rng, dead=dead_groups)
         if raw is None:
             w.add_tensor(name, data)
         else:

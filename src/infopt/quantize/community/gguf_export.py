@@ -9,8 +9,11 @@ What goes where:
   :class:`~infopt.quantize.Int8Linear` (any layout, per-channel scales or groups of a multiple of 32) as Q8_0. Those
   codes map exactly; each block's scale (and
   Q4_1's minimum) is stored in fp16, exact where it came from an fp16 value (a model loaded from a GGUF file) and
-  rounded otherwise: the report lists both kinds. Any other quantized layer is dequantized and quantized again to
-  ``type`` (listed as requantized);
+  rounded otherwise: the report lists both kinds. A Q4_K file's int4 layer, whose scales ``d * sc`` Q4_1's fp16
+  fields would round, goes out as Q4_K with its two levels (held as they are by the ``a8_k`` layout, found exactly by
+  :func:`~infopt.quantize.formats.int4_layouts.factor_k_scales` on the reference layout), and a Q6_K file's int8
+  layer (groups of 16, 6-bit codes) as Q6_K: exact, so a Q4_K_M file loaded and written again holds the same weights.
+  Any other quantized layer is dequantized and quantized again to ``type`` (listed as requantized);
 - a head not tied to the embeddings as the linears are; the embeddings in ``float_type``, except an int8 head shared
   with the embeddings (``cpu-fast``'s :class:`~infopt.quantize.formats.int8.SharedInt8Embedding`): its codes become
   the Q8_0 token embedding, which llama.cpp also reads as the output layer, as infopt does; norms and biases in
@@ -43,7 +46,9 @@ from torch import nn
 
 from ...core.availability import require
 from ...core.errors import CheckpointError
+from ..formats import a8
 from ..formats.int4 import Int4Linear
+from ..formats.int4_layouts import factor_k_scales
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
 from ..formats.primitives import unpack_int4
 from .common import gemma3_attention_scalar
@@ -90,7 +95,7 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:
     """``[rows, blocks]`` values -> ``[rows, blocks, 2]`` little-endian fp16 bytes."""
-    return v.float().to(torch.float16).contiguous().view(torch.uint8).view(*v.shape, 2)
+    return v.float().to(torch.float16).reshape(-1).contiguous().view(torch.uint8).view(*v.shape, 2)
 
 
 def _int4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[np.ndarray, str, bool]:
@@ -114,6 +119,68 @@ def _int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> tuple[np.ndarray,
     rows = codes.shape[0]
     q = codes.view(rows, -1, BLOCK).contiguous().view(torch.uint8)
     return torch.cat([_fp16_bytes(scales), q], dim=-1).reshape(rows, -1).numpy(), _fp16_exact(scales)
+
+
+def _q4_k_blocks(codes: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
+                 m: torch.Tensor) -> np.ndarray:
+    """Q4_K blocks (``w = d * sc_j * q - dmin * m_j`` per 32 of a super-block of 256) of codes ``[out, in]`` 0..15
+    with their two levels, ``d``, ``dmin`` fp16 ``[out, in / 256]``, ``sc``, ``m`` ``[out, in / 32]`` 0..63: bytes
+    ``[out, in / 256 * 144]``, the inverse of the loader's reading (``gguf_blocks.decode_int4``)."""
+    rows = codes.shape[0]
+    sc, m = sc.to(torch.uint8).view(rows, -1, 8), m.to(torch.uint8).view(rows, -1, 8)
+    lo_s, hi_s, lo_m, hi_m = sc[..., :4], sc[..., 4:], m[..., :4], m[..., 4:]
+    # ggml's 12 scale bytes: 0..3 scales 0..3 (top 2 bits: scales 4..7's high bits), 4..7 the same for the mins,
+    # 8..11 scales 4..7's low 4 bits (low nibble) and mins 4..7's (high nibble)
+    packed = torch.cat([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6), (hi_s & 15) | ((hi_m & 15) << 4)], -1)
+    # 128 bytes = 4 chunks of 32: low nibbles are group 2c, high nibbles group 2c + 1
+    c = codes.to(torch.uint8).view(rows, -1, 4, 2, 32)
+    qs = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(rows, -1, 128)
+    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), packed, qs], -1).reshape(rows, -1).numpy()
+
+
+def _q6_k_blocks(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> np.ndarray:
+    """Q6_K blocks (``w = d * sc_j * q`` per 16 of a super-block of 256) of codes ``[out, in]`` -32..31 with ``d``
+    fp16 ``[out, in / 256]`` and ``sc`` int8 ``[out, in / 16]``: bytes ``[out, in / 256 * 210]``, the inverse of the
+    loader's reading (``gguf_blocks.decode_int8``)."""
+    rows = codes.shape[0]
+    q = (codes.to(torch.int16) + 32).to(torch.uint8).view(rows, -1, 2, 128)  # [R, B, half, 128]
+    # each half: 64 ql bytes (low nibbles weights 0..63, high 64..127), 32 qh bytes (bit pairs: weights 0..31,
+    # 32..63, 64..95, 96..127)
+    low = q & 15
+    ql = (low[..., :64] | (low[..., 64:] << 4)).reshape(rows, -1, 128)
+    high = (q >> 4).view(rows, -1, 2, 4, 32)
+    qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6))
+    scales = sc.to(torch.int8).contiguous().view(torch.uint8).view(rows, -1, 16)
+    return torch.cat([ql, qh.reshape(rows, -1, 64), scales, _fp16_bytes(d)], -1).reshape(rows, -1).numpy()
+
+
+def _k4_parts(layer: Int4Linear, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+              ) -> tuple[torch.Tensor, ...] | None:
+    """Q4_K's two levels ``(d, dmin, sc, m)`` of an int4 layer in groups of 32: as held (the ``a8_k`` layout, a
+    Q4_K file's blocks), or found exactly from its scales and zero points (a Q4_K file's layer on the reference
+    layout), or None where there are none. The first row is tried before the whole weight (a layer not from a Q4_K
+    file fails it at once)."""
+    if layer.layout == "a8_k":
+        return a8.unpack_k_scales(layer.scale_min.cpu())
+    if codes.shape[1] % 256 or factor_k_scales(scales[:1], zeros[:1]) is None:
+        return None
+    return factor_k_scales(scales, zeros)
+
+
+def _k6_parts(layer: Int8Linear, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q6_K's two levels ``(d, sc)`` of an int8 layer in groups of 16 whose codes fit 6 bits: as held (a Q6_K file's
+    blocks on the int8-activation layout), or found exactly from its scales, or None."""
+    if layer.group_size != 16 or codes.shape[1] % 256 or int(codes.min()) < -32 or int(codes.max()) > 31:
+        return None
+    held = getattr(layer, "wscale", None)
+    if isinstance(held, torch.Tensor) and held.dtype == torch.uint8:
+        return a8.unpack_k6_scales(held.cpu())
+    scales = layer.weight_scale.float().cpu()
+    v = scales.reshape(scales.shape[0], -1, a8.K6_SUPER)
+    got = a8.factor_two_level(v[:1], 128, -128, lambda u, q: (q <= 127).all(-1) & (u.unsqueeze(-1) * q == v[:1]).all(-1))
+    if got is not None:
+        got = a8.factor_two_level(v, 128, -128, lambda u, q: (q <= 127).all(-1) & (u.unsqueeze(-1) * q == v).all(-1))
+    return None if got is None else (got[0].to(torch.float16), got[1].reshape(scales.shape).to(torch.int8))
 
 
 def _q8_scales(layer: Int8Linear) -> torch.Tensor | None:
@@ -149,10 +216,25 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
         q, scales, zeros = module._portable()
         codes = unpack_int4(q).cpu()
         scales, zeros = scales.float().cpu(), zeros.float().cpu()
+        if module.layout != "a8_k":
+            order = (lambda t: t) if perm is None else (lambda t: t[perm])
+            data, got, exact = _int4_blocks(order(codes), order(scales), order(zeros))
+            k4 = None if exact or got == "Q4_0" else _k4_parts(module, codes, scales, zeros)
+            if k4 is None:
+                return data, getattr(Q, got), got, "exact" if exact else "rounded"
+        else:  # a Q4_K file's blocks, held as they are (a dead group's codes too, which its portable form zeroes)
+            k4, codes = _k4_parts(module, codes, scales, zeros), a8.blocked_int4_codes(module.weight_packed.cpu())
+        # Q4_K: two levels of scales that Q4_1's fp16 fields would round, kept exactly (and in fewer bytes)
         if perm is not None:
-            codes, scales, zeros = codes[perm], scales[perm], zeros[perm]
-        data, got, exact = _int4_blocks(codes, scales, zeros)
-        return data, getattr(Q, got), got, "exact" if exact else "rounded"
+            codes, k4 = codes[perm], tuple(t[perm] for t in k4)
+        return _q4_k_blocks(codes, *k4), Q.Q4_K, "Q4_K", "exact"
+    if type(module) is Int8Linear and module.group_size == 16:
+        codes = module.codes().cpu()
+        k6 = _k6_parts(module, codes)
+        if k6 is not None:  # a Q6_K file's layer
+            if perm is not None:
+                codes, k6 = codes[perm], tuple(t[perm] for t in k6)
+            return _q6_k_blocks(codes, *k6), Q.Q6_K, "Q6_K", "exact"
     scales = _q8_scales(module) if type(module) is Int8Linear else None
     if scales is not None:  # any layout: its codes read back exactly
         codes = module.codes()

@@ -45,7 +45,7 @@ from ...ops.cpp import ROWS
 from .primitives import dequantize, group_block
 
 __all__ = ["ACTIVATIONS", "resolve", "available", "isa", "quantize_activations", "pack_blocked_int4", "pack_blocked_int4_sym",
-           "pack_k_scales", "k_scale_min", "K_SUPER", "factor_two_level", "pack_k6_scales", "k6_block_scales", "K6_SUPER", "scale_min_rows", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
+           "pack_k_scales", "unpack_k_scales", "k_scale_min", "K_SUPER", "factor_two_level", "pack_k6_scales", "unpack_k6_scales", "k6_block_scales", "K6_SUPER", "scale_min_rows", "blocked_int4_codes", "unpack_blocked_int4", "pack_blocked_int8", "unpack_blocked_int8", "biased",
            "block_scales", "unblock_scales",
            "int4_a8_linear", "int4_a8_linear_n", "int8_a8_linear", "int4_a8_reference", "int8_a8_reference", "int4_dense_t",
            "dense_scratch",
@@ -190,6 +190,25 @@ def pack_k_scales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torc
     return torch.cat([head.reshape(nb, s, 64), body.reshape(nb, s, 256)], -1).contiguous()
 
 
+def unpack_k_scales(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_k_scales`: uint8 ``[N/16, G/8, 320]`` -> ``(d, dmin, sc, m)``, fp16 ``[N, G/8]``
+    and uint8 ``[N, G]``, the very fields packed (what a GGUF Q4_K block holds, dead groups' included).
+
+    Example:
+        >>> d, dmin = torch.full((16, 1), 0.5, dtype=torch.float16), torch.full((16, 1), 0.25, dtype=torch.float16)
+        >>> sc, m = torch.arange(8).repeat(16, 1), torch.full((16, 8), 2)
+        >>> got = unpack_k_scales(pack_k_scales(d, dmin, sc, m))
+        >>> all(torch.equal(a.to(b.dtype), b) for a, b in zip(got, (d, dmin, sc, m)))
+        True
+    """
+    nb, s, _ = k.shape
+    head = k[..., :64].contiguous().view(torch.float16).reshape(nb, s, 2, ROWS)  # [nb, S, d|dmin, r]
+    d, dmin = (head[:, :, i].permute(0, 2, 1).reshape(nb * ROWS, s) for i in range(2))
+    body = k[..., 64:].reshape(nb, s, K_SUPER, 2, ROWS).permute(3, 0, 4, 1, 2)  # [sc|m, nb, r, S, 8]
+    sc, m = (body[i].reshape(nb * ROWS, s * K_SUPER) for i in range(2))
+    return d.contiguous(), dmin.contiguous(), sc.contiguous(), m.contiguous()
+
+
 def k_scale_min(k: torch.Tensor) -> torch.Tensor:
     """:func:`pack_k_scales`'s bytes as the fp32 ``scale_min`` ``[N/16, G, 2, 16]`` the kernels also take: ``d * sc``
     and ``-dmin * m``, exact in fp32 (an fp16 times a 6-bit integer)."""
@@ -224,6 +243,22 @@ def pack_k6_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     head = d.to(torch.float16).reshape(nb, ROWS, s).transpose(1, 2).contiguous().view(torch.uint8)  # [nb, S, 32]
     body = sc.to(torch.int8).reshape(nb, ROWS, s, K6_SUPER).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
     return torch.cat([head, body.reshape(nb, s, K6_SUPER * ROWS)], -1).contiguous()
+
+
+def unpack_k6_scales(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_k6_scales`: uint8 ``[N/16, Gw/16, 288]`` -> ``(d, sc)``, fp16 ``[N, Gw/16]`` and
+    int8 ``[N, Gw]``, the very fields packed (what a GGUF Q6_K block holds).
+
+    Example:
+        >>> d, sc = torch.full((16, 1), 0.5, dtype=torch.float16), torch.arange(-8, 8).repeat(16, 1)
+        >>> d2, sc2 = unpack_k6_scales(pack_k6_scales(d, sc))
+        >>> torch.equal(d2, d), torch.equal(sc2, sc.to(torch.int8))
+        (True, True)
+    """
+    nb, s, _ = k.shape
+    d = k[..., :2 * ROWS].contiguous().view(torch.float16).reshape(nb, s, ROWS).transpose(1, 2)  # [nb, r, S]
+    sc = k[..., 2 * ROWS:].contiguous().view(torch.int8).reshape(nb, s, K6_SUPER, ROWS).permute(0, 3, 1, 2)
+    return d.reshape(nb * ROWS, s).contiguous(), sc.reshape(nb * ROWS, s * K6_SUPER).contiguous()
 
 
 def k6_block_scales(k: torch.Tensor) -> torch.Tensor:
@@ -272,12 +307,18 @@ def _unit_sc(k: torch.Tensor) -> torch.Tensor:
     return k
 
 
+def blocked_int4_codes(weight: torch.Tensor) -> torch.Tensor:
+    """The codes uint8 ``[N, K]`` of an int4 block-layout weight, as packed (a dead group's too: what a GGUF file's
+    Q4_K block holds there)."""
+    nb, chunks, _ = weight.shape
+    b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
+    return torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
+
+
 def unpack_blocked_int4(weight: torch.Tensor, scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_blocked_int4` (and :func:`pack_blocked_int4_sym`): ``(codes uint8 [N, K], scales
     fp32 [N, G], zeros fp32 [N, G])``."""
-    nb, chunks, _ = weight.shape
-    b = weight.reshape(nb, chunks, ROWS, 4).permute(0, 2, 1, 3)  # [blk, r, chunk, j]
-    codes = torch.stack([b & 0x0F, b >> 4], 3).reshape(nb * ROWS, chunks * 8)
+    codes = blocked_int4_codes(weight)
     sm = scale_min_rows(scale_min)  # [2, N, G]
     if scale_min.dim() == 3 and scale_min.dtype != torch.uint8:
         return codes, sm[0].clone(), torch.full_like(sm[0], 8.0)
