@@ -500,22 +500,24 @@ def test_a_q4_k_m_file_on_cpu_fasts_layers_exports_its_k_blocks_again(tmp_path):
 
 def test_a_q4_k_file_on_the_reference_layers_exports_q4_k_with_its_values(tmp_path):
     """On the reference layers a Q4_K layer holds fp32 scales ``d * sc`` and zero points ``dmin * m / (d * sc)``,
-    which Q4_1's fp16 fields would round: they are factored back into Q4_K's two levels, so the file written holds
+    which Q4_1's fp16 fields would round: they are factored back into Q4_K's two levels (a Q6_K layer's group scales
+    into Q6_K's), so the file written holds
     the same weights bit for bit (not necessarily the same bytes: another unit can give the same products), and it
     loads back into the same layers. A layer whose scales do not factor (infopt's own asymmetric int4) is Q4_1,
     rounded, as before."""
     from .writers import write_gguf
 
-    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama", **K_SHAPES), {"default": "Q4_K", "token_embd": "F32"},
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama", **K_SHAPES), {**Q4_K_M, "token_embd": "F32"},
                       dead_groups=False)
     model, _ = infopt.load_quantized(path, tokenizer=False, reference=True)
     report = infopt.export_gguf(model, tmp_path / "b.gguf")
-    assert report["linears"] == {"Q4_K": 14} and len(report["exact"]) == 14
+    assert report["linears"] == {"Q4_K": 10, "Q6_K": 5} and len(report["exact"]) == 15
     src, got = _reader(str(path)).tensors, {t.name: t for t in _reader(str(tmp_path / "b.gguf")).tensors}
     for t in src:
-        if t.tensor_type.name == "Q4_K":
-            assert got[t.name].tensor_type.name == "Q4_K", t.name
-            assert np.array_equal(_k_values(np.array(t.data), "Q4_K"), _k_values(np.array(got[t.name].data), "Q4_K"))
+        kind = t.tensor_type.name
+        if kind in ("Q4_K", "Q6_K"):
+            assert got[t.name].tensor_type.name == kind, t.name
+            assert np.array_equal(_k_values(np.array(t.data), kind), _k_values(np.array(got[t.name].data), kind))
     again, _ = infopt.load_quantized(tmp_path / "b.gguf", tokenizer=False, reference=True)
     for (name, a), b in zip(model.named_modules(), again.modules(), strict=True):
         if isinstance(a, Int4Linear):

@@ -50,6 +50,7 @@ from ..formats import a8
 from ..formats.int4 import Int4Linear
 from ..formats.int4_layouts import factor_k_scales
 from ..formats.int8 import Int8Linear, SharedInt8Embedding
+from ..formats.int8_layouts import factor_k6_scales
 from ..formats.primitives import unpack_int4
 from .common import gemma3_attention_scalar
 from .gguf_embedding import BlockEmbedding
@@ -154,14 +155,10 @@ def _q6_k_blocks(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> np.n
     return torch.cat([ql, qh.reshape(rows, -1, 64), scales, _fp16_bytes(d)], -1).reshape(rows, -1).numpy()
 
 
-def _k4_parts(layer: Int4Linear, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-              ) -> tuple[torch.Tensor, ...] | None:
-    """Q4_K's two levels ``(d, dmin, sc, m)`` of an int4 layer in groups of 32: as held (the ``a8_k`` layout, a
-    Q4_K file's blocks), or found exactly from its scales and zero points (a Q4_K file's layer on the reference
-    layout), or None where there are none. The first row is tried before the whole weight (a layer not from a Q4_K
-    file fails it at once)."""
-    if layer.layout == "a8_k":
-        return a8.unpack_k_scales(layer.scale_min.cpu())
+def _k4_factors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Q4_K's two levels ``(d, dmin, sc, m)`` found exactly from an int4 layer's scales and zero points (a Q4_K
+    file's layer on the reference layout), or None. The first row is tried before the whole weight (a layer not from
+    a Q4_K file fails it at once)."""
     if codes.shape[1] % 256 or factor_k_scales(scales[:1], zeros[:1]) is None:
         return None
     return factor_k_scales(scales, zeros)
@@ -169,18 +166,17 @@ def _k4_parts(layer: Int4Linear, codes: torch.Tensor, scales: torch.Tensor, zero
 
 def _k6_parts(layer: Int8Linear, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q6_K's two levels ``(d, sc)`` of an int8 layer in groups of 16 whose codes fit 6 bits: as held (a Q6_K file's
-    blocks on the int8-activation layout), or found exactly from its scales, or None."""
+    blocks on the int8-activation layout), or found exactly from its scales (one block of rows first), or None."""
     if layer.group_size != 16 or codes.shape[1] % 256 or int(codes.min()) < -32 or int(codes.max()) > 31:
         return None
     held = getattr(layer, "wscale", None)
     if isinstance(held, torch.Tensor) and held.dtype == torch.uint8:
         return a8.unpack_k6_scales(held.cpu())
     scales = layer.weight_scale.float().cpu()
-    v = scales.reshape(scales.shape[0], -1, a8.K6_SUPER)
-    got = a8.factor_two_level(v[:1], 128, -128, lambda u, q: (q <= 127).all(-1) & (u.unsqueeze(-1) * q == v[:1]).all(-1))
-    if got is not None:
-        got = a8.factor_two_level(v, 128, -128, lambda u, q: (q <= 127).all(-1) & (u.unsqueeze(-1) * q == v).all(-1))
-    return None if got is None else (got[0].to(torch.float16), got[1].reshape(scales.shape).to(torch.int8))
+    if factor_k6_scales(scales[:a8.ROWS]) is None:
+        return None
+    got = factor_k6_scales(scales)
+    return None if got is None else (got[0], got[1].to(torch.int8))
 
 
 def _q8_scales(layer: Int8Linear) -> torch.Tensor | None:
@@ -213,17 +209,18 @@ def _linear_tensor(module: nn.Module, kind: str, perm: torch.Tensor | None) -> t
     from gguf import quants
 
     if type(module) is Int4Linear and module.group_size == BLOCK and module.in_perm is None:
-        q, scales, zeros = module._portable()
-        codes = unpack_int4(q).cpu()
-        scales, zeros = scales.float().cpu(), zeros.float().cpu()
-        if module.layout != "a8_k":
+        if module.layout == "a8_k":  # a Q4_K file's blocks, held as they are (a dead group's codes too, which the
+            # portable form zeroes)
+            codes, k4 = a8.blocked_int4_codes(module.weight_packed.cpu()), a8.unpack_k_scales(module.scale_min.cpu())
+        else:
+            q, scales, zeros = module._portable()
+            codes = unpack_int4(q).cpu()
+            scales, zeros = scales.float().cpu(), zeros.float().cpu()
             order = (lambda t: t) if perm is None else (lambda t: t[perm])
             data, got, exact = _int4_blocks(order(codes), order(scales), order(zeros))
-            k4 = None if exact or got == "Q4_0" else _k4_parts(module, codes, scales, zeros)
+            k4 = None if exact or got == "Q4_0" else _k4_factors(codes, scales, zeros)
             if k4 is None:
                 return data, getattr(Q, got), got, "exact" if exact else "rounded"
-        else:  # a Q4_K file's blocks, held as they are (a dead group's codes too, which its portable form zeroes)
-            k4, codes = _k4_parts(module, codes, scales, zeros), a8.blocked_int4_codes(module.weight_packed.cpu())
         # Q4_K: two levels of scales that Q4_1's fp16 fields would round, kept exactly (and in fewer bytes)
         if perm is not None:
             codes, k4 = codes[perm], tuple(t[perm] for t in k4)
