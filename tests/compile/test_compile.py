@@ -591,6 +591,23 @@ def test_a_change_dynamo_module_guards_would_catch_is_caught_once_per_call(guard
     assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+@pytest.mark.slow
+def test_saving_a_compiled_model_keeps_its_compiled_steps(tmp_path):
+    # save_pretrained writes config.architectures and turns config.dtype into a string on the live config: neither
+    # changes a forward, so the next call must not drop the steps and compile inside the user's generate
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=256), Compile(mode="default")])
+    ids = torch.tensor([[1, 17, 400, 23, 9]])
+    kw = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    compiles = compile_stats(m).compiles
+    m.save_pretrained(tmp_path / "saved")
+    assert m.config.architectures == ["LlamaForCausalLM"]  # (what the save changed)
+    assert torch.equal(m.generate(ids, **kw), ref.generate(ids, **kw))
+    stats = compile_stats(m)
+    assert stats.compiles == compiles and stats.compiles_after_warmup == 0, stats.as_dict()
+
+
 def test_module_guards_bad_value():
     with pytest.raises(RecipeError, match="module_guards"):
         Compile(module_guards="never")

@@ -41,9 +41,33 @@ def mode_options(mode: str, device: torch.device, cpp_wrapper: bool, size_assert
     return opts
 
 
+SAVE_METADATA = frozenset({"architectures", "transformers_version", "_name_or_path", "_commit_hash"})
+"""Config fields that describe a checkpoint and that no forward reads: ``save_pretrained`` fills in
+``architectures`` (a model built from a config has none), so they are left out of :func:`module_signature`."""
+
+
+def _config_value(key: str, value: Any) -> str:
+    if key in ("dtype", "torch_dtype"):  # save_pretrained turns torch.float32 into "float32" on the live config
+        return str(value).removeprefix("torch.")
+    return repr(value)
+
+
 def module_signature(model: nn.Module) -> int:
     """A hash of what dynamo's module guards check, computed in one pass: each parameter's and buffer's identity,
-    dtype, device, shape and grad flag, each module's training flag and hooks, the config's values."""
+    dtype, device, shape and grad flag, each module's training flag and hooks, the config's values (but for the
+    checkpoint metadata that ``save_pretrained`` writes into it, :data:`SAVE_METADATA`, and the dtype's spelling).
+
+    Example:
+        >>> from infopt.models import tiny_model
+        >>> m = tiny_model()
+        >>> before = module_signature(m)
+        >>> m.config.architectures, m.config.dtype = ["LlamaForCausalLM"], "float32"  # what a save writes
+        >>> module_signature(m) == before
+        True
+        >>> m.config.rms_norm_eps = 1e-3
+        >>> module_signature(m) == before
+        False
+    """
     parts: list = []
     for m in model.modules():
         parts.append((m.training, len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__))
@@ -52,5 +76,5 @@ def module_signature(model: nn.Module) -> int:
                 parts.append((id(t), t.dtype, t.device, tuple(t.shape), t.requires_grad))
     config = getattr(model, "config", None)
     if config is not None:
-        parts.append(repr(sorted((k, repr(v)) for k, v in vars(config).items())))
+        parts.append(repr(sorted((k, _config_value(k, v)) for k, v in vars(config).items() if k not in SAVE_METADATA)))
     return hash(tuple(parts))
