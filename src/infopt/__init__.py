@@ -8,6 +8,7 @@ Example:
     True
 """
 
+import difflib
 import importlib
 
 from . import attention, batching, compile, kvcache, parallel, quantize, speculative
@@ -61,7 +62,16 @@ __all__ = [
 _ON_FIRST_USE = ("eval", "bench", "memory", "demo", "testing")  # the others load with infopt
 
 
+# names a user reaches for that infopt spells otherwise
+_SPELT_OTHERWISE = {"save": "infopt.save_optimized(model, folder) or model.save_pretrained(folder) (infopt.load "
+                            "reads either)"}
+
+
 def __getattr__(name: str):
     if name in _ON_FIRST_USE:
         return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'infopt' has no attribute {name!r}")
+    hint = _SPELT_OTHERWISE.get(name)
+    if hint is None:
+        close = difflib.get_close_matches(name, [*__all__, *_ON_FIRST_USE], n=2)
+        hint = " or ".join(f"infopt.{c}" for c in close) if close else None
+    raise AttributeError(f"module 'infopt' has no attribute {name!r}" + (f"; did you mean {hint}?" if hint else ""))
