@@ -210,8 +210,10 @@ PRESETS: dict[str, Preset] = {
         Preset("cpu-lossless", "lossless (the model's own math; greedy output parts only at near-ties), faster: "
                "speculative decoding drafted by an int4 copy of "
                "the model (int8 head, int8 activations where the CPU has the kernel) and verified by the original "
-               "weights, on a static KV cache with compiled verify and draft steps (fp32 linears on prepacked weights)",
-               ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "warmup_batch_sizes": "auto"}},
+               "weights, on a static KV cache with compiled verify and draft steps (AOTInductor packages on CPU; fp32 "
+               "linears on prepacked weights)",
+               ({"kvcache": {"kind": "static"}}, {"compile": {"mode": "default", "aot": "auto",
+                                                             "warmup_batch_sizes": "auto"}},
                 {"speculative": {"method": "self_draft", "quantize": "int4", "num_tokens": "adaptive"}})),
         Preset("cpu-fast", "fastest CPU decode: int4 weights (group 32, int8 head that a tied embedding shares; int8 "
                "activations on AVX512-VNNI and AVX2 CPUs) held to KL <= 0.02 (measured when applied; layers that break "
