@@ -4,7 +4,8 @@
 - :func:`median_time`: median seconds per call of a function, over timed batches of calls (layer and kernel
   micro-benchmarks);
 - :func:`decode_rate`: greedy decode tokens/s of a model as ``(n - 1) / (t(n) - t(1))``, so the prompt's cost
-  cancels.
+  cancels;
+- :func:`empty_caches`: the environment of a child process that starts as on a new machine (empty compile caches).
 
 The machine record that results files carry comes from :func:`infopt.bench.machine_info`. Only the standard library
 is imported here.
@@ -12,9 +13,11 @@ is imported here.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -66,3 +69,13 @@ def decode_rate(model, ids, n: int, sync: Callable[[], Any] | None = None):
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     sync()
     return (n - 1) / (time.perf_counter() - t0 - first), out
+
+
+def empty_caches(folder: Path, extensions: Path) -> dict[str, str]:
+    """The environment of a child process whose compile caches (Inductor's, and infopt's AOTInductor packages and
+    calibrations) are new folders under ``folder``: a new machine, for its first process; later processes given the
+    same environment find what the first built. infopt's C++ kernels are built by the set-up (``make setup``), not by
+    an apply or a load, so ``extensions`` (``infopt.core.caches.cache_dir("extensions")``) is linked in."""
+    (folder / "infopt").mkdir(parents=True, exist_ok=True)
+    (folder / "infopt" / "extensions").symlink_to(extensions, target_is_directory=True)
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "INFOPT_CACHE_DIR": str(folder / "infopt")}

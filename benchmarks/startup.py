@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import empty_caches
 
 CHILD = r"""
 import json, sys, time
@@ -76,12 +77,7 @@ def main() -> None:
         for trust in (False, True):
             # empty compile caches (Inductor's, and infopt's AOTInductor packages) for the cold process: a new machine;
             # the warm one after it finds what the cold one built
-            caches = work / f"caches-{round_}-{int(trust)}"
-            # infopt's own C++ kernels are built by the set-up (make setup), not by a load: the cold process finds them
-            (caches / "infopt").mkdir(parents=True, exist_ok=True)
-            (caches / "infopt" / "extensions").symlink_to(kind_dir("extensions"), target_is_directory=True)
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-                   "INFOPT_CACHE_DIR": str(caches / "infopt")}
+            env = empty_caches(work / f"caches-{round_}-{int(trust)}", kind_dir("extensions"))
             for cache in ("cold", "warm"):
                 t = time.perf_counter()
                 out = subprocess.run([sys.executable, "-c", CHILD, str(folder), "1" if trust else "0"],

@@ -6,9 +6,9 @@ Each recipe gets its own pair of cache folders (``TORCHINDUCTOR_CACHE_DIR`` and 
 kernels linked in as the set-up builds them); the processes alternate recipes: every recipe's cold process first, then
 ``--warm`` rounds of warm processes, one per recipe per round. A process loads the default model, applies the recipe
 (timed: what a notebook cell or ``infopt.load`` waits for), generates once (any compile a call still waits for shows
-in its ``compiles_after_warmup``), then decodes 64 tokens greedily (tokens/s with the first token's time subtracted).
+in its ``compiles_after_warmup``), then decodes 64 tokens greedily (``_common.decode_rate``).
 
-    python benchmarks/studies/apply_time.py cpu-lossless benchmarks/recipes/cpu-lossless-aot.yaml [--warm 2]
+    python benchmarks/studies/apply_time.py cpu-lossless benchmarks/recipes/cpu-lossless-aot-auto.yaml [--warm 2]
         [--json out.json]
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,8 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
+BENCH = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCH))
+from _common import empty_caches  # noqa: E402
+
 CHILD = r"""
 import json, sys, time
+sys.path.insert(0, sys.argv[2])  # benchmarks/: the shared timing helpers
+from _common import decode_rate
 import torch
 import infopt
 from infopt.compile import compile_stats
@@ -38,14 +43,12 @@ apply_s = time.perf_counter() - t0
 t1 = time.perf_counter()
 model.generate(ids, max_new_tokens=1, do_sample=False)
 first = time.perf_counter() - t1
-t2 = time.perf_counter()
-out = model.generate(ids, max_new_tokens=65, min_new_tokens=65, do_sample=False)
-rate = 64 / (time.perf_counter() - t2 - first)
+rate, out = decode_rate(model, ids, 65)
 s = compile_stats(model)
 print("RESULT " + json.dumps({"apply_s": apply_s, "first_call_s": first, "decode_tokens_per_s": rate,
       "tokens": out[0, ids.shape[1]:].tolist(),
-      "steps": {k: getattr(s, k) for k in ("compiles", "aot", "aot_indexed", "compiles_after_warmup",
-                                          "cold_eager_calls")}}))
+      "steps": s and {k: getattr(s, k) for k in ("compiles", "aot", "aot_indexed", "compiles_after_warmup",
+                                                "cold_eager_calls")}}))
 """
 
 
@@ -61,16 +64,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="infopt-apply-"))
     envs = {}
     for i, recipe in enumerate(args.recipes):
-        caches = work / f"caches-{i}"
-        (caches / "infopt").mkdir(parents=True)
-        (caches / "infopt" / "extensions").symlink_to(kind_dir("extensions"), target_is_directory=True)
-        envs[recipe] = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-                        "INFOPT_CACHE_DIR": str(caches / "infopt")}
+        envs[recipe] = empty_caches(work / f"caches-{i}", kind_dir("extensions"))
     runs = []
     for round_ in range(1 + args.warm):
         for recipe in args.recipes:
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", CHILD, recipe], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, "-c", CHILD, recipe, str(BENCH)], capture_output=True, text=True,
                                  env=envs[recipe])
             wall = time.perf_counter() - t
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -89,7 +88,7 @@ def main() -> None:
             "cold_apply_s": mine[0]["apply_s"],
             "warm_apply_s_median": statistics.median(r["apply_s"] for r in warm) if warm else None,
             "decode_tokens_per_s_median": statistics.median(r["decode_tokens_per_s"] for r in mine),
-            "compiles_in_calls": sum(r["steps"]["compiles_after_warmup"] for r in mine),
+            "compiles_in_calls": sum(r["steps"]["compiles_after_warmup"] for r in mine if r["steps"]),
             "same_tokens_as_first_recipe": all(r["tokens"] == runs[0]["tokens"] for r in mine),
         }
     print(json.dumps(summary, indent=1))
