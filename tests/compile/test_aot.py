@@ -78,13 +78,17 @@ def test_aot_step_is_token_identical_reads_the_models_weights_and_is_cached(aot_
     out = m.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, ref.generate(ids, max_new_tokens=6, do_sample=False)) and (out[0, 5:] == 7).all()
 
-    # a second model of the same shapes exports the same program and loads the cached package (a fused projection
-    # group's buffer is no named tensor of the model, so no index finds it without the export)
+    # a second model of the same shapes finds the package by describing itself, without an export, and the package
+    # reads that model's own tensors: its weights and its fused projection groups' buffers (no module's tensors)
     again = tiny_model()
     infopt.optimize(again, _recipe())
     assert compile_stats(again).aot == 1 and compile_stats(again).aot_cached == 1
-    assert compile_stats(again).aot_indexed == 0
+    assert compile_stats(again).aot_indexed == 1
     assert len(list(aot_cache.glob("*.pt2"))) == 1
+    (_, step), = decoder_for(again).forward_for(again)._fns.items()
+    groups = {id(m._infopt_fused): m._infopt_fused for m in again.modules() if "_infopt_fused" in m.__dict__}
+    fused = [t for g in groups.values() for t in g.fused.values()]
+    assert groups and all(any(c is t for c in step.fn.constants.values()) for t in fused)
     assert torch.equal(again.generate(ids, max_new_tokens=6, do_sample=False),
                        tiny_model().generate(ids, max_new_tokens=6, do_sample=False))
 
@@ -120,6 +124,46 @@ def test_a_package_is_found_by_describing_the_model_without_an_export(aot_cache,
     ids = _prompts()[1]
     assert torch.equal(other.generate(ids, max_new_tokens=8, do_sample=False),
                        ref.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@needs_aot
+def test_packed_fused_groups_are_found_by_the_index_only_under_their_own_handles(aot_cache, monkeypatch):
+    """fp32 steps on prepacked weights (cpu-lossless's verify steps) read fused q/k/v and gate/up buffers and name
+    each packed copy by a handle baked into the package: a second model alive beside the first packs under other
+    handles, so it exports a package of its own; once the first is gone, a new model takes its handles back and loads
+    the first package from the index, without an export."""
+    import gc
+
+    from infopt.compile import aot, packed
+    from infopt.ops.packed_linear import can_pack
+
+    if not can_pack():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    real_pack = packed.pack_linears_
+    monkeypatch.setattr(packed, "pack_linears_", lambda m, **kw: real_pack(m, **{**kw, "min_elements": 0}))
+    exports = []
+    real_export = aot.export_step
+    monkeypatch.setattr(aot, "export_step", lambda *a, **k: exports.append(1) or real_export(*a, **k))
+    recipe = [Static(max_length=256), Compile(warmup_lengths=(64,), pack_linears=True, aot=True)]
+    ids = _prompts()[1]
+    want = tiny_model().generate(ids, max_new_tokens=8, do_sample=False)
+
+    first = tiny_model()
+    infopt.optimize(first, recipe)
+    groups = [m._infopt_fused for m in first.modules() if "_infopt_fused" in m.__dict__]
+    assert groups and all(g.packed is not None for g in groups)
+    second = tiny_model()
+    infopt.optimize(second, recipe)
+    assert exports == [1, 1] and compile_stats(second).aot_indexed == 0
+    for m in (first, second):
+        assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False), want)
+
+    del first, groups
+    gc.collect()
+    third = tiny_model()
+    infopt.optimize(third, recipe)
+    assert exports == [1, 1] and compile_stats(third).aot_indexed == 1
+    assert torch.equal(third.generate(ids, max_new_tokens=8, do_sample=False), want)
 
 
 @needs_aot
@@ -213,8 +257,7 @@ def test_an_unwritable_cache_folder_keeps_the_packages_in_a_folder_of_the_proces
 @needs_aot
 def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache, tmp_path, monkeypatch):
     """save_optimized keeps each shape's package with the model-relative names of the weights it reads;
-    infopt.load installs it without exporting or compiling, and it gives the tokens of the model that was saved.
-    A package that reads a fused group's buffer (not a named tensor) has no saved form."""
+    infopt.load installs it without exporting or compiling, and it gives the tokens of the model that was saved."""
     from infopt.compile import aot
     from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
 
@@ -255,12 +298,46 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     assert torch.equal(out, m.generate(ids, max_new_tokens=12, do_sample=False)) and not torch.equal(out, want)
     assert stats.aot == 2
 
-    fused = tiny_model("llama")
-    infopt.optimize(fused, {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64],
-                                                                          "pack_linears": False, "aot": True}}]})
-    assert compile_stats(fused).aot == 1
-    (key, step), = decoder_for(fused).forward_for(fused)._fns.items()
-    assert step.fn.saved_form(fused) is None  # so save_optimized keeps no package for it
+
+
+@needs_aot
+def test_a_saved_package_of_fused_projections_reads_the_loaded_models_fused_buffers(aot_cache, tmp_path, monkeypatch):
+    """A package that reads fused q/k/v and gate/up buffers (no module's tensors) names them by the group's first
+    layer; infopt.load fuses the rebuilt model's projections and hands the package those buffers, no export."""
+    from infopt.compile import aot
+    from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
+
+    if not can_save_steps():
+        pytest.skip(f"torch {torch.__version__} saves no compiled steps")
+    ids = torch.tensor([[3, 17, 9, 41, 5, 11, 2, 8]])
+    torch.manual_seed(0)
+    m = tiny_model("llama")
+    infopt.optimize(m, {"steps": [{"kvcache": "static"}, {"compile": {"warmup_lengths": [64], "pack_linears": False,
+                                                                      "aot": True}}]})
+    want = m.generate(ids, max_new_tokens=12, do_sample=False)
+    folder = infopt.save_optimized(m, tmp_path / "saved")
+    (form,) = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())["aot_packages"].values()
+    names = set(form["constants"].values())
+    assert "model.layers.0.self_attn.q_proj#fused.weight" in names and "model.layers.0.mlp.gate_proj#fused.weight" in names
+
+    def refuse(*a, **k):
+        raise AssertionError("a saved package must load without an export")
+
+    monkeypatch.setattr(aot, "export_step", refuse)
+    loaded, _ = infopt.load(folder, trust_compiled=True)
+    stats = compile_stats(loaded)
+    assert stats.loaded == 1 and stats.aot == 1 and stats.compiles == 0
+    (_, step), = decoder_for(loaded).forward_for(loaded)._fns.items()
+    q = loaded.model.layers[0].self_attn.q_proj
+    assert any(t is q._infopt_fused.weight for t in step.fn.constants.values())
+    assert torch.equal(loaded.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert stats.compiles == 0
+
+    # the names say which tensor they are: one the model lacks is a clear error, not another tensor
+    with pytest.raises(LookupError, match="no tensor 'nothing'"):
+        aot.tensor_named(loaded, "model.layers.0.self_attn.q_proj#fused.nothing")
+    with pytest.raises(LookupError, match="no fused projection group"):
+        aot.tensor_named(loaded, "model.layers.0.self_attn.o_proj#fused.weight")
 
 
 def test_a_saved_package_of_any_batch_serves_every_batch_after_load(aot_cache, tmp_path, monkeypatch):

@@ -21,7 +21,8 @@ compile half a minute or more on two cores). Beside each package, an index file 
 model and the step computed here without an export (:func:`local_key`: the code, the model's structure, settings and
 tensor layouts, the shape, the options) lets a later process that describes the same step load the package without
 exporting it (:func:`find_indexed`): ``infopt.optimize(model, "cpu-fast")`` and ``infopt.load`` of such a model then
-take seconds. The folder is kept under ``$INFOPT_CACHE_AOTI_MB`` megabytes (2048 by
+take seconds. The index names the package's weights by where the model holds them (:func:`tensor_names`: parameters,
+buffers and fused projection groups' buffers). The folder is kept under ``$INFOPT_CACHE_AOTI_MB`` megabytes (2048 by
 default) by deleting the packages used longest ago when a new one is written.
 """
 
@@ -50,12 +51,14 @@ from torch.export.graph_signature import InputKind, InputSpec
 from .._version import __version__
 from ..core.caches import cache_dir, limit_bytes, prune, touch
 from ..kvcache.static import BUCKET
+from .fuse import FusedGroup
 
 log = logging.getLogger("infopt.compile")
 
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
            "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free", "FREE_BATCH",
-           "free_dims", "local_key", "find_indexed", "index_package", "fingerprint"]
+           "free_dims", "local_key", "find_indexed", "index_package", "fingerprint", "tensor_names",
+           "tensor_named", "FUSED"]
 
 
 def aot_available() -> bool:
@@ -302,11 +305,10 @@ class AotStep:
         return self.runner(*_flat_args(args, self.padded, tensors))
 
     def saved_form(self, model: nn.Module) -> dict[str, Any] | None:
-        """What :func:`load_saved` needs besides the package file: the model-relative name of each constant and the
-        cache signature; None when a constant is not one of the model's parameters or buffers (a fused group's
-        weight: only an export finds it)."""
-        names = {id(t): n for n, t in (*model.named_parameters(remove_duplicate=False),
-                                       *model.named_buffers(remove_duplicate=False))}
+        """What :func:`load_saved` needs besides the package file: the model-relative name of each constant
+        (:func:`tensor_names`) and the cache signature; None when a constant is none of the model's tensors by any
+        name (only an export finds it)."""
+        names = tensor_names(model)
         constants = {}
         for fqn, t in self.constants.items():
             if id(t) not in names:
@@ -333,12 +335,61 @@ def _load_package(path: Path):
     return AOTICompiledModel(loader)
 
 
+FUSED = "#fused."
+"""Marks a name of :func:`tensor_names` that is a fused projection group's tensor: ``<first layer>#fused.<name>``."""
+
+
+def tensor_names(model: nn.Module) -> dict[int, str]:
+    """A model-relative name for each tensor a compiled step of ``model`` can read as a weight, by ``id``: its
+    parameters and buffers, and the tensors of its fused projection groups (:mod:`infopt.compile.fuse`), which are
+    no module's: ``<path of the group's first layer>#fused.<fused tensor>`` (``.bias``; a quantized group's hidden
+    layer's own tensors as ``layer.<name>``). :func:`tensor_named` finds each again in a model built the same way."""
+    names = {id(t): n for n, t in (*model.named_parameters(remove_duplicate=False),
+                                   *model.named_buffers(remove_duplicate=False))}
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        group = m.__dict__.get("_infopt_fused")
+        if not isinstance(group, FusedGroup) or id(group) in seen:
+            continue
+        seen.add(id(group))
+        own = [*group.fused.items(), ("bias", group.bias)]
+        layer = getattr(group, "layer", None)
+        if isinstance(layer, nn.Module):
+            own += [(f"layer.{n}", t) for n, t in (*layer.named_parameters(), *layer.named_buffers())]
+        for n, t in own:
+            if t is not None:
+                names.setdefault(id(t), f"{path}{FUSED}{n}")
+    return names
+
+
+def tensor_named(model: nn.Module, name: str) -> torch.Tensor:
+    """The tensor :func:`tensor_names` calls ``name`` in ``model`` (raises ``LookupError`` where there is none)."""
+    path, fused, rest = name.partition(FUSED)
+    if not fused:
+        try:
+            return model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+        except AttributeError as e:
+            raise LookupError(f"the model has no parameter or buffer {name!r}") from e
+    group = model.get_submodule(path).__dict__.get("_infopt_fused")
+    if not isinstance(group, FusedGroup):
+        raise LookupError(f"{path!r} is no fused projection group's first layer (for {name!r})")
+    if rest == "bias":
+        t = group.bias
+    elif rest.startswith("layer."):
+        layer = getattr(group, "layer", None)
+        t = dict((*layer.named_parameters(), *layer.named_buffers())).get(rest[len("layer."):]) if layer else None
+    else:
+        t = group.fused.get(rest)
+    if t is None:
+        raise LookupError(f"the fused projection group at {path!r} has no tensor {rest!r}")
+    return t
+
+
 def load_saved(model: nn.Module, path: Path, form: dict[str, Any]) -> AotStep:
     """An :class:`AotStep` from a package saved with a model and its :meth:`AotStep.saved_form`, reading ``model``'s
     tensors (raises where the package does not load or a constant is missing)."""
     runner = _load_package(path)
-    constants = {fqn: model.get_parameter(n) if _is_param(model, n) else model.get_buffer(n)
-                 for fqn, n in form["constants"].items()}
+    constants = {fqn: tensor_named(model, n) for fqn, n in form["constants"].items()}
     wanted = set(runner.get_constant_fqns())
     if wanted != set(constants):
         raise RuntimeError(f"the saved package wants other constants than were saved with it "
@@ -477,6 +528,9 @@ def _describe_model(model: nn.Module) -> bytes:
                 continue
             if isinstance(v, torch.Tensor):
                 text = repr(tensor_sig(v))
+            elif isinstance(v, FusedGroup):  # its fused tensors' layouts, and the packed copy's handle a graph names
+                text = repr((type(v).__qualname__, v.names, v.sizes, v.tensors, v.packed,
+                             [(n, tensor_sig(t)) for n, t in v.fused.items()], tensor_sig(v.bias)))
             elif isinstance(v, nn.Module):
                 text = f"module:{type(v).__qualname__}"
             else:
@@ -553,7 +607,7 @@ def find_indexed(model: nn.Module, lkey: str) -> AotStep | None:
 
 def index_package(model: nn.Module, step: AotStep, lkey: str) -> None:
     """Record that the step described by ``lkey`` is ``step``'s package, for :func:`find_indexed` (nothing where the
-    package reads tensors that are not the model's named parameters and buffers)."""
+    package reads a tensor :func:`tensor_names` does not name)."""
     form = step.saved_form(model)
     if form is None or step.path is None:
         return

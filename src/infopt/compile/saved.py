@@ -26,8 +26,9 @@ builds its kernels as before.
 A shape that runs an AOTInductor package (``Compile(aot=...)``, :mod:`infopt.compile.aot`) has its package saved too
 (``<step>.pt2``, with the model-relative names of the weights it reads): where the loading model asks for packages,
 :func:`load_steps` installs it over the model's own tensors, so the loaded model decodes through the same C++ wrapper
-without exporting or compiling anything. A package whose weights are not all the model's named parameters and
-buffers (a fused projection group's buffer) is not saved; the ``torch.compile`` step serves that shape.
+without exporting or compiling anything. The names cover a fused projection group's buffers too
+(:func:`~infopt.compile.aot.tensor_names`); a package reading a tensor no name covers is not saved, and the
+``torch.compile`` step serves that shape.
 
 CPU only for now: CUDA steps are not saved, nor those of models with speculative decoding, the batching
 engine or quantized MoE experts (they warm up on load as before).
