@@ -58,7 +58,7 @@ log = logging.getLogger("infopt.compile")
 __all__ = ["AotStep", "aot_available", "aot_cache_dir", "cache_limit_bytes", "cache_slots", "export_step", "load_saved",
            "prune_cache", "tensor_sig", "cache_sig", "args_sig", "length_dim", "batch_free", "FREE_BATCH",
            "free_dims", "local_key", "find_indexed", "index_package", "fingerprint", "tensor_names",
-           "tensor_named", "FUSED"]
+           "tensor_named"]
 
 
 def aot_available() -> bool:
