@@ -80,10 +80,10 @@ def test_transformers_loop_on_the_cache_is_logged_once(caplog):
     m = infopt.optimize(tiny_model(), [Static(max_length=64)])
     with caplog.at_level(logging.WARNING, logger="infopt"):
         for _ in range(2):
-            m.generate(IDS, max_new_tokens=3, repetition_penalty=1.2, do_sample=False)
+            m.generate(IDS, max_new_tokens=3, bad_words_ids=[[7]], do_sample=False)
         m.generate(IDS, max_new_tokens=3, do_sample=False)
     logged = _warnings(caplog)
     assert len(logged) == 1, logged
     assert "transformers' decode loop on infopt's KV cache" in logged[0]
-    assert "repetition_penalty" in logged[0] and "leave those arguments out of the call" in logged[0]
+    assert "bad_words_ids" in logged[0] and "leave those arguments out of the call" in logged[0]
     assert routing_stats(m).loops == {"transformers+cache": 2, "lean": 1}

@@ -94,8 +94,8 @@ def test_calls_no_infopt_path_serves_are_refused_with_the_reason(kwargs, reason)
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"output_scores": True, "return_dict_in_generate": True},
-                                                         "output_scores"),
+    ({"bad_words_ids": [[7]]}, "bad_words_ids"), ({"output_scores": True, "return_dict_in_generate": True},
+                                                   "output_scores"),
     ({"logits_processor": []}, "logits_processor"),
 ])
 def test_calls_for_transformers_loop_carry_the_reason(kwargs, reason):
@@ -132,3 +132,71 @@ def test_streamer_sees_what_generate_shows():
     ref = m.generate(ids, max_new_tokens=5, do_sample=False, streamer=a)
     out = greedy_decode(m, parse_call(m, (ids,), dict(max_new_tokens=5, do_sample=False, streamer=b)), DynamicCache())
     assert torch.equal(out, ref) and a.seen == b.seen and b.ended
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("penalties", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
+                                       {"repetition_penalty": 0.7, "no_repeat_ngram_size": 3}],
+                         ids=["repetition", "ngram", "both"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_penalties_are_served_by_the_lean_loop_with_generates_tokens(arch, penalties, sample):
+    """repetition_penalty and no_repeat_ngram_size run in infopt's loop with transformers' own processors: the tokens
+    of generate (a seeded sampled call draws the same), left-padded rows, min_new_tokens and an EOS mid-way included."""
+    import infopt
+    from infopt.generate import routing_stats
+    from infopt.kvcache import Static
+
+    ref, m = tiny_model(arch), tiny_model(arch)
+    infopt.optimize(m, [Static(max_length=64)])
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=14, min_new_tokens=3, do_sample=sample, pad_token_id=0,
+              **penalties)
+    torch.manual_seed(3)
+    plain = ref.generate(ids, **kw)
+    eos = int(plain[1, 6 + 5])  # a token the model produces mid-way: rows stop at different steps
+    for e in (None, eos):
+        torch.manual_seed(3)
+        want = ref.generate(ids, eos_token_id=e, **kw)
+        torch.manual_seed(3)
+        assert torch.equal(m.generate(ids, eos_token_id=e, **kw), want)
+    assert routing_stats(m).loops == {"lean": 2}
+    call = parse_call(m, (ids,), dict(kw))
+    assert call.lean_reason is None and call.penalties
+
+
+def test_the_repetition_penalty_changes_the_lean_loops_tokens():
+    """A penalty that changes generate's output changes the lean loop's the same way (not silently dropped)."""
+    import infopt
+    from infopt.kvcache import Static
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    ids = torch.tensor([[5, 17, 400, 23, 9]])
+    plain = m.generate(ids, max_new_tokens=20, do_sample=False)
+    penalized = m.generate(ids, max_new_tokens=20, do_sample=False, repetition_penalty=5.0)
+    assert not torch.equal(plain, penalized)
+    assert torch.equal(penalized, ref.generate(ids, max_new_tokens=20, do_sample=False, repetition_penalty=5.0))
+
+
+def test_stop_strings_end_rows_in_the_lean_loop_as_in_generate(default_tokenizer):
+    """stop_strings with the tokenizer: transformers' own StopStringCriteria in infopt's loop; a row that ends in
+    one stops and is padded after, as generate does, and the call ends when every row has stopped."""
+    import infopt
+    from infopt.generate import routing_stats
+    from infopt.kvcache import Static
+
+    tok = default_tokenizer
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    free = ref.generate(ids, **kw)
+    text = tok.decode(free[0, 6 + 4])  # a token row 0 produces at step 5
+    assert text.strip(), text
+    for stop in ([text], [text, "zzzz-never"]):
+        want = ref.generate(ids, stop_strings=stop, tokenizer=tok, **kw)
+        assert want.shape[1] < free.shape[1] or not torch.equal(want, free)  # the stop string acted
+        assert torch.equal(m.generate(ids, stop_strings=stop, tokenizer=tok, **kw), want)
+    assert routing_stats(m).loops == {"lean": 2}
+    with pytest.raises(ValueError):  # without the tokenizer: transformers' own error, as without infopt
+        m.generate(ids, stop_strings=[text], **kw)

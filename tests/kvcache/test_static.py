@@ -80,10 +80,10 @@ def test_first_call_under_inference_mode_then_outside():
     b = m.generate(p, max_new_tokens=6, do_sample=False)
     with torch.inference_mode():
         torch.manual_seed(0)
-        c = m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop
+        c = m.generate(p, max_new_tokens=6, do_sample=True, bad_words_ids=[[7]])  # transformers' loop
     want = ref.generate(p, max_new_tokens=6, do_sample=False)
     torch.manual_seed(0)
-    want_c = ref.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # the same seed's draws
+    want_c = ref.generate(p, max_new_tokens=6, do_sample=True, bad_words_ids=[[7]])  # the same seed's draws
     assert torch.equal(a, want) and torch.equal(b, want) and torch.equal(c, want_c)
 
 
@@ -96,7 +96,7 @@ def test_transformers_loop_under_inference_mode_leaves_a_reusable_cache():
     p = torch.tensor([[1, 17, 400, 23, 9]])
     with torch.inference_mode():
         torch.manual_seed(0)
-        m.generate(p, max_new_tokens=6, do_sample=True, repetition_penalty=1.2)  # transformers' loop allocates
+        m.generate(p, max_new_tokens=6, do_sample=True, bad_words_ids=[[7]])  # transformers' loop allocates
     assert torch.equal(m.generate(p, max_new_tokens=6, do_sample=False),
                        ref.generate(p, max_new_tokens=6, do_sample=False))
 

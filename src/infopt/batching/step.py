@@ -121,6 +121,8 @@ class EnginePart(LoopPart):
             raise Unsupported("attention_mask is not left padding (or pad tokens without an attention_mask)")
         if call.min_p is not None:
             raise Unsupported(f"min_p={call.min_p}")
+        if call.penalties:
+            raise Unsupported(call.penalties[0])
         if call.stop_strings and self.engine.tokenizer is None:
             raise Unsupported("stop_strings without a tokenizer given to the batching step")
         input_ids = call.input_ids

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..core.compat import CACHE_KWARGS
 
-__all__ = ["Unsupported", "GenerateCall", "parse_call", "nondefault_fields", "sampling_field", "BEAM_KWARGS"]
+__all__ = ["Unsupported", "GenerateCall", "parse_call", "nondefault_fields", "sampling_field", "BEAM_KWARGS",
+           "PENALTIES"]
 
 
 class Unsupported(Exception):
@@ -31,7 +32,7 @@ BEAM_KWARGS = ("num_beams", "num_beam_groups", "penalty_alpha", "constraints", "
 _KNOWN = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "generation_config", "num_beams",
           "num_return_sequences", "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p", "min_p",
-          "tokenizer", "min_length", "streamer", "stop_strings"}
+          "tokenizer", "min_length", "streamer", "stop_strings", "repetition_penalty", "no_repeat_ngram_size"}
 
 # keywords that are not generation-config fields
 _NOT_CONFIG = ("input_ids", "attention_mask", "generation_config", "tokenizer", "use_cache", "streamer")
@@ -49,6 +50,9 @@ _PLAIN: dict[str, Any] = {
     "min_length": 0, "typical_p": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
 }
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p")
+PENALTIES = ("repetition_penalty", "no_repeat_ngram_size")
+"""Generation-config fields the lean loop applies with transformers' own logits processors (the speculative loop and
+the batching engine do not: such a call runs in the lean loop or in transformers' loop)."""
 
 
 def nondefault_fields(gc, allow: tuple[str, ...] = ()) -> list[str]:
@@ -111,6 +115,7 @@ class GenerateCall:
         eos_token_ids, pad_token_id: stop ids and the id finished rows are padded with (eos[0] when unset).
         streamer, stop_strings, tokenizer: as given.
         generation_config: a copy of the call's generation config with its keywords applied.
+        penalties: ``field=value`` of each :data:`PENALTIES` field the call sets (only the lean loop applies them).
         lean_reason: why infopt's own loops cannot serve this call (logits processors, penalties, extra
             outputs, ...), or None when they can; such a call can still run in transformers' loop on an
             infopt cache.
@@ -135,6 +140,7 @@ class GenerateCall:
     stop_strings: tuple[str, ...]
     tokenizer: Any
     generation_config: Any
+    penalties: tuple[str, ...]
     lean_reason: str | None
 
     @property
@@ -184,6 +190,59 @@ class GenerateCall:
         if self.min_p is not None:
             out.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
         return out
+
+    def processors(self, model: nn.Module):
+        """transformers' own logits processors for the call's :data:`PENALTIES` (None when it sets none), built by
+        ``generate``'s own builder on a copy of the call's config that keeps only them, so each applies as the
+        installed transformers applies it (5.24 leaves a row's left padding out of the repetition penalty, 5.17
+        does not). They come first in ``generate``'s order, before its minimum-length masks and the sampling
+        warpers, and neither changes what the other does: both leave ``-inf`` at ``-inf``.
+
+        Raises:
+            Unsupported: transformers' builder is not there, or built more than the penalties; or pad tokens without
+                an attention mask (``generate`` would infer one the penalty reads).
+        """
+        if not self.penalties:
+            return None
+        if self.attention_mask is None and self.left_pads is None:
+            raise Unsupported("a penalty with pad tokens and no attention_mask")
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            NoRepeatNGramLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+        )
+
+        gc = copy.deepcopy(self.generation_config)
+        for name, default in _PLAIN.items():
+            if name not in PENALTIES:
+                setattr(gc, name, default)
+        gc.min_new_tokens = None
+        build = getattr(model, "_get_logits_processor", None)
+        try:
+            out = build(generation_config=gc, input_ids_seq_length=self.prompt_length, encoder_input_ids=self.input_ids,
+                        logits_processor=LogitsProcessorList(), device=self.input_ids.device,
+                        model_kwargs={"attention_mask": self.attention_mask})
+        except (TypeError, AttributeError) as e:
+            raise Unsupported(f"{self.penalties[0]} (transformers' logits-processor builder: {type(e).__name__})"
+                              ) from e
+        if not out or any(not isinstance(p, (RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor))
+                          for p in out):
+            raise Unsupported(f"{self.penalties[0]} (transformers built {[type(p).__name__ for p in out]})")
+        return out
+
+    def stopping(self):
+        """transformers' own ``StopStringCriteria`` for the call's ``stop_strings`` (None when it has none).
+
+        Raises:
+            Unsupported: stop strings without a ``tokenizer`` (transformers' own loop then says what is missing).
+        """
+        if not self.stop_strings:
+            return None
+        if self.tokenizer is None:
+            raise Unsupported("stop_strings without tokenizer= in the call")
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        return StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(self.stop_strings))
 
 
 def _left_pads(input_ids: torch.Tensor, mask: torch.Tensor | None, pad: int | None,
@@ -281,7 +340,7 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
     if unknown:
         lean = f"argument(s) {', '.join(unknown)}"
     else:
-        bad = nondefault_fields(gc, allow=_SAMPLING + ("stop_strings",))
+        bad = nondefault_fields(gc, allow=_SAMPLING + ("stop_strings",) + PENALTIES)
         if bad:
             lean = bad[0]
         elif kwargs.get("streamer") is not None and input_ids.shape[0] != 1:
@@ -296,5 +355,6 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
         top_p=float(sampling_field(gc, "top_p")) if sample else 1.0,
         min_p=float(min_p) if sample and min_p is not None else None,
         eos_token_ids=eos, pad_token_id=pad, streamer=kwargs.get("streamer"), stop_strings=stop,
-        tokenizer=kwargs.get("tokenizer"), generation_config=gc, lean_reason=lean,
+        tokenizer=kwargs.get("tokenizer"), generation_config=gc,
+        penalties=tuple(nondefault_fields(gc, allow=tuple(k for k in _PLAIN if k not in PENALTIES))), lean_reason=lean,
     )

@@ -6,7 +6,9 @@ does only what greedy decoding needs, with the same arithmetic as ``generate`` (
 attention mask, the mask dropped when it has no padding, fp32 argmax of the last position's logits,
 ``min_new_tokens`` by masking EOS, finished rows padded), so its output is token-identical. Sampling
 calls (temperature, top-k, top-p, min-p) use transformers' own warpers and ``torch.multinomial`` on the
-global generator in ``generate``'s order, so a seeded call draws the same tokens.
+global generator in ``generate``'s order, so a seeded call draws the same tokens. ``repetition_penalty`` and
+``no_repeat_ngram_size`` run transformers' own processors (:meth:`GenerateCall.processors`), and ``stop_strings``
+its own ``StopStringCriteria`` (a row that ends in one stops, as an EOS stops it), at the same points of the step.
 
 On a GPU the loop never reads a value back per token: the cache slot is counted on the host, and whether every
 row has stopped is read every :data:`EOS_CHECK_EVERY` tokens (each read waits for all queued kernels, so the host
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .call import GenerateCall, Unsupported
+from .call import GenerateCall
 from .forward import Forward, static_length
 
 __all__ = ["lean_decode", "positions_of", "EOS_CHECK_EVERY"]
@@ -50,11 +52,12 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
         returns them.
 
     Raises:
-        Unsupported: ``stop_strings`` (the batching engine and transformers' loop serve them).
+        Unsupported: what :meth:`GenerateCall.warpers`, :meth:`GenerateCall.processors` and
+            :meth:`GenerateCall.stopping` refuse.
     """
-    if call.stop_strings:
-        raise Unsupported("stop_strings")
     warpers = call.warpers()
+    processors = call.processors(forward.model)
+    stopping = call.stopping()
     ids = call.input_ids
     B, T = ids.shape
     N = call.max_new_tokens
@@ -71,6 +74,7 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
     cache_position = torch.tensor([T], device=ids.device)  # cache slot of the next decode token
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     eos = call.eos_tensor()
+    stops = eos is not None or stopping is not None  # rows can finish before max_new_tokens
     pad = call.pad_token_id
     streamer = call.streamer
     if streamer is not None:
@@ -78,12 +82,14 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
     every = eos_check_every or (1 if ids.device.type == "cpu" or streamer is not None else EOS_CHECK_EVERY)
     # steps after which some row was still going: once every row has stopped it stays so, and the output ends
     # at step live + 1 (counted on the device when the loop does not read it every token)
-    live = torch.zeros((), dtype=torch.long, device=ids.device) if eos is not None and every > 1 else None
+    live = torch.zeros((), dtype=torch.long, device=ids.device) if stops and every > 1 else None
 
     logits = forward.prefill(ids, positions, full_mask[:, :T] if full_mask is not None else None, cache)[:, -1]
     n = 0
     while True:
         scores = logits.to(dtype=torch.float32, copy=True)  # [B, V]; a copy: processors write in place
+        if processors is not None:
+            scores = processors(out[:, : T + n], scores)
         if eos is not None and n < call.min_new_tokens:
             scores[:, eos] = -float("inf")
         if warpers is None:
@@ -97,8 +103,11 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
         if streamer is not None:
             streamer.put(tok.cpu())
         n += 1
-        if eos is not None:
-            unfinished &= ~torch.isin(tok, eos)
+        if stops:
+            if eos is not None:
+                unfinished &= ~torch.isin(tok, eos)
+            if stopping is not None:
+                unfinished &= ~stopping(out[:, : T + n], scores)
             if live is None:
                 if not bool(unfinished.any()):
                     break

@@ -156,6 +156,8 @@ _FIXES: tuple[tuple[str, str], ...] = (
      "None: the model's context)"),
     (r"^batch \d+ != batch_size", "leave kvcache.Static's batch_size None, or call with that batch size"),
     (r"^pool too small", "give the paged cache more num_blocks (kvcache.Paged or batching), or shorten the calls"),
+    (r"^stop_strings without tokenizer= in the call", "pass the tokenizer with the stop strings "
+     "(generate(..., stop_strings=[...], tokenizer=tok)): transformers' own loop needs it too"),
     (r"^stop_strings without a tokenizer", "pass tokenizer= to infopt.optimize, so the batching step can match stop "
      "strings"),
     (r"^a batch without pad_token_id", "set pad_token_id (or eos_token_id) in the call or the generation config"),

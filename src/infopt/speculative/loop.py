@@ -28,10 +28,12 @@ def warp_of(call: GenerateCall) -> Warp | None:
 
     Raises:
         Unsupported: settings the speculative loop does not sample with (``min_p``, ``temperature <= 0``,
-            ``stop_strings``).
+            ``stop_strings``, the penalties of :data:`~infopt.generate.call.PENALTIES`).
     """
     if call.stop_strings:
         raise Unsupported("stop_strings")
+    if call.penalties:
+        raise Unsupported(call.penalties[0])
     if not call.do_sample:
         return None
     if call.min_p is not None:
