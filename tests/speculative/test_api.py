@@ -6,6 +6,7 @@ import torch
 import infopt
 from infopt.core.errors import RecipeError
 from infopt.generate import routing_stats
+from infopt.kvcache import Static
 from infopt.models import tiny_model
 from infopt.recipe import Recipe
 from infopt.speculative import DraftModel, PromptLookup, SelfDraft, build_self_draft, enable_, stats
@@ -101,12 +102,28 @@ def test_unsupported_calls_go_to_original_generate():
     ref, m = tiny_model(), tiny_model()
     enable_(m, PromptLookup(num_tokens=3))
     p = torch.tensor([[1, 17, 400, 23, 9]])
-    for kw in ({"num_beams": 2}, {"repetition_penalty": 1.3}):
+    for kw in ({"num_beams": 2}, {"bad_words_ids": [[7]]}):
         assert torch.equal(m.generate(p, max_new_tokens=5, do_sample=False, **kw),
                            ref.generate(p, max_new_tokens=5, do_sample=False, **kw))
     r = routing_stats(m)
     assert r.original == 2 and r.infopt == 0
-    assert any("repetition_penalty" in k for k in r.reasons)
+    assert any("bad_words_ids" in k for k in r.reasons)
+
+
+def test_penalty_and_stop_string_calls_decode_in_the_lean_loop_on_the_speculative_models_cache(default_tokenizer):
+    """The verify does not apply penalties or stop strings per drafted position: such calls decode one token per
+    step in the lean loop, on the recipe's static cache and the target's forward, with generate's tokens."""
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64), PromptLookup(num_tokens=3)])
+    p = torch.tensor([[1, 17, 400, 23, 9, 17, 400, 23]])
+    free = ref.generate(p, max_new_tokens=10, do_sample=False)
+    stop = default_tokenizer.decode(free[0, p.shape[1] + 3])
+    for kw in ({"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2},
+               {"stop_strings": [stop], "tokenizer": default_tokenizer}):
+        assert torch.equal(m.generate(p, max_new_tokens=10, do_sample=False, **kw),
+                           ref.generate(p, max_new_tokens=10, do_sample=False, **kw)), kw
+    assert torch.equal(m.generate(p, max_new_tokens=10, do_sample=False), free)
+    assert routing_stats(m).loops == {"lean": 3, "speculative": 1}
 
 
 def test_pipeline_uses_speculative_generate():
