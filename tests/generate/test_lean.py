@@ -94,8 +94,8 @@ def test_calls_no_infopt_path_serves_are_refused_with_the_reason(kwargs, reason)
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    ({"bad_words_ids": [[7]]}, "bad_words_ids"), ({"output_scores": True, "return_dict_in_generate": True},
-                                                   "output_scores"),
+    ({"bad_words_ids": [[7]]}, "bad_words_ids"), ({"output_attentions": True, "return_dict_in_generate": True},
+                                                   "output_attentions"),
     ({"logits_processor": []}, "logits_processor"),
 ])
 def test_calls_for_transformers_loop_carry_the_reason(kwargs, reason):
@@ -200,3 +200,40 @@ def test_stop_strings_end_rows_in_the_lean_loop_as_in_generate(default_tokenizer
     assert routing_stats(m).loops == {"lean": 2}
     with pytest.raises(ValueError):  # without the tokenizer: transformers' own error, as without infopt
         m.generate(ids, stop_strings=[text], **kw)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("fields", [{"output_scores": True}, {"output_logits": True},
+                                    {"output_scores": True, "output_logits": True}, {}],
+                         ids=["scores", "logits", "both", "sequences-only"])
+def test_return_dict_calls_are_served_by_the_lean_loop_as_generate_returns_them(sample, fields):
+    """return_dict_in_generate with output_scores / output_logits: generate's GenerateDecoderOnlyOutput from infopt's
+    loop (the processed scores: penalty, min_new_tokens mask, warpers; the raw fp32 logits), so asking for scores
+    does not move a call off the loop that serves the same call without them (its tokens stay those)."""
+    import infopt
+    from infopt.generate import routing_stats
+    from infopt.kvcache import Static
+
+    ref, m = tiny_model(), tiny_model()
+    infopt.optimize(m, [Static(max_length=64)])
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=2, do_sample=sample, pad_token_id=0,
+              repetition_penalty=1.2, return_dict_in_generate=True, **fields)
+    torch.manual_seed(1)
+    eos = int(ref.generate(ids, **kw).sequences[2, 6 + 4])  # rows stop at different steps
+    torch.manual_seed(1)
+    want = ref.generate(ids, eos_token_id=eos, **kw)
+    torch.manual_seed(1)
+    out = m.generate(ids, eos_token_id=eos, **kw)
+    assert type(out) is type(want) and torch.equal(out.sequences, want.sequences)
+    for name in ("scores", "logits"):
+        a, b = getattr(out, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert len(a) == len(b) == want.sequences.shape[1] - 6
+            assert all(torch.allclose(x, y, atol=1e-5, rtol=0) for x, y in zip(a, b, strict=True)), name
+    assert out.attentions is None and out.hidden_states is None
+    torch.manual_seed(1)
+    assert torch.equal(m.generate(ids, eos_token_id=eos, **{k: v for k, v in kw.items() if k not in (
+        "return_dict_in_generate", *fields)}), want.sequences)
+    assert routing_stats(m).loops == {"lean": 2}

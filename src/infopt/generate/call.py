@@ -16,7 +16,7 @@ from torch import nn
 from ..core.compat import CACHE_KWARGS
 
 __all__ = ["Unsupported", "GenerateCall", "parse_call", "nondefault_fields", "sampling_field", "BEAM_KWARGS",
-           "PENALTIES"]
+           "PENALTIES", "OUTPUTS"]
 
 
 class Unsupported(Exception):
@@ -32,7 +32,7 @@ BEAM_KWARGS = ("num_beams", "num_beam_groups", "penalty_alpha", "constraints", "
 _KNOWN = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "max_length", "do_sample",
           "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "generation_config", "num_beams",
           "num_return_sequences", "output_scores", "return_dict_in_generate", "temperature", "top_k", "top_p", "min_p",
-          "tokenizer", "min_length", "streamer", "stop_strings", "repetition_penalty", "no_repeat_ngram_size"}
+          "tokenizer", "min_length", "streamer", "stop_strings", "repetition_penalty", "no_repeat_ngram_size", "output_logits"}
 
 # keywords that are not generation-config fields
 _NOT_CONFIG = ("input_ids", "attention_mask", "generation_config", "tokenizer", "use_cache", "streamer")
@@ -50,6 +50,10 @@ _PLAIN: dict[str, Any] = {
     "min_length": 0, "typical_p": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1,
 }
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "min_p")
+OUTPUTS = ("return_dict_in_generate", "output_scores", "output_logits")
+"""Generation-config fields asking for more than the tokens that the lean loop returns as ``generate`` does (a
+``GenerateDecoderOnlyOutput`` with the processed scores and the raw logits of each step); the speculative loop and
+the batching engine return tokens only."""
 PENALTIES = ("repetition_penalty", "no_repeat_ngram_size")
 """Generation-config fields the lean loop applies with transformers' own logits processors (the speculative loop and
 the batching engine do not: such a call runs in the lean loop or in transformers' loop)."""
@@ -116,6 +120,7 @@ class GenerateCall:
         streamer, stop_strings, tokenizer: as given.
         generation_config: a copy of the call's generation config with its keywords applied.
         penalties: ``field=value`` of each :data:`PENALTIES` field the call sets (only the lean loop applies them).
+        outputs: the :data:`OUTPUTS` fields the call sets true (only the lean loop returns more than tokens).
         lean_reason: why infopt's own loops cannot serve this call (logits processors, penalties, extra
             outputs, ...), or None when they can; such a call can still run in transformers' loop on an
             infopt cache.
@@ -141,6 +146,7 @@ class GenerateCall:
     tokenizer: Any
     generation_config: Any
     penalties: tuple[str, ...]
+    outputs: frozenset[str]
     lean_reason: str | None
 
     @property
@@ -340,7 +346,7 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
     if unknown:
         lean = f"argument(s) {', '.join(unknown)}"
     else:
-        bad = nondefault_fields(gc, allow=_SAMPLING + ("stop_strings",) + PENALTIES)
+        bad = nondefault_fields(gc, allow=_SAMPLING + ("stop_strings",) + PENALTIES + OUTPUTS)
         if bad:
             lean = bad[0]
         elif kwargs.get("streamer") is not None and input_ids.shape[0] != 1:
@@ -356,5 +362,6 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
         min_p=float(min_p) if sample and min_p is not None else None,
         eos_token_ids=eos, pad_token_id=pad, streamer=kwargs.get("streamer"), stop_strings=stop,
         tokenizer=kwargs.get("tokenizer"), generation_config=gc,
-        penalties=tuple(nondefault_fields(gc, allow=tuple(k for k in _PLAIN if k not in PENALTIES))), lean_reason=lean,
+        penalties=tuple(nondefault_fields(gc, allow=tuple(k for k in _PLAIN if k not in PENALTIES))),
+        outputs=frozenset(k for k in OUTPUTS if getattr(gc, k, False)), lean_reason=lean,
     )

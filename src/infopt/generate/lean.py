@@ -9,6 +9,8 @@ calls (temperature, top-k, top-p, min-p) use transformers' own warpers and ``tor
 global generator in ``generate``'s order, so a seeded call draws the same tokens. ``repetition_penalty`` and
 ``no_repeat_ngram_size`` run transformers' own processors (:meth:`GenerateCall.processors`), and ``stop_strings``
 its own ``StopStringCriteria`` (a row that ends in one stops, as an EOS stops it), at the same points of the step.
+With ``return_dict_in_generate`` it returns ``generate``'s ``GenerateDecoderOnlyOutput``: each step's processed
+scores (``output_scores``) and fp32 logits (``output_logits``), and the call's cache.
 
 On a GPU the loop never reads a value back per token: the cache slot is counted on the host, and whether every
 row has stopped is read every :data:`EOS_CHECK_EVERY` tokens (each read waits for all queued kernels, so the host
@@ -49,7 +51,7 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
 
     Returns:
         ``[B, T + n]`` token ids, ``n <= max_new_tokens`` (shorter when every row hit EOS), as ``generate``
-        returns them.
+        returns them; with ``return_dict_in_generate``, ``generate``'s ``GenerateDecoderOnlyOutput`` of them.
 
     Raises:
         Unsupported: what :meth:`GenerateCall.warpers`, :meth:`GenerateCall.processors` and
@@ -75,6 +77,9 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
     unfinished = torch.ones(B, dtype=torch.bool, device=ids.device)
     eos = call.eos_tensor()
     stops = eos is not None or stopping is not None  # rows can finish before max_new_tokens
+    as_dict = "return_dict_in_generate" in call.outputs
+    kept_scores = [] if as_dict and "output_scores" in call.outputs else None
+    kept_logits = [] if as_dict and "output_logits" in call.outputs else None
     pad = call.pad_token_id
     streamer = call.streamer
     if streamer is not None:
@@ -88,6 +93,8 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
     n = 0
     while True:
         scores = logits.to(dtype=torch.float32, copy=True)  # [B, V]; a copy: processors write in place
+        if kept_logits is not None:
+            kept_logits.append(scores.clone())
         if processors is not None:
             scores = processors(out[:, : T + n], scores)
         if eos is not None and n < call.min_new_tokens:
@@ -97,6 +104,8 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
         else:
             scores = warpers(out[:, : T + n], scores)
             tok = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if kept_scores is not None:
+            kept_scores.append(scores)
         if eos is not None and pad is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
         out[:, T + n] = tok
@@ -124,4 +133,17 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
         n = min(n, int(live) + 1)  # the step at which every row had stopped
     if streamer is not None:
         streamer.end()
-    return out[:, : T + n]
+    if not as_dict:
+        return out[:, : T + n]
+    return _as_output(out[:, : T + n], kept_scores and tuple(kept_scores[:n]), kept_logits and tuple(kept_logits[:n]),
+                      cache)
+
+
+def _as_output(sequences: torch.Tensor, scores, logits, cache):
+    """``generate``'s ``GenerateDecoderOnlyOutput``; its cache field is ``cache`` in transformers 5.24 and
+    ``past_key_values`` before."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    name = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores or None, logits=logits or None,
+                                     attentions=None, hidden_states=None, **{name: cache})

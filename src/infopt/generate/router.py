@@ -252,7 +252,7 @@ class Decoder:
                                 try:
                                     out = lean_decode(call, cache, self.forward_for())
                                 finally:
-                                    self.close_cache(call, out)
+                                    self.close_cache(call, getattr(out, "sequences", out))
                                 loop = "lean"
                         except Unsupported as why:
                             reason = str(why)

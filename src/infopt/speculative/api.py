@@ -209,9 +209,9 @@ class SpeculativePart(LoopPart):
         return {"speculative draft model": n} if n else {}
 
     def takes(self, call, decoder) -> bool:
-        # penalties and stop strings: the lean loop applies them (one token per step on the target's forward, as
-        # plain decoding would), where the verify would have to apply them per drafted position
-        if call.penalties or call.stop_strings:
+        # penalties, stop strings, scores: the lean loop applies and returns them (one token per step on the
+        # target's forward, as plain decoding would), where the verify would have to work per drafted position
+        if call.penalties or call.stop_strings or call.outputs:
             return False
         # a batch whose verify widths the compile step's warm-up left out (warmup_batch_sizes: auto warms them for
         # batch 1) decodes token by token on its warmed graph rather than verify eagerly
