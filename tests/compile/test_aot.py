@@ -254,11 +254,23 @@ def test_an_unwritable_cache_folder_keeps_the_packages_in_a_folder_of_the_proces
     assert compile_stats(again).aot_cached == 1
 
 
+def _load_without_export(monkeypatch, folder):
+    """``infopt.load`` of a saved folder with every export refused (its packages must load as saved): the model and
+    its compile stats."""
+    from infopt.compile import aot
+
+    def refuse(*a, **k):
+        raise AssertionError("a saved package must load without an export")
+
+    monkeypatch.setattr(aot, "export_step", refuse)
+    loaded, _ = infopt.load(folder, trust_compiled=True)
+    return loaded, compile_stats(loaded)
+
+
 @needs_aot
 def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache, tmp_path, monkeypatch):
     """save_optimized keeps each shape's package with the model-relative names of the weights it reads;
     infopt.load installs it without exporting or compiling, and it gives the tokens of the model that was saved."""
-    from infopt.compile import aot
     from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
 
     if not can_save_steps():
@@ -275,12 +287,7 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     (name, form), = manifest["aot_packages"].items()
     assert (folder / COMPILED_DIR / f"{name}.pt2").is_file() and "lm_head.weight" in form["constants"].values()
 
-    def refuse(*a, **k):
-        raise AssertionError("a saved package must load without an export")
-
-    monkeypatch.setattr(aot, "export_step", refuse)
-    loaded, _ = infopt.load(folder, trust_compiled=True)
-    stats = compile_stats(loaded)
+    loaded, stats = _load_without_export(monkeypatch, folder)
     assert stats.loaded == 1 and stats.aot == 1 and stats.compiles == 0
     fwd = decoder_for(loaded).forward_for(loaded)
     (key, step), = fwd._fns.items()
@@ -297,7 +304,6 @@ def test_a_saved_package_loads_over_the_loaded_weights_without_export(aot_cache,
     out = loaded.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(out, m.generate(ids, max_new_tokens=12, do_sample=False)) and not torch.equal(out, want)
     assert stats.aot == 2
-
 
 
 @needs_aot
@@ -320,12 +326,7 @@ def test_a_saved_package_of_fused_projections_reads_the_loaded_models_fused_buff
     names = set(form["constants"].values())
     assert "model.layers.0.self_attn.q_proj#fused.weight" in names and "model.layers.0.mlp.gate_proj#fused.weight" in names
 
-    def refuse(*a, **k):
-        raise AssertionError("a saved package must load without an export")
-
-    monkeypatch.setattr(aot, "export_step", refuse)
-    loaded, _ = infopt.load(folder, trust_compiled=True)
-    stats = compile_stats(loaded)
+    loaded, stats = _load_without_export(monkeypatch, folder)
     assert stats.loaded == 1 and stats.aot == 1 and stats.compiles == 0
     (_, step), = decoder_for(loaded).forward_for(loaded)._fns.items()
     q = loaded.model.layers[0].self_attn.q_proj
@@ -343,7 +344,6 @@ def test_a_saved_package_of_fused_projections_reads_the_loaded_models_fused_buff
 def test_a_saved_package_of_any_batch_serves_every_batch_after_load(aot_cache, tmp_path, monkeypatch):
     """The package of every batch of 2-32 keeps that in its saved form: loaded, it serves batches of 3 and 5 (one
     row padded) without an export, with the saved model's tokens."""
-    from infopt.compile import aot
     from infopt.compile.saved import COMPILED_DIR, MANIFEST, can_save_steps
 
     if not can_save_steps():
@@ -366,12 +366,7 @@ def test_a_saved_package_of_any_batch_serves_every_batch_after_load(aot_cache, t
     (form,) = json.loads((folder / COMPILED_DIR / MANIFEST).read_text())["aot_packages"].values()
     assert form["free_length"] and form["free_batch"]
 
-    def refuse(*a, **k):
-        raise AssertionError("a saved package must load without an export")
-
-    monkeypatch.setattr(aot, "export_step", refuse)
-    loaded, _ = infopt.load(folder, trust_compiled=True)
-    stats = compile_stats(loaded)
+    loaded, stats = _load_without_export(monkeypatch, folder)
     assert stats.loaded == 1 and stats.shapes == ["any batch 2-32, any cache length, padded"]
     assert all(torch.equal(loaded.generate(**kw), w) for kw, w in zip(calls, want, strict=True))
     assert stats.compiles == 0 and stats.calls >= 2 * 6

@@ -51,7 +51,6 @@ from torch.export.graph_signature import InputKind, InputSpec
 from .._version import __version__
 from ..core.caches import cache_dir, limit_bytes, prune, touch
 from ..kvcache.static import BUCKET
-from .fuse import FusedGroup
 
 log = logging.getLogger("infopt.compile")
 
@@ -335,6 +334,9 @@ def _load_package(path: Path):
     return AOTICompiledModel(loader)
 
 
+FUSED_ATTR = "_infopt_fused"
+"""The attribute of each layer of a fused projection group (:mod:`infopt.compile.fuse`) that holds the group."""
+
 FUSED = "#fused."
 """Marks a name of :func:`tensor_names` that is a fused projection group's tensor: ``<first layer>#fused.<name>``."""
 
@@ -348,8 +350,8 @@ def tensor_names(model: nn.Module) -> dict[int, str]:
                                    *model.named_buffers(remove_duplicate=False))}
     seen: set[int] = set()
     for path, m in model.named_modules():
-        group = m.__dict__.get("_infopt_fused")
-        if not isinstance(group, FusedGroup) or id(group) in seen:
+        group = m.__dict__.get(FUSED_ATTR)
+        if group is None or id(group) in seen:
             continue
         seen.add(id(group))
         own = [*group.fused.items(), ("bias", group.bias)]
@@ -370,8 +372,8 @@ def tensor_named(model: nn.Module, name: str) -> torch.Tensor:
             return model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
         except AttributeError as e:
             raise LookupError(f"the model has no parameter or buffer {name!r}") from e
-    group = model.get_submodule(path).__dict__.get("_infopt_fused")
-    if not isinstance(group, FusedGroup):
+    group = model.get_submodule(path).__dict__.get(FUSED_ATTR)
+    if group is None:
         raise LookupError(f"{path!r} is no fused projection group's first layer (for {name!r})")
     if rest == "bias":
         t = group.bias
@@ -528,7 +530,7 @@ def _describe_model(model: nn.Module) -> bytes:
                 continue
             if isinstance(v, torch.Tensor):
                 text = repr(tensor_sig(v))
-            elif isinstance(v, FusedGroup):  # its fused tensors' layouts, and the packed copy's handle a graph names
+            elif k == FUSED_ATTR:  # a fused group: its tensors' layouts, and the packed copy's handle a graph names
                 text = repr((type(v).__qualname__, v.names, v.sizes, v.tensors, v.packed,
                              [(n, tensor_sig(t)) for n, t in v.fused.items()], tensor_sig(v.bias)))
             elif isinstance(v, nn.Module):
