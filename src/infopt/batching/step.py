@@ -124,8 +124,7 @@ class EnginePart(LoopPart):
         if call.penalties:
             raise Unsupported(call.penalties[0])
         if call.outputs:
-            wanted = next(k for k in ("output_scores", "output_logits", *call.outputs) if k in call.outputs)
-            raise Unsupported(f"{wanted}=True (the engine returns tokens)")
+            raise Unsupported(f"{min(call.outputs)}=True (the engine returns tokens)")  # output_logits/_scores first
         if call.stop_strings and self.engine.tokenizer is None:
             raise Unsupported("stop_strings without a tokenizer given to the batching step")
         input_ids = call.input_ids

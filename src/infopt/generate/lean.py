@@ -135,15 +135,15 @@ def lean_decode(call: GenerateCall, cache, forward: Forward, eos_check_every: in
         streamer.end()
     if not as_dict:
         return out[:, : T + n]
-    return _as_output(out[:, : T + n], kept_scores and tuple(kept_scores[:n]), kept_logits and tuple(kept_logits[:n]),
-                      cache)
+    return _as_output(out[:, : T + n], kept_scores, kept_logits, n, cache)
 
 
-def _as_output(sequences: torch.Tensor, scores, logits, cache):
-    """``generate``'s ``GenerateDecoderOnlyOutput``; its cache field is ``cache`` in transformers 5.24 and
-    ``past_key_values`` before."""
+def _as_output(sequences: torch.Tensor, scores: list | None, logits: list | None, n: int, cache):
+    """``generate``'s ``GenerateDecoderOnlyOutput``, the steps' scores and logits cut to the ``n`` tokens returned;
+    its cache field is ``cache`` in transformers 5.24 and ``past_key_values`` before."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     name = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores or None, logits=logits or None,
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=None if scores is None else tuple(scores[:n]),
+                                     logits=None if logits is None else tuple(logits[:n]),
                                      attentions=None, hidden_states=None, **{name: cache})
