@@ -237,3 +237,12 @@ def test_return_dict_calls_are_served_by_the_lean_loop_as_generate_returns_them(
     assert torch.equal(m.generate(ids, eos_token_id=eos, **{k: v for k, v in kw.items() if k not in (
         "return_dict_in_generate", *fields)}), want.sequences)
     assert routing_stats(m).loops == {"lean": 2}
+
+
+def test_output_fields_count_only_with_return_dict_in_generate():
+    """output_scores without return_dict_in_generate: generate returns the tokens alone, so the call asks nothing
+    of a loop beyond them (a speculative model still drafts it)."""
+    m, ids = tiny_model(), torch.tensor([[1, 2, 3]])
+    assert parse_call(m, (ids,), {"output_scores": True}).outputs == frozenset()
+    assert parse_call(m, (ids,), {"output_scores": True, "return_dict_in_generate": True}).outputs == {
+        "output_scores", "return_dict_in_generate"}

@@ -120,7 +120,8 @@ class GenerateCall:
         streamer, stop_strings, tokenizer: as given.
         generation_config: a copy of the call's generation config with its keywords applied.
         penalties: ``field=value`` of each :data:`PENALTIES` field the call sets (only the lean loop applies them).
-        outputs: the :data:`OUTPUTS` fields the call sets true (only the lean loop returns more than tokens).
+        outputs: the :data:`OUTPUTS` fields the call sets true, with ``return_dict_in_generate`` (else none: the
+            tokens are the output); only the lean loop returns more than tokens.
         lean_reason: why infopt's own loops cannot serve this call (logits processors, penalties, extra
             outputs, ...), or None when they can; such a call can still run in transformers' loop on an
             infopt cache.
@@ -363,5 +364,6 @@ def parse_call(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Generat
         eos_token_ids=eos, pad_token_id=pad, streamer=kwargs.get("streamer"), stop_strings=stop,
         tokenizer=kwargs.get("tokenizer"), generation_config=gc,
         penalties=tuple(nondefault_fields(gc, allow=tuple(k for k in _PLAIN if k not in PENALTIES))),
-        outputs=frozenset(k for k in OUTPUTS if getattr(gc, k, False)), lean_reason=lean,
+        # (output_scores without return_dict_in_generate: generate returns the tokens alone, as every loop does)
+        outputs=frozenset(k for k in OUTPUTS if getattr(gc, k, False) and gc.return_dict_in_generate), lean_reason=lean,
     )
