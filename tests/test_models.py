@@ -52,27 +52,6 @@ def test_default_model_shape_and_chat(default_model):
     assert "Paris" in answer
 
 
-@pytest.mark.real_model
-def test_default_model_lossless_and_lossy_recipes(default_model):
-    import infopt
-    from infopt.eval import compare, reference_logits
-
-    model, tok = default_model
-    ids = tok("def fibonacci(n):", return_tensors="pt")["input_ids"]
-    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
-    reference = reference_logits(model, tokenizer=tok, max_tokens=256)
-    try:
-        infopt.optimize(model, "cpu-lossless")
-        assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False), ref)
-        infopt.undo(model)
-        infopt.optimize(model, "cpu-fast")
-        q = compare(model, reference)
-        assert q["kl"] < 0.02 and q["top1"] > 0.9  # measured 0.003 / 0.97 on pydoc text
-    finally:
-        infopt.undo(model)
-    assert compare(model, reference)["kl"] == 0.0
-
-
 def test_random_model_families_have_their_checkpoint_shapes():
     from infopt.models import RANDOM_FAMILIES, load_model, random_model
 

@@ -422,15 +422,12 @@ def test_docstring_examples_run(module):
 # -- the real default model -------------------------------------------------------------------
 
 @pytest.mark.real_model
-def test_default_model_cpu_fast_and_lossless(default_model, tmp_path):
+def test_default_model_cpu_fast_within_its_gate_and_undone_exactly(default_model, tmp_path):
+    # the eval API on the real model: a reference file, evaluate() of the lossy preset, and of the model undone
+    # (cpu-lossless's tokens on this model: test_real_model_golden.py)
     model, tok = default_model
     ref = ev.reference_for(model, tmp_path / "ref.safetensors", tokenizer=tok, max_tokens=512)
-    prompts = ["def fibonacci(n):", "The capital of France is"]
-    before = ev.greedy_outputs(model, prompts, 16, tokenizer=tok)
     try:
-        infopt.optimize(model, "cpu-lossless")
-        ev.assert_same_tokens(before, ev.greedy_outputs(model, prompts, 16, tokenizer=tok), tokenizer=tok)
-        infopt.undo(model)
         infopt.optimize(model, "cpu-fast")
         r = ev.evaluate(model, ref, tokenizer=tok)
         assert 0 < r.kl < 0.02 and r.top1 > 0.9 and r.ppl_ratio < 1.05  # measured ~0.003 / 0.97
