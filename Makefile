@@ -17,10 +17,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m infopt.demo
 
-# everything, over every core like test-fast (one thread per worker; worksteal: a worker that runs out takes queued
-# tests from the other, so the long compiling tests do not end the run on one worker)
+# everything, one worker per logical CPU up to 3 (a worker peaked at 6.0 GiB resident in a 2-worker run), one
+# thread each; worksteal: a worker that runs out takes queued tests from another, so the long compiling tests do not
+# end the run on one worker
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist worksteal -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n logical --maxprocesses 3 --dist worksteal -p no:cacheprovider
 
 # the developer's loop: tiny-model and pure-logic tests, no compile-heavy (slow) or real-model tests, on every core
 # (one thread per worker: two workers of two threads each would fight over two cores). `make test` runs everything.
