@@ -37,6 +37,19 @@ class StepReport:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def _gate_text(figures: dict[str, Any]) -> str:
+    """The gate's figures on one line, the decode path's as ``decode_path.kl=...``.
+
+    Example:
+        >>> _gate_text({"kl": 0.00312, "top1": 0.97, "decode_path": {"kl": 0.0034, "tokens": 32}})
+        'kl=0.00312, top1=0.97, decode_path.kl=0.0034, decode_path.tokens=32'
+    """
+    flat = {}
+    for k, v in figures.items():
+        flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+    return ", ".join(f"{k}={v:.4g}" for k, v in flat.items())
+
+
 @dataclass
 class OptimizationReport:
     """Attached to an optimized model as ``model.infopt``.
@@ -44,14 +57,16 @@ class OptimizationReport:
     Attributes:
         steps: one :class:`StepReport` per applied step, in the order applied.
         memory_before / memory_after: parameter + buffer bytes before the first and after the last step.
-        gate: the quality figures measured when a gate was given (``kl``, ``top1``, ...).
+        gate: the quality figures measured when a gate was given: :func:`infopt.eval.compare`'s (``kl``,
+            ``top1``, ...), ``decode_path`` (:func:`infopt.eval.decode_path_compare`'s, for a ``max_kl`` or
+            ``min_top1`` limit) and ``answers`` (for ``min_answers``).
     """
 
     model: Any = field(repr=False, compare=False)
     steps: list[StepReport] = field(default_factory=list)
     memory_before: int = 0
     memory_after: int = 0
-    gate: dict[str, float] | None = None
+    gate: dict[str, Any] | None = None
     rss_before: int | None = None
     rss_after: int | None = None
 
@@ -107,7 +122,7 @@ class OptimizationReport:
         if r["infopt"] or r["original"]:
             lines.append(f"  generate calls: {r['infopt']} infopt, {r['original']} original {r['reasons'] or ''}")
         if self.gate:
-            lines.append("  quality gate: " + ", ".join(f"{k}={v:.4g}" for k, v in self.gate.items()))
+            lines.append("  quality gate: " + _gate_text(self.gate))
         return "\n".join(lines)
 
     def _summary_rows(self) -> list[tuple[str, str]]:
@@ -123,7 +138,7 @@ class OptimizationReport:
             rows.append(("generate calls", f"{r['infopt']} infopt, {r['original']} original"
                          + (f" ({reasons})" if reasons else "")))
         if self.gate:
-            rows.append(("quality gate", ", ".join(f"{k}={v:.4g}" for k, v in self.gate.items())))
+            rows.append(("quality gate", _gate_text(self.gate)))
         return rows
 
     def _repr_html_(self) -> str:
@@ -350,12 +365,15 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         check_gate(gate)
     r, fallbacks, info = _validate(model, recipe)
     gate = gate if gate is not None else r.gate
-    reference = None
+    reference = path_reference = None
     answers = chat_tokenizer = None
     if gate:
         from . import eval as ev
 
         reference = ev.reference_logits(model, text=gate_text, tokenizer=tokenizer)
+        if {"max_kl", "min_top1"} & gate.keys():  # and along the decode path, which a compiled step may compute
+            # otherwise than the whole-sequence forward above
+            path_reference = ev.decode_path_reference(model, reference.input_ids)
         if "min_answers" in gate:  # the original's greedy answers to the built-in chat questions, before any change
             # the given tokenizer, else the embedded default model's (which suits only models sharing its vocabulary
             # and chat template)
@@ -402,6 +420,8 @@ def optimize(model: nn.Module, recipe: Any, *, gate: dict[str, float] | None = N
         from . import eval as ev
 
         figures = ev.compare(model, reference)
+        if path_reference is not None:
+            figures["decode_path"] = ev.decode_path_compare(model, path_reference)
         if answers is not None:
             agreement = ev.answer_agreement(model, chat_tokenizer, answers)
             figures["answers"] = agreement.rate

@@ -230,6 +230,37 @@ def test_optimize_gate_still_measures_through_eval():
     infopt.undo(m)
 
 
+def test_optimize_gate_holds_along_the_decode_path_too(monkeypatch):
+    # the whole-sequence forward compare() runs is the prompt path; a decode step that computes otherwise (here the
+    # static cache's step with its logits nudged, as a step compiled another way might) misses max_kl through the
+    # decode-path figures, which the report keeps beside the others
+    from infopt.generate import Forward, decoder_for
+    from infopt.kvcache import Static
+
+    m = tiny_model("llama")
+    infopt.optimize(m, [Static()], gate={"max_kl": 1e-6, "min_top1": 0.999})
+    path = m.infopt.gate["decode_path"]
+    assert path["kl"] < 1e-6 and path["top1"] == 1.0 and path["tokens"] == ev.DECODE_PATH_TOKENS
+    assert "decode_path.kl=" in str(m.infopt) and "decode_path.tokens=32" in str(m.infopt)
+    infopt.undo(m)
+
+    step = Forward.step
+
+    def nudged(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        return out + torch.linspace(0, 4, out.shape[-1]) if decoder_for(self.model) is not None else out
+
+    monkeypatch.setattr(Forward, "step", nudged)
+    with pytest.raises(infopt.QualityGateError, match=r"decode-path KL \S+ > max_kl 0.001") as e:
+        infopt.optimize(m, [Static()], gate={"max_kl": 1e-3})
+    assert e.value.figures["kl"] < 1e-6 and e.value.figures["decode_path"]["kl"] > 1e-3  # the prompt path passed
+    infopt.undo(m)
+    # a gate without max_kl or min_top1 does not run the decode path
+    infopt.optimize(m, [Static()], gate={"max_ppl_ratio": 1.01})
+    assert "decode_path" not in m.infopt.gate
+    infopt.undo(m)
+
+
 def test_text_from_file_and_path(base, tok, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(TEXT)

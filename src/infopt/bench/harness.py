@@ -415,35 +415,6 @@ def _compile_figures(model: nn.Module) -> dict | None:
     return None if stats is None else stats.as_dict()
 
 
-DECODE_PATH_PROMPT, DECODE_PATH_TOKENS = 16, 32
-
-
-def _decode_path_reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The original model's greedy continuation of the reference text's first tokens, and its decode-path logits
-    along it: what the optimized model's own decode path is compared with (:func:`_decode_path_figures`)."""
-    from ..eval import decode_path_logits
-
-    prompt = ids[:, :DECODE_PATH_PROMPT].to(model.device)
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=DECODE_PATH_TOKENS, min_new_tokens=DECODE_PATH_TOKENS,
-                             do_sample=False)
-    cont = out[0, prompt.shape[1]:]
-    return prompt, cont, decode_path_logits(model, prompt, cont)
-
-
-def _decode_path_figures(model: torch.nn.Module, path_ref) -> dict[str, float]:
-    """KL, its max and top-1 of the optimized model's decode path (its cache, its compiled step, one token per
-    step), teacher-forced along the original's greedy tokens, against the original's. The whole-sequence
-    figures of :func:`~infopt.eval.compare` run the prompt path instead (for int8-activation int4 layers, from 64
-    rows a bf16 GEMM with no activation quantization). On the default model with ``cpu-fast``: KL 0.0031 whole
-    sequence, 0.0034 along the decode path (``infopt bench --workload decode --recipe cpu-fast``)."""
-    from ..eval import decode_path_logits, logit_metrics
-
-    prompt, cont, ref = path_ref
-    m = logit_metrics(decode_path_logits(model, prompt, cont), ref)
-    return {"kl": m["kl"], "kl_max": m["kl_max"], "top1": m["top1"], "tokens": int(cont.numel())}
-
-
 def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeats: int = 3, seed: int = 0,
               num_requests: int | None = None, progress: bool = True, quality: bool = True,
               model_name: str = "model", baselines: list[str] | None = None) -> dict[str, Any]:
@@ -499,10 +470,10 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
 
     reference = None
     if r is not None and quality:
-        from ..eval import reference_logits
+        from ..eval import compare, decode_path_compare, decode_path_reference, reference_logits
 
         reference = reference_logits(model, tokenizer=tokenizer, max_tokens=512)
-        path_ref = _decode_path_reference(model, reference.input_ids)
+        path_ref = decode_path_reference(model, reference.input_ids)
 
     base_rows: dict[str, list] = {m: [] for m in base_modes}
     opt_rows: list = []
@@ -532,10 +503,8 @@ def run_bench(model: nn.Module, tokenizer, recipe: Any, workload: str, *, repeat
                 compiled["compiles_in_timed_run"] = timed_compiles
                 compiled["cold_eager_calls_in_timed_run"] = timed_cold
             if reference is not None and quality_figs is None:
-                from ..eval import compare
-
                 quality_figs = compare(model, reference)
-                quality_figs["decode_path"] = _decode_path_figures(model, path_ref)
+                quality_figs["decode_path"] = decode_path_compare(model, path_ref)
         finally:
             undo(model)
 

@@ -18,12 +18,26 @@ from .metrics import (
 )
 from .quality import STORE_DTYPES, EvalResult, evaluate, make_reference, reference_for
 from .store import load_reference, reference_meta, save_reference
-from .tokens import assert_same_tokens, assert_token_identical, decode_path_logits, first_difference, greedy_outputs
+from .tokens import (
+    DECODE_PATH_PROMPT,
+    DECODE_PATH_TOKENS,
+    DecodePathReference,
+    assert_same_tokens,
+    assert_token_identical,
+    decode_path_compare,
+    decode_path_logits,
+    decode_path_reference,
+    first_difference,
+    greedy_outputs,
+)
 from .windows import Window, window_layout
 
 __all__ = [
     "AnswerAgreement",
     "CHAT_PROMPTS",
+    "DECODE_PATH_PROMPT",
+    "DECODE_PATH_TOKENS",
+    "DecodePathReference",
     "EvalResult",
     "Reference",
     "STORE_DTYPES",
@@ -34,7 +48,9 @@ __all__ = [
     "chat_ids",
     "check_reference",
     "compare",
+    "decode_path_compare",
     "decode_path_logits",
+    "decode_path_reference",
     "default_text",
     "encode_text",
     "evaluate",

@@ -326,11 +326,13 @@ def check_reference(model: nn.Module, reference: Reference) -> None:
         raise ValueError(f"the reference has {reference.tokens} token; perplexity needs at least 2")
 
 
-def gate_failures(figures: dict[str, float], gate: dict[str, float]) -> list[str]:
+def gate_failures(figures: dict[str, Any], gate: dict[str, float]) -> list[str]:
     """The gate conditions ``figures`` miss, as readable lines (empty when the gate passes).
 
     Args:
-        figures: from :func:`compare`, or ``EvalResult.to_dict()``.
+        figures: from :func:`compare`, or ``EvalResult.to_dict()``; with ``figures["decode_path"]``
+            (:func:`~infopt.eval.decode_path_compare`'s, as ``optimize``'s gate and ``run_bench`` measure it),
+            ``max_kl`` and ``min_top1`` hold along the decode path too.
         gate: ``{"max_kl": ..., "min_top1": ..., "max_ppl_ratio": ..., "min_answers": ...}`` (any subset;
             ``min_answers`` reads ``figures["answers"]``, the share of identical chat answers).
 
@@ -340,12 +342,19 @@ def gate_failures(figures: dict[str, float], gate: dict[str, float]) -> list[str
     Example:
         >>> gate_failures({"kl": 0.02, "top1": 0.99, "ppl": 10.0, "ppl_ref": 10.0}, {"max_kl": 0.01})
         ['KL 0.02 > max_kl 0.01']
+        >>> gate_failures({"kl": 0.004, "top1": 0.97, "decode_path": {"kl": 0.03, "top1": 0.9}}, {"max_kl": 0.01})
+        ['decode-path KL 0.03 > max_kl 0.01']
     """
     out = []
+    path = figures.get("decode_path") or {}
     if "max_kl" in gate and figures["kl"] > gate["max_kl"]:
         out.append(f"KL {figures['kl']:.4g} > max_kl {gate['max_kl']}")
+    if "max_kl" in gate and path.get("kl", 0.0) > gate["max_kl"]:
+        out.append(f"decode-path KL {path['kl']:.4g} > max_kl {gate['max_kl']}")
     if "min_top1" in gate and figures["top1"] < gate["min_top1"]:
         out.append(f"top-1 agreement {figures['top1']:.4f} < min_top1 {gate['min_top1']}")
+    if "min_top1" in gate and path.get("top1", 1.0) < gate["min_top1"]:
+        out.append(f"decode-path top-1 agreement {path['top1']:.4f} < min_top1 {gate['min_top1']}")
     if "max_ppl_ratio" in gate and figures["ppl"] / figures["ppl_ref"] > gate["max_ppl_ratio"]:
         out.append(f"perplexity ratio {figures['ppl'] / figures['ppl_ref']:.4f} > max_ppl_ratio {gate['max_ppl_ratio']}")
     if "min_answers" in gate and figures["answers"] < gate["min_answers"]:
