@@ -255,6 +255,14 @@ def test_optimize_gate_holds_along_the_decode_path_too(monkeypatch):
         infopt.optimize(m, [Static()], gate={"max_kl": 1e-3})
     assert e.value.figures["kl"] < 1e-6 and e.value.figures["decode_path"]["kl"] > 1e-3  # the prompt path passed
     infopt.undo(m)
+    monkeypatch.undo()
+    # a static cache too short for the 16 + 32 tokens: the stretch its decode path serves (16 + 16), and none at all
+    infopt.optimize(m, [Static(max_length=32)], gate={"max_kl": 1e-6})
+    assert m.infopt.gate["decode_path"]["tokens"] == 16 and m.infopt.gate["decode_path"]["kl"] < 1e-6
+    infopt.undo(m)
+    infopt.optimize(m, [Static(max_length=16)], gate={"max_kl": 1e-6})
+    assert m.infopt.gate["decode_path"] == {"tokens": 0} and "decode_path.tokens=0" in str(m.infopt)
+    infopt.undo(m)
     # a gate without max_kl or min_top1 does not run the decode path
     infopt.optimize(m, [Static()], gate={"max_ppl_ratio": 1.01})
     assert "decode_path" not in m.infopt.gate

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..generate import Forward, decoder_for, parse_call, positions_of
+from ..generate import Forward, Unsupported, decoder_for, parse_call, positions_of
 from .metrics import logit_metrics
 
 __all__ = ["greedy_outputs", "first_difference", "assert_same_tokens", "assert_token_identical", "decode_path_logits",
@@ -344,7 +344,10 @@ def decode_path_compare(model: nn.Module, reference: DecodePathReference) -> dic
         reference: from :func:`decode_path_reference`, made before optimizing.
 
     Returns:
-        ``{"kl", "kl_max", "top1", "tokens"}``: KL in nats/token over ``tokens`` decode positions.
+        ``{"kl", "kl_max", "top1", "tokens"}``: KL in nats/token over ``tokens`` decode positions. Where the model
+        hands a call as long as the reference's to transformers' ``generate`` (a static cache's ``max_length``), the
+        longest first half, quarter, ... of the continuation its own decode path serves; ``{"tokens": 0}`` where it
+        serves not even the prompt and one token.
 
     Example:
         >>> from infopt.models import tiny_model
@@ -352,5 +355,13 @@ def decode_path_compare(model: nn.Module, reference: DecodePathReference) -> dic
         >>> decode_path_compare(m, decode_path_reference(m, torch.tensor([[1, 17, 400]]), new_tokens=4))["kl"]
         0.0
     """
-    m = logit_metrics(decode_path_logits(model, reference.input_ids, reference.continuation), reference.logits)
-    return {"kl": m["kl"], "kl_max": m["kl_max"], "top1": m["top1"], "tokens": int(reference.continuation.numel())}
+    n = reference.continuation.numel()
+    while n:
+        try:
+            logits = decode_path_logits(model, reference.input_ids, reference.continuation[:n])
+        except Unsupported:  # a call this long is not the model's own decode path: try a shorter one
+            n //= 2
+            continue
+        m = logit_metrics(logits, reference.logits[:n])
+        return {"kl": m["kl"], "kl_max": m["kl_max"], "top1": m["top1"], "tokens": n}
+    return {"tokens": 0}
