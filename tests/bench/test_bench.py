@@ -140,6 +140,15 @@ def test_baseline_only(tok):
     assert "none (baseline only)" in format_table(res)
 
 
+def test_a_decode_path_the_recipe_does_not_serve_is_reported_as_not_measured():
+    # decode_path_compare gives {"tokens": 0} where the recipe hands every call that long to transformers' generate
+    from infopt.bench.report import _foot_lines
+
+    q = {"kl": 0.1, "kl_max": 0.2, "top1": 0.9, "ppl": 2.0, "ppl_ref": 2.0, "decode_path": {"tokens": 0}}
+    lines = _foot_lines({"machine": {}, "quality": q})
+    assert lines[-1].startswith("decode path: not measured") and not any("KL" in x for x in lines[1:])
+
+
 def test_bandwidth_is_a_host_copy_rate_in_gb_per_s():
     """The CPU figure is in GB/s: inside the range of any host's memory, even on a machine busy with other work (a
     figure in MB/s or bytes/s misses it by a factor of 1,000 or more; the exact formula is the fake-timer test below).

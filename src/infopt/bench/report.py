@@ -117,7 +117,9 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"quality vs original: KL {q['kl']:.4g} nats/token (max {q['kl_max']:.3g}), top-1 {q['top1']:.3f}, "
                      f"perplexity {q['ppl_ref']:.2f} -> {q['ppl']:.2f}")
         d = q.get("decode_path")
-        if d:
+        if d and not d["tokens"]:
+            lines.append("decode path: not measured (the recipe hands calls of 16 + 1 tokens to transformers' generate)")
+        elif d:
             lines.append(f"decode path vs original's ({d['tokens']} greedy tokens, one step each): KL {d['kl']:.4g} "
                          f"(max {d['kl_max']:.3g}), top-1 {d['top1']:.3f}")
     c = result.get("compile")
@@ -253,7 +255,7 @@ def append_csv(result: dict[str, Any], path: str | Path) -> Path:
     if result["quality"]:
         row["kl"] = round(result["quality"]["kl"], 5)
         row["top1"] = round(result["quality"]["top1"], 4)
-        if result["quality"].get("decode_path"):
+        if (result["quality"].get("decode_path") or {}).get("tokens"):
             row["decode_path_kl"] = round(result["quality"]["decode_path"]["kl"], 5)
     if m.get("gpu"):
         row["device"] = m.get("device")
