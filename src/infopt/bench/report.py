@@ -118,7 +118,7 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
                      f"perplexity {q['ppl_ref']:.2f} -> {q['ppl']:.2f}")
         d = q.get("decode_path")
         if d and not d["tokens"]:
-            lines.append("decode path: not measured (the recipe hands calls of 16 + 1 tokens to transformers' generate)")
+            lines.append("decode path: not measured (the recipe hands even its prompt and one token to transformers' generate)")
         elif d:
             lines.append(f"decode path vs original's ({d['tokens']} greedy tokens, one step each): KL {d['kl']:.4g} "
                          f"(max {d['kl_max']:.3g}), top-1 {d['top1']:.3f}")
