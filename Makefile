@@ -17,7 +17,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m infopt.demo
 
-# everything, one worker per logical CPU up to 3 (a worker peaked at 6.0 GiB resident in a 2-worker run), one
+# everything, one worker per logical CPU up to 3 (a worker peaked at 5.8 GiB resident in a 2-worker run), one
 # thread each; worksteal: a worker that runs out takes queued tests from another, so the long compiling tests do not
 # end the run on one worker
 test: $(STAMP)
