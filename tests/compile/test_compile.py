@@ -90,7 +90,8 @@ def test_warmup_needs_compile_step(llama):
 @pytest.mark.slow
 def test_compile_with_speculative_verifies_and_drafts_through_compiled_graphs():
     """compile + static + speculative: the verify widths and the draft model's steps run compiled graphs (one per
-    token bucket), warmed while the recipe is applied; greedy output stays plain generate's."""
+    token bucket, the narrowest verify graph 4 tokens wide), warmed while the recipe is applied; greedy output stays
+    plain generate's."""
     from infopt.speculative import SelfDraft, stats
 
     ref, m = tiny_model(), tiny_model()
@@ -111,8 +112,11 @@ def test_compile_with_speculative_verifies_and_drafts_through_compiled_graphs():
     dec = decoder_for(m)
     fwd = dec.forward_for()
     widths = sorted(w for (b, w, n) in fwd.timings if b == 1 and n == 256)
-    assert widths == [1, 2, 4] and all(t > 0 for t in fwd.timings.values())
-    assert fwd.step_seconds(1, 3, 256) == fwd.timings[(1, 4, 256)]  # 3 tokens run the 4-token graph
+    assert widths == [1, 4] and all(t > 0 for t in fwd.timings.values())  # no 2-token graph: MIN_VERIFY_WIDTH
+    assert fwd.width(2) == fwd.width(3) == 4 and fwd.width(1) == 1
+    assert fwd.step_seconds(1, 2, 256) == fwd.step_seconds(1, 3, 256) == fwd.timings[(1, 4, 256)]
+    draft = dec.forward_for(dec.speculative.drafter.draft)
+    assert sorted(w for (b, w, n) in draft.timings) == [1, 2] and draft.width(2) == 2  # its catch-up keeps 2 tokens
     draft_cost, verify = _round_costs(fwd, dec, dec.speculative.drafter, 1, 256, 3)
     one = fwd.timings[(1, 1, 256)]
     assert verify == [1.0] + [fwd.step_seconds(1, k + 1, 256) / one for k in (1, 2, 3)]

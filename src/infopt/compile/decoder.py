@@ -52,8 +52,15 @@ MAX_TOKENS = 16
 """Widest call compiled: one-token decode and verify/draft-catch-up widths up to this bucket. Wider calls (a draft
 model's first pass over the prompt) change width from call to call and run eagerly, like the prompt."""
 
+MIN_VERIFY_WIDTH = 4
+"""The narrowest multi-token graph a speculative target's warm-up compiles: a verify of 2-4 tokens runs the 4-token
+graph, padded. A decode step of a few rows streams the same weights whatever its rows, so a 2-token graph would cost
+a compile (an AOTInductor package: about a minute on a small CPU) and save no time: on the default model under
+``cpu-lossless`` (2-core AVX-512 CPU) a 2-token step took 34.0 ms, the 4-token one 30.4 ms, the 8-token one 33.4 ms
+(``benchmarks/studies/verify_widths.py``). A draft model keeps its 2-token catch-up step."""
+
 __all__ = ["CompileStats", "CompiledForwards", "CompiledForward", "compile_stats", "mode_options", "isolated_compile",
-           "token_bucket", "weak_backend"]
+           "token_bucket", "weak_backend", "MIN_VERIFY_WIDTH"]
 
 
 @dataclass
@@ -417,10 +424,27 @@ class CompiledForward(Forward):
                 self._signature = now
         return super().prefill(input_ids, position_ids, attention_mask, cache, keep)
 
+    def width(self, k: int) -> int:
+        """The width of the graph a ``k``-token step runs: the narrowest width the warm-up timed that holds ``k``
+        tokens (its plan leaves some out: :data:`MIN_VERIFY_WIDTH`), else ``k``'s :func:`token_bucket`.
+
+        Example:
+            >>> from infopt.compile import Compile
+            >>> from infopt.models import tiny_model
+            >>> fwd = CompiledForwards(Compile())(tiny_model())
+            >>> fwd.width(3)  # nothing warmed: the token bucket
+            4
+            >>> fwd.timings[(1, 1, 256)] = fwd.timings[(1, 8, 256)] = 0.01  # as a warm-up of widths 1 and 8 leaves
+            >>> [fwd.width(k) for k in (1, 2, 8, 9)]
+            [1, 8, 8, 16]
+        """
+        warmed = [w for _, w, _ in self.timings if w >= k]
+        return min(warmed) if warmed else token_bucket(k)
+
     def step_seconds(self, batch: int, k: int, length: int) -> float | None:
-        """The warm-up's median time of the unpadded graph a ``k``-token step runs (its token bucket's): at this cache
+        """The warm-up's median time of the unpadded graph a ``k``-token step runs (:meth:`width`): at this cache
         length, or where one graph serves every length, at the nearest length the warm-up timed."""
-        kb = token_bucket(k)
+        kb = self.width(k)
         t = self.timings.get((batch, kb, length))
         if t is None and self.free_length:
             near = sorted((abs(n - length), n) for b, w, n in self.timings if (b, w) == (batch, kb))
@@ -431,7 +455,7 @@ class CompiledForward(Forward):
              ) -> torch.Tensor:
         length = static_length(cache)
         B, k = input_ids.shape
-        kb = token_bucket(k)
+        kb = self.width(k)
         start = first if first is not None else int(cache_position[0])  # (a GPU sync when not given)
         if length is None or kb > MAX_TOKENS or start + kb > length:  # not a decode shape (or no room to pad): eager
             return super().step(input_ids, position_ids, cache_position, attention_mask, cache, first)

@@ -21,7 +21,7 @@ from ..core.step import ApplyContext, StepConfig, bad_field, register_step, regi
 from ..generate import Forward, decoder_for, rollback, set_part, uncounted
 from ..kvcache.static import BUCKET, StaticCaches, bucket_length, static_max_length
 from .aot import FREE_BATCH, aot_available
-from .decoder import CompiledForwards, CompileStats, compile_stats, token_bucket
+from .decoder import MIN_VERIFY_WIDTH, CompiledForwards, CompileStats, compile_stats, token_bucket
 from .saved import warmup_skipped
 
 __all__ = ["Compile", "compile_", "warmup", "engine_forward", "auto_batch_sizes"]
@@ -341,12 +341,13 @@ def auto_batch_sizes(model: nn.Module) -> tuple[int, ...]:
 
 def _width_plan(model: nn.Module, batch_sizes, cache_lengths) -> list[tuple[nn.Module, int, int, list[int]]]:
     """``(module, batch, cache length, widths)`` for every verify width a speculative round can use (one graph per
-    token bucket) and the draft model's one- and two-token steps; empty without a static cache."""
+    token bucket, none narrower than :data:`~infopt.compile.decoder.MIN_VERIFY_WIDTH` but the one-token step) and
+    the draft model's one- and two-token steps; empty without a static cache."""
     dec = decoder_for(model)
     if not isinstance(dec.cache, StaticCaches):
         return []
     part = dec.speculative
-    targets = [(model, sorted({token_bucket(k) for k in range(1, part.config.cap + 2)}))]
+    targets = [(model, sorted({1} | {max(MIN_VERIFY_WIDTH, token_bucket(k)) for k in range(2, part.config.cap + 2)}))]
     draft = getattr(part.drafter, "draft", None)
     if draft is not None:
         targets.append((draft, [1, 2]))  # a draft step, and a catch-up after a fully accepted round
