@@ -82,6 +82,18 @@ def test_kl_matches_a_direct_full_computation(base, tok):
         assert getattr(r, k) == pytest.approx(full[k], rel=1e-4), k
 
 
+
+def test_kl_of_logits_equal_up_to_rounding_is_never_negative():
+    # the sum p * (log p - log q) over a vocabulary, in fp32, goes below 0 at positions whose logits differ by rounding
+    # only (a lossless recipe's): figures print 0 there, as evaluate's windows do, never a negative KL
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 64, 4096, generator=g) * 4
+    out = ref + 1e-6 * torch.randn(ref.shape, generator=g)
+    raw = (F.softmax(ref, -1) * (F.log_softmax(ref, -1) - F.log_softmax(out, -1))).sum(-1)
+    assert (raw < 0).any()  # the case the clamp is for
+    fig = ev.logit_metrics(out, ref)
+    assert 0.0 <= fig["kl"] < 1e-6 and 0.0 <= fig["kl_max"] < 1e-5 and fig["top1"] == 1.0
+
 # -- strided perplexity -----------------------------------------------------------------------
 
 def direct_ppl(model, ids):

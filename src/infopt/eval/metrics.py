@@ -255,7 +255,9 @@ def logit_metrics(logits: torch.Tensor, ref_logits: torch.Tensor,
     """
     lp = F.log_softmax(logits.float(), dim=-1)  # [1, T, V]
     lq = F.log_softmax(ref_logits.float(), dim=-1)
-    kl = (lq.exp() * (lq - lp)).sum(-1)  # [1, T]
+    # KL is never negative; in fp32 a position whose logits differ by rounding only can sum to -1e-7, which a
+    # lossless recipe's report would print as a negative KL (as eval.windows does, such a position counts 0)
+    kl = (lq.exp() * (lq - lp)).sum(-1).clamp_min(0.0)  # [1, T]
     top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
     if input_ids is None:
         return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(top1)}
