@@ -21,6 +21,7 @@ from .._version import __version__
 from ..batching import SamplingParams, batching_engine
 from ..compile import compile_stats
 from ..core.introspect import inspect_model, param_bytes
+from ..generate import decoder_for
 from ..optimize import optimize, undo
 from ..recipe import Recipe
 from .report import METRICS, BenchResult
@@ -405,7 +406,10 @@ def _timed(model, requests, mode, pad, progress, desc):
     if device.type == "cuda":  # tensors torch allocated on the GPU (weights, caches, activations), at their peak
         m["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     m["model_mb"] = param_bytes(model) / 2**20
-    m["weight_gbs"] = weight_bytes_per_token(model) * m["decode_tokens_per_s"] / 1e9
+    # bytes a decode step reads x tokens/s is a bandwidth only where each token costs one step: a speculative verify
+    # serves several tokens from one pass (and a draft reads weights of its own), so there it would exceed the memory's
+    m["weight_gbs"] = (weight_bytes_per_token(model) * m["decode_tokens_per_s"] / 1e9
+                       if getattr(decoder_for(model), "speculative", None) is None else float("nan"))
     return m, [r["tokens"] for r in run["requests"]]
 
 

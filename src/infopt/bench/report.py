@@ -110,7 +110,8 @@ def _foot_lines(result: dict[str, Any]) -> list[str]:
         line = f"weight bandwidth achieved: baseline {b:.2f} GB/s ({100 * b / bw:.0f}% of {bw:.1f} GB/s)"
         if result["optimized"]:
             o = result["optimized"]["weight_gbs"]
-            line += f", infopt {o:.2f} GB/s ({100 * o / bw:.0f}%)"
+            line += (f", infopt {o:.2f} GB/s ({100 * o / bw:.0f}%)" if not math.isnan(o) else
+                     "; infopt: none (speculative decoding verifies several tokens per pass over the weights)")
         lines.append(line)
     q = result.get("quality")
     if q:
