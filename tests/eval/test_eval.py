@@ -82,7 +82,6 @@ def test_kl_matches_a_direct_full_computation(base, tok):
         assert getattr(r, k) == pytest.approx(full[k], rel=1e-4), k
 
 
-
 def test_kl_of_logits_equal_up_to_rounding_is_never_negative():
     # the sum p * (log p - log q) over a vocabulary, in fp32, goes below 0 at positions whose logits differ by rounding
     # only (a lossless recipe's): figures print 0 there, as evaluate's windows do, never a negative KL
@@ -93,6 +92,7 @@ def test_kl_of_logits_equal_up_to_rounding_is_never_negative():
     assert (raw < 0).any()  # the case the clamp is for
     fig = ev.logit_metrics(out, ref)
     assert 0.0 <= fig["kl"] < 1e-6 and 0.0 <= fig["kl_max"] < 1e-5 and fig["top1"] == 1.0
+
 
 # -- strided perplexity -----------------------------------------------------------------------
 
