@@ -56,7 +56,7 @@ MIN_VERIFY_WIDTH = 4
 """The narrowest multi-token graph a speculative target's warm-up compiles: a verify of 2-4 tokens runs the 4-token
 graph, padded. A decode step of a few rows streams the same weights whatever its rows, so a 2-token graph would cost
 a compile and save no time: on the default model under ``cpu-lossless`` (2-core AVX-512 CPU) a 2-token step took
-34.0 ms, the 4-token one 30.4 ms, the 8-token one 33.4 ms, and leaving the 2-token AOTInductor package out took the
+36.5 ms on its own graph, the 4-token one 32.2 ms, the 8-token one 37.1 ms (medians of 3 processes), and leaving the 2-token AOTInductor package out took the
 first apply from 300 to 277 s (``benchmarks/studies/verify_widths.py``). A draft model keeps its 2-token catch-up
 step."""
 
