@@ -183,14 +183,38 @@ def test_recipes_name_says_when_the_measured_recipe_was_an_earlier_form(tmp_path
          "optimize_s": 4.5}))
     assert main(["recipes", "cpu-fast", "--results", str(tmp_path)]) == 0
     comments, _ = _comments_and_yaml(capsys.readouterr().out)
-    assert ("apply time: 12.3 s for infopt.optimize (startup-cpu-fast.json: optimize_s; Test CPU, 2 threads, "
-            "2026-11-22); other runs, with other cache states: 4.5 s (startup-cpu-fast-warm.json, 2026-11-23)") \
-        in comments
+    assert ("apply time: 12.3 s for infopt.optimize, compile caches as that run found them (startup-cpu-fast.json: "
+            "optimize_s; Test CPU, 2 threads, 2026-11-22); other runs, with other cache states: 4.5 s "
+            "(startup-cpu-fast-warm.json, 2026-11-23)") in comments
     assert "quality: not measured" in comments
     assert "decode-cpu-fast.json recorded an earlier form of this preset (steps then: quantize; now: attention, " \
            "quantize, kvcache, compile; quantize.dense_prefill true then, false now; quantize.activations not recorded then, " \
            "auto now; quantize.share_embedding not recorded then, true now; quantize.max_kl not recorded then, 0.02 " \
            "now)" in comments
+
+
+def test_recipes_name_gives_the_first_apply_on_a_new_machine_and_the_warm_one(tmp_path, capsys):
+    """An apply-time study (``benchmarks/studies/apply_time.py``) says what a user waits for on a new machine and
+    after; it is quoted before a saved-folder run's single figure, whose cache state was not recorded; the newest
+    study naming the preset wins."""
+    import json
+
+    def study(cold, warm, date, name="cpu-fast"):
+        return {"machine": {"cpu": "Test CPU", "threads": 2, "date": date},
+                "summary": {name: {"cold_apply_s": cold, "warm_apply_s_median": warm}}}
+
+    (tmp_path / "startup-cpu-fast.json").write_text(json.dumps(
+        {"machine": {"cpu": "Test CPU", "threads": 2, "date": "2026-11-22T00:00:00"}, "recipe": "cpu-fast",
+         "optimize_s": 12.34}))
+    (tmp_path / "apply_time_old.json").write_text(json.dumps(study(300.0, 9.0, "2026-11-20T00:00:00")))
+    (tmp_path / "apply_time_new.json").write_text(json.dumps(study(151.2, 2.94, "2026-12-01T00:00:00")))
+    (tmp_path / "apply_time_other.json").write_text(json.dumps(study(10.0, 1.0, "2026-12-02T00:00:00", "throughput")))
+    assert main(["recipes", "cpu-fast", "--results", str(tmp_path)]) == 0
+    comments, _ = _comments_and_yaml(capsys.readouterr().out)
+    assert ("apply time: 151 s for infopt.optimize on a new machine (empty compile caches), 2.9 s in later processes "
+            "(the caches filled) (apply_time_new.json: summary.cpu-fast: cold_apply_s, warm_apply_s_median; Test CPU, "
+            "2 threads, 2026-12-01)") in comments
+    assert "12.3 s" not in comments and "300 s" not in comments
 
 
 def test_recipes_name_reads_the_repositorys_results(capsys):

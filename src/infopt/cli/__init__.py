@@ -102,10 +102,24 @@ def _figure_lines(name: str, recipe, folder: Path, shown: str) -> list[str]:
     benches.sort(key=lambda fd: (preferred.get(fd[0], 2), _negated_date(fd[1])))
     gpu_rows = _gpu_rows(files, name)
 
+    studies = [(f, d, d["summary"][name]) for f, d in files if isinstance(d.get("summary"), dict)
+               and isinstance(d["summary"].get(name), dict) and _number(d["summary"][name].get("cold_apply_s"))]
+    studies.sort(key=lambda fds: _negated_date(fds[1]))
+
     out = [f"Measured on the default model ({DEFAULT_MODEL}); each figure names its file under {shown}:"]
-    if runs:
+    if studies:  # benchmarks/studies/apply_time.py: a new machine's first apply, then with the caches it filled
+        f, d, s = studies[0]
+        warm = s.get("warm_apply_s_median")
+        line = f"  apply time: {s['cold_apply_s']:.0f} s for infopt.optimize on a new machine (empty compile caches)"
+        fields = "cold_apply_s"
+        if _number(warm):
+            line += f", {warm:.1f} s in later processes (the caches filled)"
+            fields += ", warm_apply_s_median"
+        out.append(line + f" ({f}: summary.{name}: {fields}; {_machine(d)})")
+    elif runs:
         f, d = runs[0]
-        line = f"  apply time: {d['optimize_s']:.1f} s for infopt.optimize ({f}: optimize_s; {_machine(d)})"
+        line = (f"  apply time: {d['optimize_s']:.1f} s for infopt.optimize, compile caches as that run found them "
+                f"({f}: optimize_s; {_machine(d)})")
         others = [f"{o['optimize_s']:.1f} s ({g}, {_date(o)})" for g, o in runs[1:5]]
         if others:
             line += "; other runs, with other cache states: " + ", ".join(others)
