@@ -110,7 +110,9 @@ def _figure_lines(name: str, recipe, folder: Path, shown: str) -> list[str]:
     if studies:  # benchmarks/studies/apply_time.py: a new machine's first apply, then with the caches it filled
         f, d, s = studies[0]
         warm = s.get("warm_apply_s_median")
-        line = f"  apply time: {s['cold_apply_s']:.0f} s for infopt.optimize on a new machine (empty compile caches)"
+        cold = s["cold_apply_s"]
+        line = (f"  apply time: {cold:.0f}" if cold >= 100 else f"  apply time: {cold:.1f}") + \
+            " s for infopt.optimize on a new machine (empty compile caches)"
         fields = "cold_apply_s"
         if _number(warm):
             line += f", {warm:.1f} s in later processes (the caches filled)"
