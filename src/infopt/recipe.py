@@ -231,8 +231,9 @@ PRESETS: dict[str, Preset] = {
                               "max_kl": 0.02}},
                 {"kvcache": {"kind": "quantized", "bits": 4}})),
         Preset("throughput", "many concurrent requests: the continuous-batching engine on a paged KV cache with "
-               "prefix caching, its steps compiled while the recipe is applied (on a 2-core CPU about 2.5 min the "
-               "first time, 75 s in later processes, which trace the model again); "
+               "prefix caching, its steps compiled while the recipe is applied (minutes on a small CPU the first "
+               "time, over a minute in each later process, which traces the model again: `infopt recipes "
+               "throughput` gives the measured times); "
                "lossless (batched kernels sum in another order: greedy output parts only at near-ties)",
                ({"kvcache": {"kind": "paged"}}, {"compile": {"mode": "default"}},
                 {"batching": {"max_seqs": 64, "max_batch_tokens": 512}})),
